@@ -1,0 +1,226 @@
+"""Packing: several items per fixed-length row, with segment ids for the attention mask.
+
+Strategies trade padding for order:
+
+- ``"best_fit"`` (best-fit decreasing): longest items first, each into the row it
+  fills most tightly. Fewest rows in practice; items land far from input order.
+- ``"first_fit"`` (first-fit decreasing): longest first, each into the earliest row
+  with room. Nearly as tight; earlier rows fill first.
+- ``"in_order"`` (next-fit): items in input order, a new row when one does not fit.
+  Rows hold consecutive items (useful when neighbours should share a row, or for
+  streaming); more padding.
+
+Every strategy is exact: ``Packed.unpack`` returns each input item's slice.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, NamedTuple
+
+import numpy as np
+
+from batchkit._backend import (
+    ReturnTensors,
+    check_leading_axes,
+    concat,
+    from_host,
+    full,
+    to_ragged,
+)
+from batchkit.collate.pad import check_max_length
+from batchkit.collate.varlen import positions_restarting
+
+Strategy = Literal["best_fit", "first_fit", "in_order"]
+
+
+class Placement(NamedTuple):
+    """Where one item (or one piece of a split item) lies: ``data[row, start:start+length]``."""
+
+    row: int
+    start: int
+    length: int
+
+
+@dataclass(frozen=True, slots=True)
+class Packed:
+    """Items bin-packed into ``R`` rows of ``max_length``.
+
+    ``data`` ``[R, max_length, *feat]``; ``position_ids`` int64 and ``segment_ids``
+    int32 ``[R, max_length]`` (0 = padding, k >= 1 = the k-th item in its row);
+    ``cu_seqlens`` int32 over the flattened rows, where each row's padding tail is a
+    segment of its own; ``max_seqlen`` the longest of those segments.
+    """
+
+    data: Any
+    position_ids: Any
+    segment_ids: Any
+    cu_seqlens: Any
+    max_seqlen: int
+    pieces: tuple[tuple[Placement, ...], ...]
+
+    @property
+    def num_rows(self) -> int:
+        """R, the number of rows."""
+        return int(self.data.shape[0])
+
+    @property
+    def max_length(self) -> int:
+        """The row length."""
+        return int(self.data.shape[1])
+
+    @property
+    def placements(self) -> list[Placement]:
+        """``(row, start, length)`` of each input item, in input order.
+
+        Raises ``ValueError`` if an item was split (``split=True``): use ``pieces``.
+        """
+        out = []
+        for i, parts in enumerate(self.pieces):
+            if len(parts) != 1:
+                raise ValueError(f"item {i} was split into {len(parts)} pieces; use .pieces")
+            out.append(parts[0])
+        return out
+
+    def unpack(self, outputs: Any) -> list[Any]:
+        """Each input item's slice of any output whose first two axes are ``[R, max_length]``.
+
+        Unsplit items come back as views; a split item's pieces are concatenated.
+        """
+        check_leading_axes(outputs, (self.num_rows, self.max_length), "unpack")
+        result = []
+        for parts in self.pieces:
+            slices = [outputs[p.row, p.start : p.start + p.length] for p in parts]
+            result.append(slices[0] if len(slices) == 1 else concat(slices))
+        return result
+
+
+def _pieces_of(lengths: np.ndarray, max_length: int) -> list[tuple[int, int, int]]:
+    """(item, offset, length) pieces: each item cut into chunks of at most ``max_length``."""
+    pieces = []
+    for item, n in enumerate(lengths.tolist()):
+        if n == 0:
+            pieces.append((item, 0, 0))
+        for offset in range(0, n, max_length):
+            pieces.append((item, offset, min(max_length, n - offset)))
+    return pieces
+
+
+def _assign_rows(sizes: list[int], order: list[int], max_length: int, strategy: str) -> list[int]:
+    """Row of each piece (indexed like ``sizes``), placing pieces in ``order``."""
+    rows = [0] * len(sizes)
+    if strategy == "best_fit":
+        free: list[tuple[int, int]] = []  # sorted (room left, row)
+        num_rows = 0
+        for p in order:
+            k = bisect.bisect_left(free, (sizes[p], -1))
+            if k == len(free):
+                row, room = num_rows, max_length
+                num_rows += 1
+            else:
+                room, row = free.pop(k)
+            rows[p] = row
+            bisect.insort(free, (room - sizes[p], row))
+    elif strategy == "first_fit":
+        room_left = np.empty(0, dtype=np.int64)
+        for p in order:
+            fits = np.flatnonzero(room_left >= sizes[p])
+            if fits.size:
+                row = int(fits[0])
+            else:
+                row = len(room_left)
+                room_left = np.append(room_left, max_length)
+            room_left[row] -= sizes[p]
+            rows[p] = row
+    elif strategy == "in_order":
+        row, used = 0, 0
+        for p in order:
+            if used + sizes[p] > max_length:
+                row, used = row + 1, 0
+            used += sizes[p]
+            rows[p] = row
+    else:
+        raise ValueError(
+            f'strategy must be "best_fit", "first_fit" or "in_order", got {strategy!r}'
+        )
+    return rows
+
+
+def pack(
+    seqs: Sequence[Any],
+    max_length: int,
+    *,
+    pad_value: Any = 0,
+    strategy: Strategy = "best_fit",
+    split: bool = False,
+    return_tensors: ReturnTensors = None,
+) -> Packed:
+    """Bin-pack items (first axis = sequence) into rows of ``max_length`` steps.
+
+    An item longer than ``max_length`` raises a ``ValueError`` naming its index, or
+    with ``split=True`` is cut into ``max_length`` chunks, each its own segment
+    (positions restart at 0 in each chunk; ``unpack`` joins them back).
+    """
+    if not isinstance(max_length, int) or isinstance(max_length, bool) or max_length < 1:
+        raise ValueError(f"max_length must be a positive int, got {max_length!r}")
+    if not split:
+        check_max_length(seqs, max_length, hint="pass split=True to cut it into pieces")
+    ragged = to_ragged(seqs, return_tensors=return_tensors)
+    pieces = _pieces_of(ragged.lengths, max_length)
+    sizes = [n for _, _, n in pieces]
+    order = list(range(len(pieces)))
+    if strategy != "in_order":
+        order.sort(key=lambda p: -sizes[p])  # stable: ties keep input order
+    rows = _assign_rows(sizes, order, max_length, strategy)
+    num_rows = max(rows) + 1
+
+    # Lay pieces out left to right in each row, in placement order.
+    fill = [0] * num_rows
+    count = [0] * num_rows
+    starts = [0] * len(pieces)
+    segment = [0] * len(pieces)
+    for p in order:
+        r = rows[p]
+        starts[p] = fill[r]
+        fill[r] += sizes[p]
+        if sizes[p]:
+            count[r] += 1
+            segment[p] = count[r]
+
+    # Vectorised scatter: one gather/scatter index pair for every real token.
+    offsets = ragged.offsets()
+    size_arr = np.asarray(sizes, dtype=np.int64)
+    dest_start = np.asarray(rows, dtype=np.int64) * max_length + np.asarray(starts)
+    src_start = offsets[[i for i, _, _ in pieces]] + np.asarray([o for _, o, _ in pieces])
+    within = positions_restarting(size_arr)
+    dest = np.repeat(dest_start, size_arr) + within
+    src = np.repeat(src_start, size_arr) + within
+
+    feat = ragged.feature_shape
+    kind, device, values = ragged.kind, ragged.device, ragged.values
+    flat = full(kind, (num_rows * max_length, *feat), pad_value, like=values)
+    if dest.size:
+        flat[from_host(kind, dest, device)] = values[from_host(kind, src, device)]
+    seg_flat = np.zeros(num_rows * max_length, dtype=np.int32)
+    seg_flat[dest] = np.repeat(np.asarray(segment, dtype=np.int32), size_arr)
+
+    ends = (dest_start + size_arr)[size_arr > 0]
+    row_ends = (np.arange(num_rows, dtype=np.int64) + 1) * max_length
+    cu = np.unique(np.concatenate([[0], ends, row_ends]))
+    seg_lengths = np.diff(cu)
+
+    per_item: list[list[Placement]] = [[] for _ in range(ragged.num_items)]
+    for p, (item, _, n) in enumerate(pieces):
+        per_item[item].append(Placement(rows[p], starts[p], n))
+    return Packed(
+        data=flat.reshape(num_rows, max_length, *feat),
+        position_ids=from_host(
+            kind, positions_restarting(seg_lengths).reshape(num_rows, max_length), device
+        ),
+        segment_ids=from_host(kind, seg_flat.reshape(num_rows, max_length), device),
+        cu_seqlens=from_host(kind, cu.astype(np.int32), device),
+        max_seqlen=int(seg_lengths.max(initial=0)),
+        pieces=tuple(tuple(parts) for parts in per_item),
+    )

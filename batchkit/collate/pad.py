@@ -1,0 +1,142 @@
+"""Padding: ragged items -> one ``[B, L, *feat]`` block with a mask, and back."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from batchkit._backend import (
+    Ragged,
+    ReturnTensors,
+    check_leading_axes,
+    from_host,
+    full,
+    to_ragged,
+)
+
+Side = Literal["left", "right"]
+
+
+def round_up(n: int, multiple: int | None) -> int:
+    """``n`` rounded up to a multiple of ``multiple`` (unchanged when None)."""
+    if multiple is None:
+        return n
+    if not isinstance(multiple, int) or isinstance(multiple, bool) or multiple < 1:
+        raise ValueError(f"pad_to_multiple_of must be a positive int, got {multiple!r}")
+    return -(-n // multiple) * multiple
+
+
+def check_side(side: str) -> None:
+    """Reject anything but "left" or "right"."""
+    if side not in ("left", "right"):
+        raise ValueError(f'side must be "left" or "right", got {side!r}')
+
+
+def check_max_length(seqs: Sequence[Any], max_length: int, *, hint: str) -> None:
+    """Raise a ValueError naming the first item longer than ``max_length``."""
+    for i, s in enumerate(seqs):
+        n = getattr(s, "shape", (len(s),) if isinstance(s, (list, tuple)) else ())
+        if n and n[0] > max_length:
+            raise ValueError(f"item {i}: length {n[0]} exceeds max_length={max_length} ({hint})")
+
+
+def real_token_mask(lengths: np.ndarray, width: int, side: str) -> np.ndarray:
+    """Host bool ``[B, width]``: True where a row holds a real (non-padding) step."""
+    steps = np.arange(width)
+    if side == "right":
+        return steps[None, :] < lengths[:, None]
+    return steps[None, :] >= (width - lengths)[:, None]
+
+
+@dataclass(frozen=True, slots=True)
+class Padded:
+    """A padded batch. ``data`` is ``[B, L, *feat]``, ``mask`` bool ``[B, L]`` (True = real),
+    ``lengths`` int64 ``[B]``; all three in the same backend (and device)."""
+
+    data: Any
+    mask: Any
+    lengths: Any
+    side: Side
+    _host_lengths: tuple[int, ...]
+
+    @property
+    def batch_size(self) -> int:
+        """B, the number of items."""
+        return len(self._host_lengths)
+
+    @property
+    def max_length(self) -> int:
+        """L, the padded length."""
+        return int(self.data.shape[1])
+
+    def unpad(self, outputs: Any) -> list[Any]:
+        """Per-item real slices of any output whose first two axes are ``[B, L]``.
+
+        Returns views (no copies) into ``outputs``, in item order, honouring the
+        padding side: item ``i`` is its ``lengths[i]`` real steps.
+        """
+        check_leading_axes(outputs, (self.batch_size, self.max_length), "unpad")
+        width = self.max_length
+        if self.side == "right":
+            return [outputs[i, :n] for i, n in enumerate(self._host_lengths)]
+        return [outputs[i, width - n :] for i, n in enumerate(self._host_lengths)]
+
+
+def pad_ragged(
+    ragged: Ragged,
+    *,
+    pad_value: Any = 0,
+    side: Side = "right",
+    pad_to_multiple_of: int | None = None,
+    min_length: int = 0,
+) -> Padded:
+    """Pad an already-validated :class:`Ragged` (shared by :func:`pad` and the dict collators)."""
+    check_side(side)
+    lengths = ragged.lengths
+    width = round_up(max(int(lengths.max(initial=0)), min_length), pad_to_multiple_of)
+    batch = ragged.num_items
+    values = ragged.values
+    data = full(ragged.kind, (batch, width, *ragged.feature_shape), pad_value, like=values)
+    host_mask = real_token_mask(lengths, width, side)
+    mask = from_host(ragged.kind, host_mask, ragged.device)
+    if values.shape[0]:
+        # Boolean-mask assignment fills row-major, which is exactly concatenation order.
+        data[mask] = values
+    return Padded(
+        data=data,
+        mask=mask,
+        lengths=from_host(ragged.kind, lengths.copy(), ragged.device),
+        side=side,
+        _host_lengths=tuple(lengths.tolist()),
+    )
+
+
+def pad(
+    seqs: Sequence[Any],
+    *,
+    pad_value: Any = 0,
+    side: Side = "right",
+    pad_to_multiple_of: int | None = None,
+    max_length: int | None = None,
+    truncate: bool = False,
+    return_tensors: ReturnTensors = None,
+) -> Padded:
+    """Pad variable-length items (first axis = sequence) into one ``[B, L, *feat]`` block.
+
+    ``L`` is the longest item, rounded up to ``pad_to_multiple_of``. With
+    ``max_length``, an item longer than it raises a ``ValueError`` naming its index,
+    or is cut to its first ``max_length`` steps when ``truncate=True``.
+    """
+    check_side(side)
+    if max_length is not None:
+        if max_length < 0:
+            raise ValueError(f"max_length must be >= 0, got {max_length}")
+        if not truncate:
+            check_max_length(seqs, max_length, hint="pass truncate=True to cut it")
+    ragged = to_ragged(
+        seqs, return_tensors=return_tensors, max_length=max_length if truncate else None
+    )
+    return pad_ragged(ragged, pad_value=pad_value, side=side, pad_to_multiple_of=pad_to_multiple_of)

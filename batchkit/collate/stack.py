@@ -1,0 +1,175 @@
+"""Stack / unstack nested structures of arrays, tensors and scalars.
+
+Containers (dicts, lists, tuples, named tuples) are walked; leaves are stacked
+along a new first axis. Leaves are dispatched through a type table, like
+``torch.utils.data.default_collate``, so other array types can be registered
+with :func:`register_leaf`.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from batchkit._backend import ReturnTensors, check_return_tensors, is_tensor, require_torch
+
+StackFn = Callable[[Sequence[Any], str], Any]
+UnstackFn = Callable[[Any], list[Any]]
+
+_LEAF_TYPES: dict[type, tuple[StackFn, UnstackFn]] = {}
+
+
+def register_leaf(cls: type, stack_fn: StackFn, unstack_fn: UnstackFn) -> None:
+    """Teach :func:`stack`/:func:`unstack` a leaf type.
+
+    ``stack_fn(leaves, path)`` builds the batched leaf (``path`` names the position
+    for error messages); ``unstack_fn(batched)`` returns its per-item leaves.
+    """
+    _LEAF_TYPES[cls] = (stack_fn, unstack_fn)
+
+
+def _stack_arrays(leaves: Sequence[Any], path: str, return_tensors: ReturnTensors) -> Any:
+    first = leaves[0]
+    tensor_in = is_tensor(first)
+    for i, leaf in enumerate(leaves):
+        if is_tensor(leaf) != tensor_in or not (tensor_in or isinstance(leaf, np.ndarray)):
+            raise TypeError(
+                f"item {i}{path}: got {type(leaf).__name__}, but item 0 has "
+                f"{type(first).__name__}"
+            )
+        if tuple(leaf.shape) != tuple(first.shape):
+            raise ValueError(
+                f"item {i}{path}: shape {tuple(leaf.shape)} differs from item 0's "
+                f"{tuple(first.shape)}"
+            )
+    if tensor_in:
+        torch = require_torch()
+        out = torch.stack([leaf.detach() for leaf in leaves])
+        return out.cpu().numpy() if return_tensors == "np" else out
+    out_np = np.stack(leaves)
+    if return_tensors == "pt":
+        return require_torch().from_numpy(out_np)
+    return out_np
+
+
+def _stack_scalars(leaves: Sequence[Any], path: str, return_tensors: ReturnTensors) -> Any:
+    for i, leaf in enumerate(leaves):
+        if not isinstance(leaf, (numbers.Number, np.generic)) or isinstance(leaf, str):
+            raise TypeError(f"item {i}{path}: expected a number, got {type(leaf).__name__}")
+    out = np.asarray(leaves)
+    if return_tensors == "pt":
+        return require_torch().as_tensor(out)
+    return out
+
+
+def _is_namedtuple(x: object) -> bool:
+    return isinstance(x, tuple) and hasattr(x, "_fields")
+
+
+def _stack(items: Sequence[Any], path: str, return_tensors: ReturnTensors) -> Any:
+    first = items[0]
+    leaf_fns = _LEAF_TYPES.get(type(first))
+    if leaf_fns is not None:
+        return leaf_fns[0](items, path)
+    if isinstance(first, Mapping):
+        for i, item in enumerate(items):
+            if not isinstance(item, Mapping):
+                raise TypeError(f"item {i}{path}: expected a mapping, got {type(item).__name__}")
+            if item.keys() != first.keys():
+                diff = set(first.keys()) ^ set(item.keys())
+                raise ValueError(f"item {i}{path}: keys differ from item 0's: {sorted(map(str, diff))}")
+        out = {k: _stack([it[k] for it in items], f"{path}[{k!r}]", return_tensors) for k in first}
+        return out if type(first) is dict else type(first)(out)  # type: ignore[call-arg]
+    if isinstance(first, (list, tuple)):
+        for i, item in enumerate(items):
+            if type(item) is not type(first) or len(item) != len(first):
+                raise ValueError(
+                    f"item {i}{path}: expected a {type(first).__name__} of length {len(first)}, "
+                    f"got {type(item).__name__} of length {len(item) if hasattr(item, '__len__') else '?'}"
+                )
+        columns = [
+            _stack([it[j] for it in items], f"{path}[{j}]", return_tensors)
+            for j in range(len(first))
+        ]
+        if _is_namedtuple(first):
+            return type(first)(*columns)
+        return type(first)(columns)
+    if isinstance(first, np.ndarray) or is_tensor(first):
+        return _stack_arrays(items, path, return_tensors)
+    if isinstance(first, (str, bytes)) or first is None:
+        return list(items)  # kept as a plain list: one entry per item
+    return _stack_scalars(items, path, return_tensors)
+
+
+def stack(items: Sequence[Any], *, return_tensors: ReturnTensors = None) -> Any:
+    """Stack same-structured items into one structure of batched leaves.
+
+    ``stack([{"x": a0, "y": 1}, {"x": a1, "y": 2}])`` gives
+    ``{"x": array[2, ...], "y": array([1, 2])}``. Arrays and tensors are stacked
+    along a new axis 0 (tensors stay tensors unless ``return_tensors="np"``);
+    numbers become an array; strings, bytes and None become a list.
+    """
+    check_return_tensors(return_tensors)
+    if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
+        raise TypeError(f"stack() expects a sequence of items, got {type(items).__name__}")
+    if len(items) == 0:
+        raise ValueError("stack() needs at least one item")
+    return _stack(items, "", return_tensors)
+
+
+def _batch_size(batch: Any, path: str) -> int | None:
+    leaf_fns = _LEAF_TYPES.get(type(batch))
+    if leaf_fns is not None:
+        return len(leaf_fns[1](batch))
+    if isinstance(batch, Mapping):
+        sizes = [(k, _batch_size(v, f"{path}[{k!r}]")) for k, v in batch.items()]
+    elif isinstance(batch, tuple) or (isinstance(batch, list) and _is_container_list(batch)):
+        sizes = [(j, _batch_size(v, f"{path}[{j}]")) for j, v in enumerate(batch)]
+    else:
+        return len(batch)
+    known = [(k, n) for k, n in sizes if n is not None]
+    for k, n in known:
+        if n != known[0][1]:
+            raise ValueError(
+                f"unstack(): leaf {path}[{k!r}] has {n} items but {path}[{known[0][0]!r}] "
+                f"has {known[0][1]}"
+            )
+    return known[0][1] if known else None
+
+
+def _is_container_list(batch: list[Any]) -> bool:
+    """A list whose entries are batched leaves (not a per-item list of strings)."""
+    return bool(batch) and all(
+        isinstance(v, (np.ndarray, Mapping, tuple, list)) or is_tensor(v) for v in batch
+    )
+
+
+def _unstack(batch: Any, n: int) -> list[Any]:
+    leaf_fns = _LEAF_TYPES.get(type(batch))
+    if leaf_fns is not None:
+        return leaf_fns[1](batch)
+    if isinstance(batch, Mapping):
+        cols = {k: _unstack(v, n) for k, v in batch.items()}
+        make = type(batch) if type(batch) is not dict else dict
+        return [make({k: cols[k][i] for k in batch}) for i in range(n)]  # type: ignore[call-arg]
+    if isinstance(batch, tuple) or (isinstance(batch, list) and _is_container_list(batch)):
+        cols_seq = [_unstack(v, n) for v in batch]
+        if _is_namedtuple(batch):
+            return [type(batch)(*(c[i] for c in cols_seq)) for i in range(n)]
+        return [type(batch)(c[i] for c in cols_seq) for i in range(n)]
+    return list(batch)  # arrays/tensors split along axis 0; per-item lists as they are
+
+
+def unstack(batch: Any) -> list[Any]:
+    """Inverse of :func:`stack`: one structure per item, leaves indexed along axis 0.
+
+    ``unstack(stack(xs)) == xs`` structurally (numbers come back as numpy scalars,
+    array leaves as views).
+    """
+    n = _batch_size(batch, "")
+    if n is None:
+        raise ValueError("unstack(): the batch holds no leaves, so its size is unknown")
+    return _unstack(batch, n)

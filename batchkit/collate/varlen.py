@@ -1,0 +1,107 @@
+"""The FlashAttention "varlen" layout: items concatenated, boundaries in ``cu_seqlens``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from batchkit._backend import (
+    Ragged,
+    ReturnTensors,
+    check_leading_axes,
+    concat,
+    from_host,
+    full,
+    to_ragged,
+)
+from batchkit.collate.pad import round_up
+
+
+def positions_restarting(lengths: np.ndarray) -> np.ndarray:
+    """Host int64 ``[sum(lengths)]``: 0, 1, ... restarting at 0 at every item."""
+    total = int(lengths.sum())
+    starts = np.zeros(len(lengths), dtype=np.int64)
+    np.cumsum(lengths[:-1], out=starts[1:])
+    return np.arange(total, dtype=np.int64) - np.repeat(starts, lengths)
+
+
+@dataclass(frozen=True, slots=True)
+class Varlen:
+    """Items packed end to end for varlen attention kernels.
+
+    ``values`` ``[T, *feat]``; ``cu_seqlens`` int32, 0 first and ``T`` last, with
+    ``N+1`` entries, plus one when ``pad_to_multiple_of`` added a trailing padding
+    segment; ``max_seqlen`` the longest segment (padding segment included, since a
+    kernel sizes its tiles by it); ``position_ids`` int64 ``[T]`` restarting at 0
+    per segment; ``seq_lens`` int64 ``[N]`` the items' lengths.
+    """
+
+    values: Any
+    cu_seqlens: Any
+    max_seqlen: int
+    position_ids: Any
+    seq_lens: Any
+    _offsets: tuple[int, ...]
+
+    @property
+    def num_items(self) -> int:
+        """N, the number of real items (the padding segment is not one)."""
+        return len(self._offsets) - 1
+
+    @property
+    def total_length(self) -> int:
+        """T, rows in ``values`` including any trailing padding."""
+        return int(self.values.shape[0])
+
+    def unpack(self, outputs: Any) -> list[Any]:
+        """The N items' slices (views) of any output whose leading axis is ``T``."""
+        check_leading_axes(outputs, (self.total_length,), "unpack")
+        offs = self._offsets
+        return [outputs[offs[i] : offs[i + 1]] for i in range(self.num_items)]
+
+
+def varlen_from_ragged(
+    ragged: Ragged, *, pad_to_multiple_of: int | None = None, pad_value: Any = 0
+) -> Varlen:
+    """Build the varlen layout from validated items (shared with the dict collators)."""
+    lengths = ragged.lengths
+    offsets = ragged.offsets()
+    real_total = int(offsets[-1])
+    total = round_up(real_total, pad_to_multiple_of)
+    tail = total - real_total
+    values = ragged.values
+    seg_lengths = lengths
+    if tail:
+        padding = full(ragged.kind, (tail, *ragged.feature_shape), pad_value, like=values)
+        values = concat([values, padding])
+        offsets = np.append(offsets, total)
+        seg_lengths = np.append(lengths, tail)
+    device = ragged.device
+    return Varlen(
+        values=values,
+        cu_seqlens=from_host(ragged.kind, offsets.astype(np.int32), device),
+        max_seqlen=int(seg_lengths.max(initial=0)),
+        position_ids=from_host(ragged.kind, positions_restarting(seg_lengths), device),
+        seq_lens=from_host(ragged.kind, lengths.copy(), device),
+        _offsets=tuple(ragged.offsets().tolist()),
+    )
+
+
+def pack_varlen(
+    seqs: Sequence[Any],
+    *,
+    pad_to_multiple_of: int | None = None,
+    pad_value: Any = 0,
+    return_tensors: ReturnTensors = None,
+) -> Varlen:
+    """Concatenate items (first axis = sequence) into the FlashAttention varlen layout.
+
+    With ``pad_to_multiple_of``, ``T`` is rounded up by one trailing padding segment
+    (filled with ``pad_value``) that ``cu_seqlens`` covers, so kernels leave no rows
+    uncovered; ``unpack`` never returns it.
+    """
+    ragged = to_ragged(seqs, return_tensors=return_tensors)
+    return varlen_from_ragged(ragged, pad_to_multiple_of=pad_to_multiple_of, pad_value=pad_value)
