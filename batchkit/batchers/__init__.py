@@ -1,0 +1,9 @@
+"""Batching policies: which items go together, and when."""
+
+from batchkit.batchers.base import Batch, Batcher
+from batchkit.batchers.bucketed import BucketedBatcher
+from batchkit.batchers.dynamic import DynamicBatcher
+from batchkit.batchers.sorted import SortedBatcher
+from batchkit.batchers.static import StaticBatcher
+
+__all__ = ["Batch", "Batcher", "BucketedBatcher", "DynamicBatcher", "SortedBatcher", "StaticBatcher"]

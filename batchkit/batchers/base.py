@@ -1,0 +1,169 @@
+"""What every batching policy shares: the ``Batch`` type, options, token budgets.
+
+A policy decides *which items go together and when*. It never owns a queue or a
+thread: offline, :meth:`Batcher.batches` groups a finite list; online, the one
+scheduler in :mod:`batchkit.serve.scheduler` asks the policy which bucket an item
+belongs to, how to pick a batch from a bucket's waiting items, and how long to wait.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from typing import Any, Generic, Protocol, TypeVar
+
+T = TypeVar("T")
+
+KeyFn = Callable[[Any], float]
+
+
+class Batch(list[T], Generic[T]):
+    """A list of items plus ``indices``: each item's position in the input."""
+
+    __slots__ = ("indices",)
+
+    def __init__(self, items: Iterable[T] = (), indices: Iterable[int] = ()) -> None:
+        super().__init__(items)
+        self.indices: list[int] = list(indices)
+
+    def __repr__(self) -> str:
+        return f"Batch({list.__repr__(self)}, indices={self.indices})"
+
+
+class Candidate(Protocol):
+    """What the online scheduler shows a policy about one waiting request."""
+
+    @property
+    def key(self) -> float:
+        """The item's key (its length, by default); 0.0 when the policy has no key."""
+        ...
+
+
+C = TypeVar("C", bound=Candidate)
+
+
+def check_positive_int(name: str, value: object, *, allow_none: bool = False) -> None:
+    """Raise ValueError unless ``value`` is a positive int (or None when allowed)."""
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def padded_area(size: int, longest: float) -> float:
+    """The token budget a batch uses: every row padded to the longest item."""
+    return size * longest
+
+
+def take_within_budget(
+    keys: Iterable[float], max_batch_size: int, max_tokens: int | None
+) -> int:
+    """How many of ``keys`` (in order) fit one batch.
+
+    At most ``max_batch_size``, and ``size * max(key)`` stays within ``max_tokens``;
+    the first item is always taken, so an item over the budget alone goes alone.
+    """
+    count, longest = 0, -math.inf
+    for k in keys:
+        if count == max_batch_size:
+            break
+        new_longest = max(longest, k)
+        if count and max_tokens is not None and padded_area(count + 1, new_longest) > max_tokens:
+            break
+        count, longest = count + 1, new_longest
+    return count
+
+
+def cut(
+    order: Sequence[int], keys: Sequence[float], max_batch_size: int, max_tokens: int | None
+) -> Iterator[list[int]]:
+    """Cut ``order`` (indices into ``keys``) into consecutive batches within the limits."""
+    start = 0
+    while start < len(order):
+        n = take_within_budget(
+            (keys[i] for i in order[start:]), max_batch_size, max_tokens
+        )
+        yield list(order[start : start + n])
+        start += n
+
+
+class Batcher:
+    """Base class of the batching policies (static, dynamic, bucketed, sorted).
+
+    Subclasses set the options and override the hooks; the online scheduler and
+    the offline :meth:`batches` are written once, here and in ``batchkit.serve``.
+    """
+
+    max_batch_size: int
+    max_wait_s: float | None  # None: never leave before full (static batching)
+    max_tokens: int | None
+    key: KeyFn | None
+
+    def __init__(
+        self,
+        *,
+        max_batch_size: int,
+        max_wait_ms: float | None,
+        max_tokens: int | None = None,
+        key: KeyFn | None = None,
+    ) -> None:
+        check_positive_int("max_batch_size", max_batch_size)
+        check_positive_int("max_tokens", max_tokens, allow_none=True)
+        if max_wait_ms is not None and not (max_wait_ms >= 0 and math.isfinite(max_wait_ms)):
+            raise ValueError(f"max_wait_ms must be a finite number >= 0, got {max_wait_ms!r}")
+        if key is not None and not callable(key):
+            raise TypeError(f"key must be callable, got {type(key).__name__}")
+        self.max_batch_size = max_batch_size
+        self.max_wait_s = None if max_wait_ms is None else max_wait_ms / 1000.0
+        self.max_tokens = max_tokens
+        self.key = len if key is None and max_tokens is not None else key
+
+    # -- hooks ------------------------------------------------------------
+    def key_of(self, item: Any) -> float:
+        """The item's key (length by default), or 0.0 when the policy uses none."""
+        if self.key is None:
+            return 0.0
+        value = self.key(item)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"key(item) must return a number, got {type(value).__name__}")
+        return float(value)
+
+    def bucket_of(self, key: float) -> Hashable:
+        """Which bucket an item belongs to; a batch never mixes buckets."""
+        return None
+
+    def offline_order(self, keys: Sequence[float]) -> list[list[int]]:
+        """Groups of item indices, each in the order batches are cut from it."""
+        return [list(range(len(keys)))]
+
+    def select(self, candidates: Sequence[C]) -> list[C]:
+        """Pick a batch from one bucket's waiting requests (given in service order)."""
+        n = take_within_budget((c.key for c in candidates), self.max_batch_size, self.max_tokens)
+        return list(candidates[:n])
+
+    def padded_size(self, size: int) -> int:
+        """The batch size the function is called with for ``size`` real items."""
+        return size
+
+    @property
+    def candidate_limit(self) -> int | None:
+        """How many waiting requests :meth:`select` needs to see (None: all of them)."""
+        return self.max_batch_size
+
+    @property
+    def dispatch_when_idle(self) -> bool:
+        """Whether waiting requests leave at once when no batch is running."""
+        return self.max_wait_s is not None
+
+    # -- offline ----------------------------------------------------------
+    def batches(self, items: Sequence[T]) -> Iterator[Batch[T]]:
+        """Group a finite sequence of items into batches; indices cover every item once."""
+        items = list(items)
+        keys = [self.key_of(it) for it in items]
+        for group in self.offline_order(keys):
+            for idx in cut(group, keys, self.max_batch_size, self.max_tokens):
+                yield Batch((items[i] for i in idx), idx)
+
+    def __repr__(self) -> str:
+        opts = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
+        return f"{type(self).__name__}({opts})"

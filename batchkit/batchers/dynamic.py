@@ -1,0 +1,64 @@
+"""Dynamic batching (Triton-style): up to ``max_batch_size``, waiting at most ``max_wait_ms``."""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable, Sequence
+
+from batchkit.batchers.base import Batcher, C, KeyFn, check_positive_int, take_within_budget
+
+
+class DynamicBatcher(Batcher):
+    """Arrival-order batches of up to ``max_batch_size`` items.
+
+    A batch leaves when it is full, when its oldest request has waited
+    ``max_wait_ms``, or at once when no batch is running (no idle waiting at low
+    load). ``max_tokens`` bounds ``len(batch) * max(key(item))`` (``key`` defaults
+    to ``len`` when a token budget is set).
+
+    ``preferred_batch_sizes`` (e.g. ``(1, 2, 4, 8)``): batches leave at the largest
+    preferred size that is available. With ``strict_sizes=True`` the function is
+    only ever called with one of those sizes: a batch of 5 is padded up to 8 by
+    repeating its last item, and the extra results are discarded (for CUDA graphs
+    or TensorRT profiles built for fixed sizes).
+    """
+
+    def __init__(
+        self,
+        max_batch_size: int = 32,
+        max_wait_ms: float = 5.0,
+        *,
+        preferred_batch_sizes: Iterable[int] | None = None,
+        strict_sizes: bool = False,
+        max_tokens: int | None = None,
+        key: KeyFn | None = None,
+    ) -> None:
+        sizes = sorted(set(preferred_batch_sizes or ()))
+        for s in sizes:
+            check_positive_int("preferred_batch_sizes entry", s)
+        if strict_sizes and not sizes:
+            raise ValueError("strict_sizes=True needs preferred_batch_sizes")
+        if sizes:
+            max_batch_size = min(max_batch_size, sizes[-1])
+        super().__init__(
+            max_batch_size=max_batch_size, max_wait_ms=max_wait_ms, max_tokens=max_tokens, key=key
+        )
+        self.preferred_batch_sizes = tuple(sizes)
+        self.strict_sizes = strict_sizes
+
+    def select(self, candidates: Sequence[C]) -> list[C]:
+        """The oldest requests, cut to the largest preferred size available."""
+        n = take_within_budget((c.key for c in candidates), self.max_batch_size, self.max_tokens)
+        sizes = self.preferred_batch_sizes
+        if sizes and not self.strict_sizes:
+            k = bisect.bisect_right(sizes, n)
+            if k:
+                n = sizes[k - 1]
+        return list(candidates[:n])
+
+    def padded_size(self, size: int) -> int:
+        """With ``strict_sizes``, the smallest preferred size >= ``size``."""
+        if not self.strict_sizes:
+            return size
+        sizes = self.preferred_batch_sizes
+        return sizes[min(bisect.bisect_left(sizes, size), len(sizes) - 1)]

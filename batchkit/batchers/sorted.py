@@ -1,0 +1,71 @@
+"""Sorted batching: items of similar key (length) together, order restored by indices."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from batchkit.batchers.base import Batcher, C, KeyFn, check_positive_int, padded_area
+
+
+class SortedBatcher(Batcher):
+    """Batches of items with similar keys, for the least padding.
+
+    Offline, items are sorted by key (stable) globally, or within consecutive
+    windows of ``window`` items to keep some of the input order, and cut into
+    batches of ``batch_size`` (and ``max_tokens``) in ascending key order.
+    Online, the oldest waiting request is joined by the waiting requests whose
+    keys are nearest to its own; timing is as for
+    :class:`~batchkit.DynamicBatcher` (``max_wait_ms``).
+    """
+
+    def __init__(
+        self,
+        *,
+        key: KeyFn = len,
+        batch_size: int = 32,
+        max_tokens: int | None = None,
+        window: int | None = None,
+        max_wait_ms: float = 5.0,
+    ) -> None:
+        check_positive_int("window", window, allow_none=True)
+        super().__init__(
+            max_batch_size=batch_size, max_wait_ms=max_wait_ms, max_tokens=max_tokens, key=key
+        )
+        self.window = window
+
+    @property
+    def batch_size(self) -> int:
+        """The largest batch."""
+        return self.max_batch_size
+
+    @property
+    def candidate_limit(self) -> int | None:
+        """Sorted selection looks at every waiting request."""
+        return None
+
+    def offline_order(self, keys: Sequence[float]) -> list[list[int]]:
+        """Stable key order, globally or per window."""
+        n = len(keys)
+        step = self.window or max(n, 1)
+        return [
+            sorted(range(lo, min(lo + step, n)), key=keys.__getitem__) for lo in range(0, n, step)
+        ]
+
+    def select(self, candidates: Sequence[C]) -> list[C]:
+        """The first (oldest, highest-priority) candidate plus its nearest-key neighbours."""
+        ranked = sorted(range(len(candidates)), key=lambda i: candidates[i].key)
+        pos = ranked.index(0)
+        lo = hi = pos  # chosen: ranked[lo:hi+1]
+        longest = candidates[0].key
+        while hi - lo + 1 < self.max_batch_size:
+            left = candidates[ranked[lo - 1]].key if lo > 0 else None
+            right = candidates[ranked[hi + 1]].key if hi + 1 < len(ranked) else None
+            if left is None and right is None:
+                break
+            seed = candidates[0].key
+            go_left = right is None or (left is not None and seed - left <= right - seed)
+            new_longest = longest if go_left else max(longest, right)  # type: ignore[arg-type]
+            if self.max_tokens is not None and padded_area(hi - lo + 2, new_longest) > self.max_tokens:
+                break
+            lo, hi, longest = (lo - 1, hi, longest) if go_left else (lo, hi + 1, new_longest)
+        return [candidates[i] for i in sorted(ranked[lo : hi + 1])]

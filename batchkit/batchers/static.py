@@ -1,0 +1,36 @@
+"""Static batching: fixed-size batches, in arrival order."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import TypeVar
+
+from batchkit.batchers.base import Batch, Batcher
+
+T = TypeVar("T")
+
+
+class StaticBatcher(Batcher):
+    """Batches of exactly ``batch_size`` items, in order.
+
+    Offline, the last partial batch is yielded unless ``drop_last``. Online, a
+    batch leaves only when full (no timer), so use it where traffic is steady or
+    the model only accepts one size; at close, a partial batch is still served
+    (accepted requests are never dropped) and ``drop_last`` has no effect.
+    """
+
+    def __init__(self, batch_size: int, *, drop_last: bool = False) -> None:
+        super().__init__(max_batch_size=batch_size, max_wait_ms=None)
+        self.drop_last = drop_last
+
+    @property
+    def batch_size(self) -> int:
+        """The fixed batch size."""
+        return self.max_batch_size
+
+    def batches(self, items: Sequence[T]) -> Iterator[Batch[T]]:
+        """Consecutive batches of ``batch_size`` (the short tail dropped if ``drop_last``)."""
+        for batch in super().batches(items):
+            if self.drop_last and len(batch) < self.batch_size:
+                return
+            yield batch

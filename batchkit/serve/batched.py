@@ -1,0 +1,234 @@
+"""``@batched``: call a batch function one item at a time, from threads or asyncio."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Generic, TypeVar, overload
+
+from batchkit.batchers.base import Batcher, check_positive_int
+from batchkit.batchers.dynamic import DynamicBatcher
+from batchkit.serve.looped import LoopRuntime
+from batchkit.serve.runtime import Clock, Options, Runtime, await_request
+from batchkit.serve.stats import Stats
+from batchkit.serve.threaded import ThreadRuntime
+
+R = TypeVar("R")
+
+
+class BatchedFunction(Generic[R]):
+    """A batch function wrapped so that callers pass one item and get one result.
+
+    Created by :func:`batched`. Sync functions: ``f(x)`` blocks the calling thread;
+    async functions: ``f(x)`` returns an awaitable. ``await f.acall(x)`` works for
+    both (a sync function then runs on a worker thread, never on the loop).
+    """
+
+    def __init__(self, fn: Callable[..., Any], options: Options) -> None:
+        self.fn = fn
+        self.options = options
+        self.is_async = inspect.iscoroutinefunction(fn)
+        self.__name__ = getattr(fn, "__name__", "batched")
+        self.__qualname__ = getattr(fn, "__qualname__", self.__name__)
+        self.__doc__ = getattr(fn, "__doc__", None)
+        self.__wrapped__ = fn
+        self._runtime: Runtime | None = None
+        self._runtime_lock = threading.Lock()
+
+    @property
+    def runtime(self) -> Runtime:
+        """The queue and workers behind this function (created on first use)."""
+        runtime = self._runtime
+        if runtime is None:
+            with self._runtime_lock:
+                if self._runtime is None:
+                    kind = LoopRuntime if self.is_async else ThreadRuntime
+                    self._runtime = kind(self.fn, self.options, self.__qualname__)
+                runtime = self._runtime
+        return runtime
+
+    # -- methods: one queue per instance --------------------------------------
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._attr_name = name
+
+    def __get__(self, instance: Any, owner: type | None = None) -> Any:
+        if instance is None:
+            return self
+        bound = BatchedFunction(self.fn.__get__(instance, owner), self.options)
+        name = getattr(self, "_attr_name", None)
+        if name is not None and hasattr(instance, "__dict__"):
+            instance.__dict__[name] = bound  # later lookups skip this descriptor
+        return bound
+
+    # -- one item ------------------------------------------------------------
+    def __call__(self, item: Any, *, priority: int = 0, timeout: float | None = None) -> Any:
+        """Run one item in a batch. Sync function: its result; async function: an awaitable."""
+        if self.is_async:
+            return self.acall(item, priority=priority, timeout=timeout)
+        runtime = self.runtime
+        assert isinstance(runtime, ThreadRuntime)
+        return runtime.call(item, priority, timeout)
+
+    async def acall(self, item: Any, *, priority: int = 0, timeout: float | None = None) -> Any:
+        """Run one item in a batch, from asyncio (sync or async function alike).
+
+        ``timeout``: seconds before the item must have started running, else
+        :class:`~batchkit.RequestTimeout`. Lower ``priority`` values are served first.
+        """
+        runtime = self.runtime
+        if isinstance(runtime, LoopRuntime):
+            return await runtime.acall(item, priority, timeout)
+        assert isinstance(runtime, ThreadRuntime)
+        return await runtime.acall(item, priority, timeout)
+
+    # -- many items ------------------------------------------------------------
+    def map(
+        self, items: Iterable[Any], *, priority: int = 0, timeout: float | None = None
+    ) -> list[Any]:
+        """Run many items; results in input order. Raises the first failed item's error
+        (in input order) once every item has finished."""
+        if self.is_async:
+            raise TypeError(f"{self.__name__} is async: use 'await {self.__name__}.amap(items)'")
+        runtime = self.runtime
+        assert isinstance(runtime, ThreadRuntime)
+        reqs = [runtime.make_request(x, priority, None) for x in items]
+        runtime.submit_many(reqs)
+        results = []
+        for req in reqs:
+            if not req.wait(timeout):
+                assert timeout is not None
+                if not runtime.give_up(req, runtime.timeout_error(timeout), timed_out=True):
+                    req.wait(None)
+            results.append(req)
+        return [req.outcome() for req in results]
+
+    async def amap(
+        self, items: Iterable[Any], *, priority: int = 0, timeout: float | None = None
+    ) -> list[Any]:
+        """:meth:`map` from asyncio, for sync and async functions."""
+        runtime = self.runtime
+        loop = asyncio.get_running_loop()
+        if isinstance(runtime, LoopRuntime):
+            runtime._bind(loop)
+        reqs = [runtime.make_request(x, priority, loop) for x in items]
+        if isinstance(runtime, ThreadRuntime):
+            runtime.submit_many(reqs)
+        else:
+            for req in reqs:
+                runtime.submit(req)
+        waits = [asyncio.ensure_future(await_request(runtime, r, timeout)) for r in reqs]
+        outcomes = await asyncio.gather(*waits, return_exceptions=True)
+        for out in outcomes:
+            if isinstance(out, BaseException):
+                raise out
+        return list(outcomes)
+
+    # -- introspection and lifetime ---------------------------------------------
+    def stats(self) -> Stats:
+        """A snapshot: requests, batches, batch sizes, waits, latencies, dispatch reasons."""
+        return self.runtime.stats()
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stop accepting (later calls raise ``BatcherClosed``), finish what is queued and
+        running; after ``timeout`` seconds, fail what is left with ``BatcherClosed``."""
+        runtime = self.runtime
+        if isinstance(runtime, (ThreadRuntime, LoopRuntime)):
+            runtime.close(timeout)
+
+    async def aclose(self, timeout: float | None = None) -> None:
+        """:meth:`close` from asyncio."""
+        runtime = self.runtime
+        if isinstance(runtime, (ThreadRuntime, LoopRuntime)):
+            await runtime.aclose(timeout)
+
+    def __enter__(self) -> BatchedFunction[R]:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    async def __aenter__(self) -> BatchedFunction[R]:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def __repr__(self) -> str:
+        return f"<batched {self.__qualname__} {self.options.policy!r}>"
+
+
+_UNSET: Any = object()
+
+
+@overload
+def batched(fn: Callable[[Any], R], /) -> BatchedFunction[R]: ...
+@overload
+def batched(
+    *,
+    max_batch_size: int = ...,
+    max_wait_ms: float = ...,
+    batcher: Batcher | None = ...,
+    collate: Callable[[list[Any]], Any] | None = ...,
+    split: Callable[[Any], Sequence[Any]] | None = ...,
+    max_queue_size: int | None = ...,
+    max_concurrent_batches: int = ...,
+    clock: Clock | None = ...,
+) -> Callable[[Callable[[Any], R]], BatchedFunction[R]]: ...
+
+
+def batched(
+    fn: Callable[[Any], Any] | None = None,
+    /,
+    *,
+    max_batch_size: int = _UNSET,
+    max_wait_ms: float = _UNSET,
+    batcher: Batcher | None = None,
+    collate: Callable[[list[Any]], Any] | None = None,
+    split: Callable[[Any], Sequence[Any]] | None = None,
+    max_queue_size: int | None = None,
+    max_concurrent_batches: int = 1,
+    clock: Clock | None = None,
+) -> Any:
+    """Decorate a batch function (list of items -> sequence of results).
+
+    Defaults to ``DynamicBatcher(max_batch_size=32, max_wait_ms=5)``; pass
+    ``batcher=`` for another policy (then ``max_batch_size``/``max_wait_ms`` belong
+    to it). ``collate(items)`` builds the function's argument and ``split(output)``
+    its per-item results. ``max_queue_size`` waiting requests make further calls
+    raise ``QueueFull`` at once. ``clock`` replaces ``time.monotonic`` (tests).
+    """
+    if batcher is not None and (max_batch_size is not _UNSET or max_wait_ms is not _UNSET):
+        raise ValueError("pass max_batch_size/max_wait_ms to the batcher, not to @batched")
+    if batcher is None:
+        batcher = DynamicBatcher(
+            32 if max_batch_size is _UNSET else max_batch_size,
+            5.0 if max_wait_ms is _UNSET else max_wait_ms,
+        )
+    elif not isinstance(batcher, Batcher):
+        raise TypeError(f"batcher must be a batchkit Batcher, got {type(batcher).__name__}")
+    check_positive_int("max_queue_size", max_queue_size, allow_none=True)
+    check_positive_int("max_concurrent_batches", max_concurrent_batches)
+    for name, cb in (("collate", collate), ("split", split)):
+        if cb is not None and not callable(cb):
+            raise TypeError(f"{name} must be callable, got {type(cb).__name__}")
+    options = Options(
+        policy=batcher,
+        collate=collate,
+        split=split,
+        max_queue_size=max_queue_size,
+        max_concurrent_batches=max_concurrent_batches,
+        clock=clock or time.monotonic,
+    )
+
+    def wrap(func: Callable[[Any], Any]) -> BatchedFunction[Any]:
+        if not callable(func):
+            raise TypeError(f"@batched needs a callable, got {type(func).__name__}")
+        wrapper = BatchedFunction(func, options)
+        functools.update_wrapper(wrapper, func, updated=())  # type: ignore[arg-type]
+        return wrapper
+
+    return wrap(fn) if fn is not None else wrap

@@ -1,0 +1,19 @@
+"""The exceptions callers of ``@batched`` can see (beyond the function's own)."""
+
+from __future__ import annotations
+
+
+class BatchkitError(Exception):
+    """Base class of batchkit's own runtime errors."""
+
+
+class BatcherClosed(BatchkitError, RuntimeError):
+    """The batcher is closed: it accepts no new requests, or closed before serving this one."""
+
+
+class QueueFull(BatchkitError, RuntimeError):
+    """``max_queue_size`` requests are already waiting; this one was not enqueued."""
+
+
+class RequestTimeout(BatchkitError, TimeoutError):
+    """The request's ``timeout`` passed before it started running; it will not run."""

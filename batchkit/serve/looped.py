@@ -1,0 +1,127 @@
+"""The runtime for async functions: everything on one event loop, no threads.
+
+Arrivals in the same loop iteration coalesce into one scheduling pass (scheduled
+with ``call_soon``), so a burst of concurrent callers forms one batch; the max-wait
+expiry is a single ``call_later`` timer. Batches run as tasks, at most
+``max_concurrent_batches`` at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from batchkit.serve.runtime import Options, Runtime, await_request, closed_error
+from batchkit.serve.scheduler import FormedBatch
+
+
+class LoopRuntime(Runtime):
+    """Runs an async batch function on the event loop of its callers."""
+
+    def __init__(self, fn: Callable[[Any], Any], options: Options, name: str) -> None:
+        super().__init__(fn, options, name)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._pump_scheduled = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._drained: asyncio.Event | None = None
+
+    def _bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self.loop is loop:
+            return
+        with self.lock:
+            if self.loop is not None and not self.loop.is_closed() and not self.sched.drained:
+                raise RuntimeError(
+                    f"{self.name} is busy on another event loop; an async batched function "
+                    "serves one loop at a time"
+                )
+            self.loop = loop
+            self._pump_scheduled = False
+            self._timer = None
+            self._drained = None
+
+    def _wake_locked(self) -> None:
+        if self._pump_scheduled or self.loop is None:
+            return
+        self._pump_scheduled = True
+        self.loop.call_soon_threadsafe(self._pump)
+
+    def _pump(self) -> None:
+        """Start every batch that is ready; arm the timer for the next max-wait expiry."""
+        loop = self.loop
+        assert loop is not None
+        with self.lock:
+            self._pump_scheduled = False
+            while True:
+                batch, wake_at = self.sched.poll(self.clock())
+                if batch is None:
+                    break
+                task = loop.create_task(self._run(batch))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            if wake_at is not None:
+                self._timer = loop.call_later(max(wake_at - self.clock(), 0.0), self._pump)
+            self._check_drained_locked()
+
+    async def _run(self, batch: FormedBatch) -> None:
+        try:
+            output = await self.fn(self.batch_input(batch))
+            outcomes = self.outcomes(batch, output)
+        except BaseException as exc:  # noqa: BLE001 - a failing batch must not kill the loop
+            outcomes = [(None, exc)] * len(batch.requests)
+        with self.lock:
+            self.finish_locked(batch, outcomes)
+        self._pump()
+
+    def _check_drained_locked(self) -> None:
+        if self.closed and self.sched.drained and self._drained is not None:
+            self._drained.set()
+
+    # -- callers -----------------------------------------------------------
+    async def acall(self, item: Any, priority: int, timeout: float | None) -> Any:
+        """One item from a task on this runtime's loop."""
+        loop = asyncio.get_running_loop()
+        self._bind(loop)
+        req = self.make_request(item, priority, loop)
+        self.submit(req)
+        return await await_request(self, req, timeout)
+
+    # -- shutdown ------------------------------------------------------------
+    async def aclose(self, timeout: float | None = None) -> None:
+        """Stop accepting, serve what is queued and running; after ``timeout``, fail the rest."""
+        loop = asyncio.get_running_loop()
+        with self.lock:
+            self.closed = self.sched.closing = True
+            if self.sched.drained:
+                self._check_drained_locked()
+                return
+            if self.loop is not None and self.loop is not loop:
+                raise RuntimeError(f"{self.name}: aclose() must run on the loop it serves")
+            self.loop = loop
+            self._drained = asyncio.Event()
+            self._wake_locked()
+        try:
+            await asyncio.wait_for(self._drained.wait(), timeout)
+        except asyncio.TimeoutError:
+            with self.lock:
+                self.fail_all_locked(closed_error(self.name))
+
+    def close(self, timeout: float | None = None) -> None:
+        """Close from a thread. From inside the loop, use ``await aclose()`` instead."""
+        loop = self.loop
+        if loop is None or loop.is_closed() or not loop.is_running():
+            with self.lock:  # no loop will ever run what is left: answer it now
+                self.closed = self.sched.closing = True
+                self.fail_all_locked(closed_error(self.name))
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            raise RuntimeError(f"{self.name}: use 'await aclose()' inside the event loop")
+        asyncio.run_coroutine_threadsafe(self.aclose(timeout), loop).result()

@@ -1,0 +1,100 @@
+"""One caller's request: its item, where it waits, and how its outcome reaches it."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from enum import IntEnum
+from typing import Any
+
+
+class State(IntEnum):
+    """A request's life: waiting -> running -> done, or waiting -> dropped."""
+
+    WAITING = 0
+    RUNNING = 1
+    DONE = 2
+    DROPPED = 3  # timed out, cancelled or failed by close before it ran
+
+
+class Request:
+    """A queued item. Thread callers wait on a lock; asyncio callers on a future.
+
+    The lock-as-event trick (acquired at creation, released once on completion)
+    is the cheapest blocking wait CPython offers: one C-level lock per request.
+    """
+
+    __slots__ = (
+        "item",
+        "key",
+        "bucket",
+        "priority",
+        "seq",
+        "enqueued_at",
+        "state",
+        "value",
+        "error",
+        "future",
+        "loop",
+        "_done",
+    )
+
+    def __init__(
+        self,
+        item: Any,
+        *,
+        key: float,
+        bucket: Any,
+        priority: int,
+        seq: int,
+        enqueued_at: float,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        self.item = item
+        self.key = key
+        self.bucket = bucket
+        self.priority = priority
+        self.seq = seq
+        self.enqueued_at = enqueued_at
+        self.state = State.WAITING
+        self.value: Any = None
+        self.error: BaseException | None = None
+        self.loop = loop
+        if loop is None:
+            self.future: asyncio.Future[Any] | None = None
+            self._done: threading.Lock | None = threading.Lock()
+            self._done.acquire()
+        else:
+            self.future = loop.create_future()
+            self._done = None
+
+    def wait(self, timeout: float | None) -> bool:
+        """Block a thread caller until done; False if ``timeout`` seconds passed first."""
+        assert self._done is not None, "asyncio requests are awaited, not waited on"
+        if self._done.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
+            self._done.release()  # let a second wait() (after a timeout race) pass too
+            return True
+        return False
+
+    def notify_thread(self) -> None:
+        """Wake the thread caller (the outcome is already stored)."""
+        if self._done is not None:
+            self._done.release()
+
+    def outcome(self) -> Any:
+        """The result, or raise the request's own error."""
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+def resolve_futures(requests: list[Request]) -> None:
+    """On the requests' event loop: copy each outcome into its future (if still wanted)."""
+    for req in requests:
+        fut = req.future
+        if fut is None or fut.done():
+            continue
+        if req.error is not None:
+            fut.set_exception(req.error)
+        else:
+            fut.set_result(req.value)

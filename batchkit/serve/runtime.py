@@ -1,0 +1,225 @@
+"""What both runtimes share: admitting requests, running a batch's callbacks, and
+handing every caller its own outcome exactly once.
+
+Two runtimes drive the one :class:`~batchkit.serve.scheduler.Scheduler`:
+:class:`~batchkit.serve.threaded.ThreadRuntime` (sync functions; worker threads)
+and :class:`~batchkit.serve.looped.LoopRuntime` (async functions; one event loop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from batchkit.batchers.base import Batcher
+from batchkit.serve.errors import BatcherClosed, RequestTimeout
+from batchkit.serve.request import Request, State, resolve_futures
+from batchkit.serve.scheduler import FormedBatch, Scheduler
+from batchkit.serve.stats import Stats
+
+Clock = Callable[[], float]
+
+
+@dataclass(frozen=True)
+class Options:
+    """How a batched function is run (see :func:`batchkit.batched`)."""
+
+    policy: Batcher
+    collate: Callable[[list[Any]], Any] | None = None
+    split: Callable[[Any], Sequence[Any]] | None = None
+    max_queue_size: int | None = None
+    max_concurrent_batches: int = 1
+    clock: Clock = time.monotonic
+
+
+class Runtime:
+    """Admission, outcome assignment and delivery; subclasses run batches and wake up."""
+
+    def __init__(self, fn: Callable[[Any], Any], options: Options, name: str) -> None:
+        self.fn = fn
+        self.options = options
+        self.name = name
+        self.clock = options.clock
+        self.sched = Scheduler(
+            options.policy,
+            max_queue_size=options.max_queue_size,
+            max_concurrent_batches=options.max_concurrent_batches,
+        )
+        self.lock = threading.Lock()
+        self.closed = False
+
+    # -- admission ---------------------------------------------------------
+    def make_request(
+        self, item: Any, priority: int, loop: asyncio.AbstractEventLoop | None
+    ) -> Request:
+        """A request for ``item``; the policy's key runs here, so its errors reach this caller."""
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise TypeError(f"priority must be an int, got {type(priority).__name__}")
+        policy = self.options.policy
+        key = policy.key_of(item)
+        return Request(
+            item,
+            key=key,
+            bucket=policy.bucket_of(key),
+            priority=priority,
+            seq=0,
+            enqueued_at=0.0,
+            loop=loop,
+        )
+
+    def submit(self, req: Request) -> None:
+        """Enqueue, or raise ``BatcherClosed``/``QueueFull`` without enqueuing."""
+        with self.lock:
+            if self.closed:
+                raise BatcherClosed(f"{self.name} is closed")
+            req.seq = self.sched.next_seq()
+            req.enqueued_at = self.clock()
+            self.sched.add(req)
+            self._wake_locked()
+
+    def _wake_locked(self) -> None:
+        """Something changed: make sure a batch leaves if one is ready."""
+        raise NotImplementedError
+
+    def give_up(self, req: Request, error: BaseException, *, timed_out: bool) -> bool:
+        """Withdraw a request its caller no longer waits for; False if it already started."""
+        with self.lock:
+            if not self.sched.drop(req):
+                return False
+            if timed_out:
+                self.sched.stats.timeouts += 1
+            else:
+                self.sched.stats.cancelled += 1
+            req.error = error
+            self._wake_locked()
+        return True
+
+    def timeout_error(self, timeout: float) -> RequestTimeout:
+        """The error for a request whose ``timeout`` passed before it ran."""
+        return RequestTimeout(f"{self.name}: request did not start within timeout={timeout}s")
+
+    # -- running a batch ----------------------------------------------------
+    def batch_input(self, batch: FormedBatch) -> Any:
+        """The argument the function is called with (padded up, then collated)."""
+        items = [r.item for r in batch.requests]
+        if batch.padded_size > len(items):
+            items.extend([items[-1]] * (batch.padded_size - len(items)))
+        collate = self.options.collate
+        return collate(items) if collate is not None else items
+
+    def outcomes(self, batch: FormedBatch, output: Any) -> list[tuple[Any, BaseException | None]]:
+        """Per-request (value, error) from the function's output (split, length-checked)."""
+        split = self.options.split
+        results = split(output) if split is not None else output
+        try:
+            count = len(results)
+        except TypeError:
+            raise TypeError(
+                f"{self.name} returned {type(results).__name__}, expected a sequence of "
+                f"{batch.padded_size} results (one per item)"
+            ) from None
+        if count != batch.padded_size:
+            raise ValueError(
+                f"{self.name} returned {count} results for a batch of {batch.padded_size} items"
+            )
+        out: list[tuple[Any, BaseException | None]] = []
+        for _, result in zip(batch.requests, results):
+            if isinstance(result, BaseException):
+                out.append((None, result))
+            else:
+                out.append((result, None))
+        return out
+
+    def finish_locked(
+        self, batch: FormedBatch, outcomes: list[tuple[Any, BaseException | None]]
+    ) -> None:
+        """Under the lock: free the slot and answer each still-running request once."""
+        self.sched.finish(batch, self.clock())
+        done = []
+        for req, (value, error) in zip(batch.requests, outcomes):
+            if req.state is not State.RUNNING:
+                continue  # already answered (a close that timed out)
+            req.state = State.DONE
+            req.value, req.error = value, error
+            if error is not None:
+                self.sched.stats.failed += 1
+            done.append(req)
+        deliver(done)
+
+    def fail_all_locked(self, error: BaseException) -> None:
+        """Under the lock: answer every waiting and running request with ``error``.
+
+        Running batches go on; their results are discarded when they end.
+        """
+        failed = self.sched.drop_all()
+        for batch in self.sched.running.values():
+            for req in batch.requests:
+                if req.state is State.RUNNING:
+                    req.state = State.DONE
+                    failed.append(req)
+        for req in failed:
+            req.error = error
+        deliver(failed)
+
+    def stats(self) -> Stats:
+        """A snapshot of the counters."""
+        with self.lock:
+            return self.sched.stats.snapshot(
+                queue_depth=self.sched.num_waiting, in_flight=self.sched.in_flight
+            )
+
+
+def deliver(requests: list[Request]) -> None:
+    """Wake thread callers now; resolve asyncio futures on their own loops (one hop per loop)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[Request]] = {}
+    for req in requests:
+        if req.loop is None:
+            req.notify_thread()
+        else:
+            by_loop.setdefault(req.loop, []).append(req)
+    for loop, reqs in by_loop.items():
+        if _running_loop() is loop:
+            resolve_futures(reqs)
+        else:
+            try:
+                loop.call_soon_threadsafe(resolve_futures, reqs)
+            except RuntimeError:
+                pass  # the caller's loop is closed: nobody is left to answer
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+def closed_error(name: str) -> BatcherClosed:
+    """The error for requests still unanswered when a close times out."""
+    return BatcherClosed(f"{name} closed before this request was served")
+
+
+async def await_request(runtime: Runtime, req: Request, timeout: float | None) -> Any:
+    """Await an asyncio request, honouring its timeout and its caller's cancellation."""
+    fut = req.future
+    assert fut is not None and req.loop is not None
+    timer = None
+    if timeout is not None:
+
+        def expire() -> None:
+            if runtime.give_up(req, runtime.timeout_error(timeout), timed_out=True):
+                resolve_futures([req])
+
+        timer = req.loop.call_later(max(timeout, 0.0), expire)
+    try:
+        return await fut
+    except asyncio.CancelledError:
+        runtime.give_up(req, asyncio.CancelledError(), timed_out=False)
+        raise
+    finally:
+        if timer is not None:
+            timer.cancel()

@@ -1,0 +1,103 @@
+"""Counters and latency samples, and the immutable snapshot ``f.stats()`` returns."""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from enum import Enum
+
+import numpy as np
+
+SAMPLE_WINDOW = 4096  # latency percentiles cover the most recent samples
+
+
+class DispatchReason(str, Enum):
+    """Why a batch left the queue."""
+
+    FULL = "full"
+    MAX_WAIT = "max_wait"
+    IDLE = "idle"  # no batch was running: waiting requests go at once
+    CLOSING = "closing"
+
+
+@dataclass(frozen=True)
+class Percentiles:
+    """p50/p90/p99/max of a latency sample, in seconds (NaN when empty)."""
+
+    p50: float
+    p90: float
+    p99: float
+    max: float
+    count: int
+
+    @classmethod
+    def of(cls, samples: deque[float]) -> Percentiles:
+        """Summarise a window of samples."""
+        if not samples:
+            nan = float("nan")
+            return cls(nan, nan, nan, nan, 0)
+        arr = np.fromiter(samples, dtype=np.float64, count=len(samples))
+        p50, p90, p99 = np.percentile(arr, [50, 90, 99])
+        return cls(float(p50), float(p90), float(p99), float(arr.max()), len(arr))
+
+
+@dataclass(frozen=True)
+class Stats:
+    """A snapshot of one batcher's activity since it was created."""
+
+    requests: int
+    batches: int
+    items_run: int
+    padded_slots: int
+    rejected: int
+    timeouts: int
+    cancelled: int
+    failed: int
+    queue_depth: int
+    in_flight: int
+    batch_sizes: dict[int, int]
+    dispatch_reasons: dict[str, int]
+    queue_wait: Percentiles
+    batch_latency: Percentiles
+
+    @property
+    def mean_batch_size(self) -> float:
+        """Average real items per batch."""
+        return self.items_run / self.batches if self.batches else 0.0
+
+
+@dataclass
+class StatsRecorder:
+    """Mutable counters; updated under the runtime's lock."""
+
+    requests: int = 0
+    batches: int = 0
+    items_run: int = 0
+    padded_slots: int = 0
+    rejected: int = 0
+    timeouts: int = 0
+    cancelled: int = 0
+    failed: int = 0
+    batch_sizes: Counter[int] = field(default_factory=Counter)
+    reasons: Counter[str] = field(default_factory=Counter)
+    queue_wait: deque[float] = field(default_factory=lambda: deque(maxlen=SAMPLE_WINDOW))
+    batch_latency: deque[float] = field(default_factory=lambda: deque(maxlen=SAMPLE_WINDOW))
+
+    def snapshot(self, *, queue_depth: int, in_flight: int) -> Stats:
+        """Freeze the current values."""
+        return Stats(
+            requests=self.requests,
+            batches=self.batches,
+            items_run=self.items_run,
+            padded_slots=self.padded_slots,
+            rejected=self.rejected,
+            timeouts=self.timeouts,
+            cancelled=self.cancelled,
+            failed=self.failed,
+            queue_depth=queue_depth,
+            in_flight=in_flight,
+            batch_sizes=dict(sorted(self.batch_sizes.items())),
+            dispatch_reasons=dict(self.reasons),
+            queue_wait=Percentiles.of(self.queue_wait),
+            batch_latency=Percentiles.of(self.batch_latency),
+        )

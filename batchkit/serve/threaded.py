@@ -1,0 +1,122 @@
+"""The runtime for sync functions: ``max_concurrent_batches`` worker threads.
+
+Each idle worker sleeps on one condition variable until an arrival, a finished
+batch or the oldest request's max-wait expiry; there is no polling loop. Batches
+run outside the lock, so callers keep enqueuing (and batches keep forming) while
+the function runs. Thread callers block on their request; asyncio callers await a
+future resolved on their own loop, so the event loop is never blocked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from batchkit.serve.request import Request
+from batchkit.serve.runtime import Options, Runtime, await_request, closed_error
+from batchkit.serve.scheduler import FormedBatch
+
+
+class ThreadRuntime(Runtime):
+    """Runs a sync batch function on worker threads (started on first use)."""
+
+    def __init__(self, fn: Callable[[Any], Any], options: Options, name: str) -> None:
+        super().__init__(fn, options, name)
+        self.cond = threading.Condition(self.lock)
+        self.workers: list[threading.Thread] = []
+        self.idle_workers = 0
+
+    def _wake_locked(self) -> None:
+        if not self.workers:
+            self._start_workers_locked()
+        if self.idle_workers:
+            self.cond.notify()
+
+    def _start_workers_locked(self) -> None:
+        for i in range(self.options.max_concurrent_batches):
+            worker = threading.Thread(
+                target=self._work, name=f"batchkit-{self.name}-{i}", daemon=True
+            )
+            self.workers.append(worker)
+            worker.start()
+
+    def _work(self) -> None:
+        sched, cond, clock = self.sched, self.cond, self.clock
+        with cond:
+            while True:
+                batch, wake_at = sched.poll(clock())
+                if batch is None:
+                    if self.closed and sched.num_waiting == 0:
+                        cond.notify_all()  # wake close() and the other workers
+                        return
+                    self.idle_workers += 1
+                    cond.wait(None if wake_at is None else max(wake_at - clock(), 0.0))
+                    self.idle_workers -= 1
+                    continue
+                cond.release()
+                try:
+                    outcomes = self._run(batch)
+                finally:
+                    cond.acquire()
+                self.finish_locked(batch, outcomes)
+                if sched.drained or (self.idle_workers and sched.num_waiting):
+                    cond.notify_all()
+
+    def _run(self, batch: FormedBatch) -> list[tuple[Any, BaseException | None]]:
+        """Call the function; any failure (callbacks included) goes to this batch's callers."""
+        try:
+            return self.outcomes(batch, self.fn(self.batch_input(batch)))
+        except BaseException as exc:  # noqa: BLE001 - the worker must survive anything
+            return [(None, exc)] * len(batch.requests)
+
+    # -- callers -----------------------------------------------------------
+    def call(self, item: Any, priority: int, timeout: float | None) -> Any:
+        """One item from a thread: block until its result (or error)."""
+        req = self.make_request(item, priority, None)
+        self.submit(req)
+        if not req.wait(timeout):
+            assert timeout is not None
+            if self.give_up(req, self.timeout_error(timeout), timed_out=True):
+                raise req.error  # type: ignore[misc]
+            req.wait(None)  # it started running: its result is on the way
+        return req.outcome()
+
+    async def acall(self, item: Any, priority: int, timeout: float | None) -> Any:
+        """One item from asyncio: the batch runs on a worker thread, the loop stays free."""
+        req = self.make_request(item, priority, asyncio.get_running_loop())
+        self.submit(req)
+        return await await_request(self, req, timeout)
+
+    def submit_many(self, reqs: list[Request]) -> None:
+        """Enqueue several requests (all or none)."""
+        submitted: list[Request] = []
+        try:
+            for req in reqs:
+                self.submit(req)
+                submitted.append(req)
+        except BaseException:
+            with self.lock:
+                for req in submitted:
+                    self.sched.drop(req)
+            raise
+
+    # -- shutdown ------------------------------------------------------------
+    def close(self, timeout: float | None = None) -> None:
+        """Stop accepting, serve what is queued and running; after ``timeout``, fail the rest."""
+        with self.cond:
+            self.closed = self.sched.closing = True
+            self.cond.notify_all()
+            finished = self.cond.wait_for(lambda: self.sched.drained, timeout)
+            if not finished:
+                self.fail_all_locked(closed_error(self.name))
+                self.cond.notify_all()
+        if finished:
+            for worker in self.workers:
+                if worker is not threading.current_thread():
+                    worker.join()
+
+    async def aclose(self, timeout: float | None = None) -> None:
+        """:meth:`close` without blocking the event loop."""
+        await asyncio.get_running_loop().run_in_executor(None, self.close, timeout)
