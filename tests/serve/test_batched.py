@@ -1,0 +1,376 @@
+"""@batched end to end: threads and asyncio callers, every error path, close."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import batchkit
+from batchkit import (
+    BatcherClosed,
+    BucketedBatcher,
+    DynamicBatcher,
+    QueueFull,
+    RequestTimeout,
+    SortedBatcher,
+    StaticBatcher,
+)
+
+
+def model(xs: list[str]) -> list[str]:
+    """A deterministic 'model': each result depends on its own item only."""
+    return [x.upper() + str(len(x)) for x in xs]
+
+
+class Recorder:
+    """Wraps a batch function and records every batch it saw."""
+
+    def __init__(self, fn=model, delay: float = 0.0) -> None:
+        self.fn, self.delay, self.batches = fn, delay, []
+        self.lock = threading.Lock()
+
+    def __call__(self, xs):
+        with self.lock:
+            self.batches.append(list(xs))
+        if self.delay:
+            time.sleep(self.delay)
+        return self.fn(xs)
+
+
+policy_st = st.sampled_from(["dynamic", "dynamic_tokens", "bucketed", "sorted"])
+
+
+def make_policy(name: str, size: int, wait_ms: float):
+    return {
+        "dynamic": lambda: DynamicBatcher(size, wait_ms),
+        "dynamic_tokens": lambda: DynamicBatcher(size, wait_ms, max_tokens=6 * size),
+        "bucketed": lambda: BucketedBatcher([2, 5], max_batch_size=size, max_wait_ms=wait_ms),
+        "sorted": lambda: SortedBatcher(batch_size=size, max_wait_ms=wait_ms),
+    }[name]()
+
+
+def check_batches(rec: Recorder, policy, items: list[str]) -> None:
+    run = [x for b in rec.batches for x in b]
+    assert sorted(run) == sorted(items)  # nothing lost, nothing duplicated
+    for b in rec.batches:
+        assert 1 <= len(b) <= policy.max_batch_size
+        if policy.max_tokens is not None and len(b) > 1:
+            assert len(b) * max(map(len, b)) <= policy.max_tokens
+
+
+items_st = st.lists(st.text("abc", min_size=0, max_size=8), min_size=1, max_size=60, unique=True)
+
+
+@settings(max_examples=15, deadline=None)
+@given(items_st, policy_st, st.integers(1, 8), st.sampled_from([0.0, 1.0, 3.0]),
+       st.integers(1, 8), st.integers(1, 2))
+def test_threads_each_get_their_own_result(items, policy_name, size, wait, threads, slots) -> None:
+    policy = make_policy(policy_name, size, wait)
+    rec = Recorder()
+    f = batchkit.batched(batcher=policy, max_concurrent_batches=slots)(rec)
+    with ThreadPoolExecutor(threads) as pool:
+        results = list(pool.map(f, items))
+    f.close()
+    assert results == [model([x])[0] for x in items]
+    check_batches(rec, policy, items)
+    assert f.stats().requests == len(items) == f.stats().items_run
+
+
+@settings(max_examples=15, deadline=None)
+@given(items_st, policy_st, st.integers(1, 8), st.sampled_from([0.0, 2.0]), st.booleans())
+def test_tasks_each_get_their_own_result(items, policy_name, size, wait, is_async) -> None:
+    policy = make_policy(policy_name, size, wait)
+    rec = Recorder()
+    if is_async:
+        async def fn(xs):
+            await asyncio.sleep(0)
+            return rec(xs)
+    else:
+        fn = rec
+    f = batchkit.batched(batcher=policy)(fn)
+
+    async def main():
+        out = await asyncio.gather(*(f.acall(x) for x in items))
+        await f.aclose()
+        return out
+
+    assert asyncio.run(main()) == [model([x])[0] for x in items]
+    check_batches(rec, policy, items)
+
+
+def test_concurrent_async_callers_form_full_batches() -> None:
+    rec = Recorder()
+
+    @batchkit.batched(max_batch_size=16, max_wait_ms=50)
+    async def f(xs):
+        return rec(xs)
+
+    async def main():
+        return await asyncio.gather(*(f(str(i)) for i in range(64)))
+
+    assert asyncio.run(main()) == [model([str(i)])[0] for i in range(64)]
+    assert [len(b) for b in rec.batches] == [16, 16, 16, 16]
+    assert f.stats().dispatch_reasons == {"full": 4}
+
+
+def test_map_restores_order_with_sorted_policy() -> None:
+    items = ["x" * n for n in [5, 1, 4, 2, 3, 9, 0, 7]]
+    rec = Recorder()
+    f = batchkit.batched(batcher=SortedBatcher(batch_size=3, max_wait_ms=20))(rec)
+    assert f.map(items) == model(items)
+    f.close()
+
+    async def main():
+        return await f2.amap(items)
+
+    f2 = batchkit.batched(batcher=BucketedBatcher([2, 5], max_batch_size=3))(model)
+    assert asyncio.run(main()) == model(items)
+
+
+def test_function_error_fails_exactly_its_batch() -> None:
+    boom = RuntimeError("boom")
+    gate = threading.Event()
+
+    def fn(xs):
+        gate.wait(5)
+        if "bad" in xs:
+            raise boom
+        return model(xs)
+
+    f = batchkit.batched(batcher=StaticBatcher(2))(fn)
+    with ThreadPoolExecutor(4) as pool:
+        futs = {x: pool.submit(f, x) for x in ["bad", "a"]}
+        time.sleep(0.05)
+        futs.update({x: pool.submit(f, x) for x in ["b", "c"]})
+        gate.set()
+        with pytest.raises(RuntimeError) as info:
+            futs["bad"].result(5)
+        assert info.value is boom  # the function's own exception, not a wrapper
+        with pytest.raises(RuntimeError):
+            futs["a"].result(5)
+        assert futs["b"].result(5) == "B1" and futs["c"].result(5) == "C1"
+    f.close()
+
+
+def test_returned_exception_fails_only_its_caller() -> None:
+    f = batchkit.batched(lambda xs: [ValueError(x) if x == "bad" else x for x in xs])
+    assert f.map(["a", "b"]) == ["a", "b"]
+    with ThreadPoolExecutor(3) as pool:
+        futs = [pool.submit(f, x) for x in ["a", "bad", "c"]]
+        assert futs[0].result() == "a" and futs[2].result() == "c"
+        with pytest.raises(ValueError, match="bad"):
+            futs[1].result()
+    f.close()
+
+
+def test_wrong_length_names_both_lengths() -> None:
+    f = batchkit.batched(lambda xs: xs[:-1])
+    with pytest.raises(ValueError, match="returned 0 results for a batch of 1"):
+        f("a")
+    g = batchkit.batched(lambda xs: 42)
+    with pytest.raises(TypeError, match="expected a sequence of 1 results"):
+        g("a")
+
+
+def test_callback_bugs_never_kill_the_worker() -> None:
+    calls = {"n": 0}
+
+    def bad_collate(xs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise KeyError("collate bug")
+        return xs
+
+    f = batchkit.batched(collate=bad_collate, split=lambda out: list(out))(model)
+    with pytest.raises(KeyError):
+        f("a")
+    assert f("a") == "A1"  # the worker survived
+    g = batchkit.batched(batcher=DynamicBatcher(4, key=lambda x: 1 / len(x)))(model)
+    with pytest.raises(ZeroDivisionError):
+        g("")  # key bug: only this caller, at call time
+    assert g("ab") == "AB2"
+
+
+def test_queue_full_is_immediate() -> None:
+    gate = threading.Event()
+    f = batchkit.batched(max_batch_size=1, max_queue_size=2)(lambda xs: (gate.wait(5), xs)[1])
+    with ThreadPoolExecutor(4) as pool:
+        running = pool.submit(f, "r")
+        while f.stats().in_flight == 0:
+            time.sleep(0.001)
+        queued = [pool.submit(f, x) for x in "ab"]
+        while f.stats().queue_depth < 2:
+            time.sleep(0.001)
+        start = time.monotonic()
+        with pytest.raises(QueueFull):
+            f("c")
+        assert time.monotonic() - start < 1.0
+        gate.set()
+        assert running.result(5) == "r" and [q.result(5) for q in queued] == ["a", "b"]
+    assert f.stats().rejected == 1
+
+
+def test_timeout_fires_while_all_batches_busy_and_item_never_runs() -> None:
+    gate = threading.Event()
+    rec = Recorder(lambda xs: (gate.wait(5), xs)[1])
+    f = batchkit.batched(max_batch_size=1)(rec)
+    with ThreadPoolExecutor(2) as pool:
+        running = pool.submit(f, "r")
+        while f.stats().in_flight == 0:
+            time.sleep(0.001)
+        with pytest.raises(RequestTimeout) as info:
+            f("late", timeout=0.05)
+        assert isinstance(info.value, TimeoutError)
+        gate.set()
+        assert running.result(5) == "r"
+    f.close()
+    assert ["late"] not in rec.batches and f.stats().timeouts == 1
+
+
+def test_async_cancel_drops_item_before_it_runs() -> None:
+    rec = Recorder()
+
+    @batchkit.batched(max_batch_size=1)
+    async def f(xs):
+        await asyncio.sleep(0.05)
+        return rec(xs)
+
+    async def main():
+        first = asyncio.create_task(f.acall("first"))
+        await asyncio.sleep(0.01)
+        victim = asyncio.create_task(f.acall("victim"))
+        await asyncio.sleep(0.01)
+        victim.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await victim
+        with pytest.raises(RequestTimeout):  # "first" still runs: no slot for 10 ms
+            await f.acall("slow", timeout=0.01)
+        assert await first == "FIRST5"
+        await f.aclose()
+
+    asyncio.run(main())
+    assert rec.batches == [["first"]]
+    assert f.stats().cancelled == 1
+
+
+def test_priority_lower_served_first() -> None:
+    gate = threading.Event()
+    rec = Recorder(lambda xs: (gate.wait(5), xs)[1])
+    f = batchkit.batched(max_batch_size=1)(rec)
+    with ThreadPoolExecutor(4) as pool:
+        first = pool.submit(f, "first")
+        while f.stats().in_flight == 0:
+            time.sleep(0.001)
+        low = pool.submit(f, "low", priority=5)
+        while f.stats().queue_depth < 1:
+            time.sleep(0.001)
+        high = pool.submit(f, "high", priority=-1)
+        while f.stats().queue_depth < 2:
+            time.sleep(0.001)
+        gate.set()
+        for fut in (first, low, high):
+            fut.result(5)
+    assert rec.batches == [["first"], ["high"], ["low"]]
+
+
+def test_close_drains_then_rejects() -> None:
+    f = batchkit.batched(batcher=StaticBatcher(4))(model)
+    with ThreadPoolExecutor(2) as pool:
+        futs = [pool.submit(f, x) for x in "ab"]
+        while f.stats().queue_depth < 2:
+            time.sleep(0.001)
+        f.close()  # the partial static batch is served, not dropped
+        assert [fu.result(5) for fu in futs] == ["A1", "B1"]
+    with pytest.raises(BatcherClosed):
+        f("c")
+    assert f.stats().dispatch_reasons == {"closing": 1}
+
+
+def test_close_timeout_answers_everyone_even_if_function_hangs() -> None:
+    gate = threading.Event()
+    f = batchkit.batched(max_batch_size=1)(lambda xs: (gate.wait(10), xs)[1])
+    with ThreadPoolExecutor(3) as pool:
+        futs = [pool.submit(f, x) for x in "abc"]
+        while f.stats().in_flight == 0 or f.stats().queue_depth < 2:
+            time.sleep(0.001)
+        start = time.monotonic()
+        f.close(timeout=0.05)
+        assert time.monotonic() - start < 2
+        for fu in futs:
+            with pytest.raises(BatcherClosed):
+                fu.result(2)
+    gate.set()
+
+
+def test_async_close_timeout() -> None:
+    @batchkit.batched(max_batch_size=1)
+    async def f(xs):
+        await asyncio.sleep(10)
+        return xs
+
+    async def main():
+        tasks = [asyncio.create_task(f(x)) for x in "ab"]
+        await asyncio.sleep(0.01)
+        await f.aclose(timeout=0.05)
+        for t in tasks:
+            with pytest.raises(BatcherClosed):
+                await t
+        with pytest.raises(BatcherClosed):
+            await f("c")
+
+    asyncio.run(asyncio.wait_for(main(), 5))
+
+
+def test_methods_get_a_queue_per_instance() -> None:
+    class Model:
+        def __init__(self, tag: str) -> None:
+            self.tag = tag
+
+        @batchkit.batched(max_batch_size=4)
+        def predict(self, xs):
+            return [self.tag + x for x in xs]
+
+    a, b = Model("a"), Model("b")
+    assert a.predict("1") == "a1" and b.predict("1") == "b1"
+    assert a.predict is a.predict and a.predict is not b.predict
+    a.predict.close()
+    with pytest.raises(BatcherClosed):
+        a.predict("2")
+    assert b.predict("2") == "b2"
+
+
+def test_strict_sizes_function_sees_only_allowed_sizes() -> None:
+    rec = Recorder()
+    policy = DynamicBatcher(8, 20, preferred_batch_sizes=[2, 4, 8], strict_sizes=True)
+    f = batchkit.batched(batcher=policy)(rec)
+    items = [str(i) for i in range(13)]
+    assert f.map(items) == model(items)
+    assert all(len(b) in (2, 4, 8) for b in rec.batches)
+    assert f.stats().padded_slots == sum(map(len, rec.batches)) - len(items)
+
+
+def test_async_function_call_returns_awaitable_and_stats() -> None:
+    @batchkit.batched
+    async def f(xs):
+        return xs
+
+    async def main():
+        aw = f(1)
+        assert asyncio.iscoroutine(aw)
+        return await aw
+
+    assert asyncio.run(main()) == 1
+    s = f.stats()
+    assert isinstance(s.requests, int) and s.requests == 1 and s.batches == 1
+    assert s.batch_sizes == {1: 1} and s.queue_wait.count == 1
+
+
+def test_batcher_and_size_together_is_an_error() -> None:
+    with pytest.raises(ValueError, match="batcher"):
+        batchkit.batched(batcher=DynamicBatcher(), max_batch_size=3)

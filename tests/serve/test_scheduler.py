@@ -1,0 +1,199 @@
+"""The scheduler core, driven with explicit times: deterministic, no threads, no sleeps."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from batchkit import BucketedBatcher, DynamicBatcher, QueueFull, SortedBatcher, StaticBatcher
+from batchkit.batchers.base import Batcher
+from batchkit.serve.request import Request, State
+from batchkit.serve.scheduler import Scheduler
+from batchkit.serve.stats import DispatchReason
+
+
+def add(sched: Scheduler, item: object, now: float, priority: int = 0) -> Request:
+    policy = sched.policy
+    key = policy.key_of(item)
+    req = Request(item, key=key, bucket=policy.bucket_of(key), priority=priority,
+                  seq=sched.next_seq(), enqueued_at=now)
+    sched.add(req)
+    return req
+
+
+def test_idle_dispatches_at_once() -> None:
+    sched = Scheduler(DynamicBatcher(4, max_wait_ms=10))
+    add(sched, 1, 0.0)
+    batch, _ = sched.poll(0.0)
+    assert batch is not None and batch.reason is DispatchReason.IDLE
+    assert [r.item for r in batch.requests] == [1]
+
+
+def test_busy_waits_for_max_wait_from_oldest() -> None:
+    sched = Scheduler(DynamicBatcher(4, max_wait_ms=10), max_concurrent_batches=2)
+    add(sched, 0, 0.0)
+    first, _ = sched.poll(0.0)  # idle -> leaves
+    assert first is not None
+    add(sched, 1, 1.0)
+    add(sched, 2, 1.005)
+    batch, wake = sched.poll(1.005)
+    assert batch is None and wake == pytest.approx(1.010)
+    batch, _ = sched.poll(1.00999)
+    assert batch is None
+    batch, _ = sched.poll(1.010)
+    assert batch is not None and batch.reason is DispatchReason.MAX_WAIT
+    assert [r.item for r in batch.requests] == [1, 2]
+
+
+def test_full_batch_leaves_while_busy() -> None:
+    sched = Scheduler(DynamicBatcher(3, max_wait_ms=1000), max_concurrent_batches=2)
+    add(sched, 0, 0.0)
+    assert sched.poll(0.0)[0] is not None
+    for i in range(4):
+        add(sched, i, 0.1)
+    batch, _ = sched.poll(0.1)
+    assert batch is not None and batch.reason is DispatchReason.FULL and len(batch.requests) == 3
+    assert sched.poll(0.1) == (None, None)  # both slots busy: nothing to wake for
+    sched.finish(batch, 0.2)
+    batch, _ = sched.poll(0.2)
+    assert batch is None  # one still running, 1 waiting, not full, not aged
+
+
+def test_no_slot_no_batch() -> None:
+    sched = Scheduler(DynamicBatcher(2, max_wait_ms=0))
+    add(sched, 0, 0.0)
+    running, _ = sched.poll(0.0)
+    for i in range(5):
+        add(sched, i, 0.0)
+    assert sched.poll(100.0) == (None, None)
+    assert running is not None
+    sched.finish(running, 1.0)
+    batch, _ = sched.poll(1.0)
+    assert batch is not None and len(batch.requests) == 2
+
+
+def test_static_waits_for_full_then_flushes_on_close() -> None:
+    sched = Scheduler(StaticBatcher(3))
+    add(sched, 0, 0.0)
+    add(sched, 1, 0.0)
+    assert sched.poll(1e9) == (None, None)  # no timer: static never leaves partial
+    sched.closing = True
+    batch, _ = sched.poll(1e9)
+    assert batch is not None and batch.reason is DispatchReason.CLOSING
+    assert len(batch.requests) == 2
+
+
+def test_priority_lower_first_across_buckets() -> None:
+    sched = Scheduler(BucketedBatcher([2, 10], max_batch_size=2, max_wait_ms=0))
+    add(sched, "aaaaa", 0.0, priority=5)
+    add(sched, "a", 0.1, priority=1)
+    add(sched, "bbbbb", 0.2, priority=0)
+    batch, _ = sched.poll(1.0)
+    assert batch is not None
+    assert [r.item for r in batch.requests] == ["bbbbb", "aaaaa"]  # priority 0 then 5, same bucket
+
+
+def test_bucket_never_mixed_and_token_budget() -> None:
+    sched = Scheduler(BucketedBatcher([2, 10], max_batch_size=8, max_tokens=12, max_wait_ms=0))
+    for item in ["a", "bbbb", "c", "dddd", "eeee", "ffff"]:
+        add(sched, item, 0.0)
+    batch, _ = sched.poll(0.0)
+    assert batch is not None
+    assert [r.item for r in batch.requests] == ["a", "c"]
+    sched.finish(batch, 0.0)
+    batch, _ = sched.poll(0.0)
+    assert batch is not None
+    assert [r.item for r in batch.requests] == ["bbbb", "dddd", "eeee"]  # 3*4 = 12 tokens
+
+
+def test_queue_full_rejects_without_enqueueing() -> None:
+    sched = Scheduler(DynamicBatcher(2), max_queue_size=2)
+    add(sched, 0, 0.0)
+    add(sched, 1, 0.0)
+    with pytest.raises(QueueFull, match="max_queue_size=2"):
+        add(sched, 2, 0.0)
+    assert sched.num_waiting == 2 and sched.stats.rejected == 1
+
+
+def test_drop_removes_waiting_only() -> None:
+    sched = Scheduler(DynamicBatcher(4, max_wait_ms=0))
+    a = add(sched, "a", 0.0)
+    b = add(sched, "b", 0.0)
+    assert sched.drop(a)
+    assert not sched.drop(a)
+    batch, _ = sched.poll(0.0)
+    assert batch is not None and batch.requests == [b]
+    assert not sched.drop(b)  # running
+    assert a.state is State.DROPPED and b.state is State.RUNNING
+
+
+def test_strict_sizes_pad_up() -> None:
+    policy = DynamicBatcher(64, preferred_batch_sizes=[1, 4, 8], strict_sizes=True, max_wait_ms=0)
+    sched = Scheduler(policy)
+    for i in range(5):
+        add(sched, i, 0.0)
+    batch, _ = sched.poll(0.0)
+    assert batch is not None and len(batch.requests) == 5 and batch.padded_size == 8
+
+
+def test_preferred_sizes_take_largest_available() -> None:
+    sched = Scheduler(DynamicBatcher(64, preferred_batch_sizes=[2, 4], max_wait_ms=0))
+    for i in range(7):
+        add(sched, i, 0.0)
+    batch, _ = sched.poll(0.0)
+    assert batch is not None and len(batch.requests) == 4 and batch.padded_size == 4
+
+
+def test_sorted_groups_nearest_keys_with_oldest() -> None:
+    sched = Scheduler(SortedBatcher(batch_size=3, max_wait_ms=0))
+    for item in ["a" * 5, "a" * 50, "a" * 4, "a" * 49, "a" * 6, "a" * 51]:
+        add(sched, item, 0.0)
+    batch, _ = sched.poll(0.0)
+    assert batch is not None
+    assert sorted(len(r.item) for r in batch.requests) == [4, 5, 6]
+
+
+policies = st.sampled_from([
+    DynamicBatcher(4, max_wait_ms=3),
+    DynamicBatcher(8, max_wait_ms=0, max_tokens=20),
+    BucketedBatcher([3, 6], max_batch_size=3, max_wait_ms=2),
+    SortedBatcher(batch_size=4, max_wait_ms=1),
+    StaticBatcher(3),
+])
+
+
+@given(policies, st.lists(st.tuples(st.integers(0, 9), st.integers(0, 3), st.floats(0, 5)),
+                          max_size=60), st.integers(1, 3))
+def test_everything_served_once_within_limits(
+    policy: Batcher, arrivals: list[tuple[int, int, float]], slots: int
+) -> None:
+    """Simulate arrivals and completions on a fake clock: each request runs exactly once."""
+    sched = Scheduler(policy, max_concurrent_batches=slots)
+    now, running, served = 0.0, [], []
+
+    def finish_oldest() -> None:
+        done = running.pop(0)
+        reqs = done.requests
+        assert all(r.state is State.RUNNING for r in reqs)
+        assert 1 <= len(reqs) <= policy.max_batch_size
+        if policy.max_tokens is not None and len(reqs) > 1:
+            assert len(reqs) * max(r.key for r in reqs) <= policy.max_tokens
+        assert len({r.bucket for r in reqs}) == 1
+        sched.finish(done, now)
+        served.extend(reqs)
+
+    for length, priority, gap in arrivals:
+        now += gap / 1000
+        add(sched, "x" * length, now, priority)
+        while (batch := sched.poll(now)[0]) is not None:
+            running.append(batch)
+        if running and gap > 2:  # sometimes a batch finishes
+            finish_oldest()
+    sched.closing = True
+    while running or sched.num_waiting:
+        while (batch := sched.poll(now)[0]) is not None:
+            running.append(batch)
+        finish_oldest()
+    assert sorted(r.seq for r in served) == list(range(1, len(arrivals) + 1))
+    assert sched.drained
