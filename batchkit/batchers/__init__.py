@@ -6,4 +6,11 @@ from batchkit.batchers.dynamic import DynamicBatcher
 from batchkit.batchers.sorted import SortedBatcher
 from batchkit.batchers.static import StaticBatcher
 
-__all__ = ["Batch", "Batcher", "BucketedBatcher", "DynamicBatcher", "SortedBatcher", "StaticBatcher"]
+__all__ = [
+    "Batch",
+    "Batcher",
+    "BucketedBatcher",
+    "DynamicBatcher",
+    "SortedBatcher",
+    "StaticBatcher",
+]

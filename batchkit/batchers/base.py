@@ -55,9 +55,7 @@ def padded_area(size: int, longest: float) -> float:
     return size * longest
 
 
-def take_within_budget(
-    keys: Iterable[float], max_batch_size: int, max_tokens: int | None
-) -> int:
+def take_within_budget(keys: Iterable[float], max_batch_size: int, max_tokens: int | None) -> int:
     """How many of ``keys`` (in order) fit one batch.
 
     At most ``max_batch_size``, and ``size * max(key)`` stays within ``max_tokens``;
@@ -80,9 +78,7 @@ def cut(
     """Cut ``order`` (indices into ``keys``) into consecutive batches within the limits."""
     start = 0
     while start < len(order):
-        n = take_within_budget(
-            (keys[i] for i in order[start:]), max_batch_size, max_tokens
-        )
+        n = take_within_budget((keys[i] for i in order[start:]), max_batch_size, max_tokens)
         yield list(order[start : start + n])
         start += n
 

@@ -54,18 +54,19 @@ class SortedBatcher(Batcher):
     def select(self, candidates: Sequence[C]) -> list[C]:
         """The first (oldest, highest-priority) candidate plus its nearest-key neighbours."""
         ranked = sorted(range(len(candidates)), key=lambda i: candidates[i].key)
-        pos = ranked.index(0)
-        lo = hi = pos  # chosen: ranked[lo:hi+1]
-        longest = candidates[0].key
+        keys = [candidates[i].key for i in ranked]
+        seed = candidates[0].key
+        lo = hi = ranked.index(0)  # the chosen window is ranked[lo:hi+1]
         while hi - lo + 1 < self.max_batch_size:
-            left = candidates[ranked[lo - 1]].key if lo > 0 else None
-            right = candidates[ranked[hi + 1]].key if hi + 1 < len(ranked) else None
-            if left is None and right is None:
+            can_left, can_right = lo > 0, hi + 1 < len(ranked)
+            if not (can_left or can_right):
                 break
-            seed = candidates[0].key
-            go_left = right is None or (left is not None and seed - left <= right - seed)
-            new_longest = longest if go_left else max(longest, right)  # type: ignore[arg-type]
-            if self.max_tokens is not None and padded_area(hi - lo + 2, new_longest) > self.max_tokens:
+            go_left = can_left and (not can_right or seed - keys[lo - 1] <= keys[hi + 1] - seed)
+            longest = keys[hi] if go_left else keys[hi + 1]  # keys ascend: the right end is max
+            if self.max_tokens is not None and padded_area(hi - lo + 2, longest) > self.max_tokens:
                 break
-            lo, hi, longest = (lo - 1, hi, longest) if go_left else (lo, hi + 1, new_longest)
+            if go_left:
+                lo -= 1
+            else:
+                hi += 1
         return [candidates[i] for i in sorted(ranked[lo : hi + 1])]

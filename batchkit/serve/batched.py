@@ -58,7 +58,7 @@ class BatchedFunction(Generic[R]):
     def __get__(self, instance: Any, owner: type | None = None) -> Any:
         if instance is None:
             return self
-        bound = BatchedFunction(self.fn.__get__(instance, owner), self.options)
+        bound: BatchedFunction[R] = BatchedFunction(self.fn.__get__(instance, owner), self.options)
         name = getattr(self, "_attr_name", None)
         if name is not None and hasattr(instance, "__dict__"):
             instance.__dict__[name] = bound  # later lookups skip this descriptor
@@ -227,7 +227,7 @@ def batched(
     def wrap(func: Callable[[Any], Any]) -> BatchedFunction[Any]:
         if not callable(func):
             raise TypeError(f"@batched needs a callable, got {type(func).__name__}")
-        wrapper = BatchedFunction(func, options)
+        wrapper: BatchedFunction[Any] = BatchedFunction(func, options)
         functools.update_wrapper(wrapper, func, updated=())  # type: ignore[arg-type]
         return wrapper
 

@@ -9,6 +9,7 @@ and :class:`~batchkit.serve.looped.LoopRuntime` (async functions; one event loop
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -139,7 +140,7 @@ class Runtime:
     ) -> None:
         """Under the lock: free the slot and answer each still-running request once."""
         self.sched.finish(batch, self.clock())
-        done = []
+        done: list[Request] = []
         for req, (value, error) in zip(batch.requests, outcomes):
             if req.state is not State.RUNNING:
                 continue  # already answered (a close that timed out)
@@ -185,10 +186,9 @@ def deliver(requests: list[Request]) -> None:
         if _running_loop() is loop:
             resolve_futures(reqs)
         else:
-            try:
+            # A closed loop raises RuntimeError: nobody is left there to answer.
+            with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(resolve_futures, reqs)
-            except RuntimeError:
-                pass  # the caller's loop is closed: nobody is left to answer
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

@@ -66,8 +66,12 @@ def test_sorted_least_padding(
             assert len({i // window for i in b.indices}) == 1
 
 
-@given(lengths_st, st.lists(st.integers(1, 64), min_size=1, max_size=5, unique=True),
-       st.integers(1, 9), budget_st)
+@given(
+    lengths_st,
+    st.lists(st.integers(1, 64), min_size=1, max_size=5, unique=True),
+    st.integers(1, 9),
+    budget_st,
+)
 def test_bucketed_never_mixes(
     lengths: list[int], bounds: list[int], size: int, budget: int | None
 ) -> None:

@@ -68,8 +68,14 @@ items_st = st.lists(st.text("abc", min_size=0, max_size=8), min_size=1, max_size
 
 
 @settings(max_examples=15, deadline=None)
-@given(items_st, policy_st, st.integers(1, 8), st.sampled_from([0.0, 1.0, 3.0]),
-       st.integers(1, 8), st.integers(1, 2))
+@given(
+    items_st,
+    policy_st,
+    st.integers(1, 8),
+    st.sampled_from([0.0, 1.0, 3.0]),
+    st.integers(1, 8),
+    st.integers(1, 2),
+)
 def test_threads_each_get_their_own_result(items, policy_name, size, wait, threads, slots) -> None:
     policy = make_policy(policy_name, size, wait)
     rec = Recorder()
@@ -88,6 +94,7 @@ def test_tasks_each_get_their_own_result(items, policy_name, size, wait, is_asyn
     policy = make_policy(policy_name, size, wait)
     rec = Recorder()
     if is_async:
+
         async def fn(xs):
             await asyncio.sleep(0)
             return rec(xs)

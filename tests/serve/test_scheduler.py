@@ -16,8 +16,14 @@ from batchkit.serve.stats import DispatchReason
 def add(sched: Scheduler, item: object, now: float, priority: int = 0) -> Request:
     policy = sched.policy
     key = policy.key_of(item)
-    req = Request(item, key=key, bucket=policy.bucket_of(key), priority=priority,
-                  seq=sched.next_seq(), enqueued_at=now)
+    req = Request(
+        item,
+        key=key,
+        bucket=policy.bucket_of(key),
+        priority=priority,
+        seq=sched.next_seq(),
+        enqueued_at=now,
+    )
     sched.add(req)
     return req
 
@@ -154,17 +160,22 @@ def test_sorted_groups_nearest_keys_with_oldest() -> None:
     assert sorted(len(r.item) for r in batch.requests) == [4, 5, 6]
 
 
-policies = st.sampled_from([
-    DynamicBatcher(4, max_wait_ms=3),
-    DynamicBatcher(8, max_wait_ms=0, max_tokens=20),
-    BucketedBatcher([3, 6], max_batch_size=3, max_wait_ms=2),
-    SortedBatcher(batch_size=4, max_wait_ms=1),
-    StaticBatcher(3),
-])
+policies = st.sampled_from(
+    [
+        DynamicBatcher(4, max_wait_ms=3),
+        DynamicBatcher(8, max_wait_ms=0, max_tokens=20),
+        BucketedBatcher([3, 6], max_batch_size=3, max_wait_ms=2),
+        SortedBatcher(batch_size=4, max_wait_ms=1),
+        StaticBatcher(3),
+    ]
+)
 
 
-@given(policies, st.lists(st.tuples(st.integers(0, 9), st.integers(0, 3), st.floats(0, 5)),
-                          max_size=60), st.integers(1, 3))
+@given(
+    policies,
+    st.lists(st.tuples(st.integers(0, 9), st.integers(0, 3), st.floats(0, 5)), max_size=60),
+    st.integers(1, 3),
+)
 def test_everything_served_once_within_limits(
     policy: Batcher, arrivals: list[tuple[int, int, float]], slots: int
 ) -> None:
