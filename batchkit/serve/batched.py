@@ -67,9 +67,9 @@ class BatchedFunction(Generic[R]):
     # -- one item ------------------------------------------------------------
     def __call__(self, item: Any, *, priority: int = 0, timeout: float | None = None) -> Any:
         """Run one item in a batch. Sync function: its result; async function: an awaitable."""
-        if self.is_async:
-            return self.acall(item, priority=priority, timeout=timeout)
         runtime = self.runtime
+        if isinstance(runtime, LoopRuntime):
+            return runtime.acall(item, priority, timeout)
         assert isinstance(runtime, ThreadRuntime)
         return runtime.call(item, priority, timeout)
 
@@ -79,11 +79,7 @@ class BatchedFunction(Generic[R]):
         ``timeout``: seconds before the item must have started running, else
         :class:`~batchkit.RequestTimeout`. Lower ``priority`` values are served first.
         """
-        runtime = self.runtime
-        if isinstance(runtime, LoopRuntime):
-            return await runtime.acall(item, priority, timeout)
-        assert isinstance(runtime, ThreadRuntime)
-        return await runtime.acall(item, priority, timeout)
+        return await self.runtime.acall(item, priority, timeout)
 
     # -- many items ------------------------------------------------------------
     def map(
@@ -112,8 +108,7 @@ class BatchedFunction(Generic[R]):
         """:meth:`map` from asyncio, for sync and async functions."""
         runtime = self.runtime
         loop = asyncio.get_running_loop()
-        if isinstance(runtime, LoopRuntime):
-            runtime._bind(loop)
+        runtime.bind(loop)
         reqs = [runtime.make_request(x, priority, loop) for x in items]
         if isinstance(runtime, ThreadRuntime):
             runtime.submit_many(reqs)

@@ -12,7 +12,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from batchkit.serve.runtime import Options, Runtime, await_request, closed_error
+from batchkit.serve.runtime import Options, Runtime, closed_error
 from batchkit.serve.scheduler import FormedBatch
 
 
@@ -27,7 +27,8 @@ class LoopRuntime(Runtime):
         self._tasks: set[asyncio.Task[None]] = set()
         self._drained: asyncio.Event | None = None
 
-    def _bind(self, loop: asyncio.AbstractEventLoop) -> None:
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Serve callers on ``loop`` (refused while busy on another loop)."""
         if self.loop is loop:
             return
         with self.lock:
@@ -45,7 +46,10 @@ class LoopRuntime(Runtime):
         if self._pump_scheduled or self.loop is None:
             return
         self._pump_scheduled = True
-        self.loop.call_soon_threadsafe(self._pump)
+        if asyncio._get_running_loop() is self.loop:
+            self.loop.call_soon(self._pump)  # no self-pipe write from the loop's own thread
+        else:
+            self.loop.call_soon_threadsafe(self._pump)
 
     def _pump(self) -> None:
         """Start every batch that is ready; arm the timer for the next max-wait expiry."""
@@ -80,15 +84,6 @@ class LoopRuntime(Runtime):
     def _check_drained_locked(self) -> None:
         if self.closed and self.sched.drained and self._drained is not None:
             self._drained.set()
-
-    # -- callers -----------------------------------------------------------
-    async def acall(self, item: Any, priority: int, timeout: float | None) -> Any:
-        """One item from a task on this runtime's loop."""
-        loop = asyncio.get_running_loop()
-        self._bind(loop)
-        req = self.make_request(item, priority, loop)
-        self.submit(req)
-        return await await_request(self, req, timeout)
 
     # -- shutdown ------------------------------------------------------------
     async def aclose(self, timeout: float | None = None) -> None:

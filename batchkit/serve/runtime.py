@@ -86,6 +86,23 @@ class Runtime:
         """Something changed: make sure a batch leaves if one is ready."""
         raise NotImplementedError
 
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Prepare to serve asyncio callers on ``loop`` (nothing to do for threads)."""
+
+    async def acall(self, item: Any, priority: int, timeout: float | None) -> Any:
+        """One item from asyncio: await its result, honouring timeout and cancellation."""
+        loop = asyncio.get_running_loop()
+        self.bind(loop)
+        req = self.make_request(item, priority, loop)
+        self.submit(req)
+        if timeout is None:  # the hot path: no timer, a single await
+            try:
+                return await req.future  # type: ignore[misc]
+            except asyncio.CancelledError:
+                self.give_up(req, asyncio.CancelledError(), timed_out=False)
+                raise
+        return await await_request(self, req, timeout)
+
     def give_up(self, req: Request, error: BaseException, *, timed_out: bool) -> bool:
         """Withdraw a request its caller no longer waits for; False if it already started."""
         with self.lock:

@@ -29,12 +29,13 @@ class FormedBatch:
 class Bucket:
     """One bucket's waiting requests, FIFO per priority; dead entries removed lazily."""
 
-    __slots__ = ("queues", "live", "max_key")
+    __slots__ = ("queues", "live", "max_key", "track_max_key")
 
-    def __init__(self) -> None:
+    def __init__(self, track_max_key: bool) -> None:
         self.queues: dict[int, deque[Request]] = {}
         self.live = 0
-        self.max_key = 0.0
+        self.max_key = 0.0  # an upper bound, exact after each take (token budgets only)
+        self.track_max_key = track_max_key
 
     def add(self, req: Request) -> None:
         queue = self.queues.get(req.priority)
@@ -79,12 +80,12 @@ class Bucket:
     def taken(self, count: int) -> None:
         """Bookkeeping after ``count`` requests left: compact, refresh the key maximum."""
         self.live -= count
-        for priority, queue in list(self.queues.items()):
+        for priority, queue in self.queues.items():
             if len(queue) > 2 * self.live + 64:
                 self.queues[priority] = deque(r for r in queue if r.state is State.WAITING)
         if self.live == 0:
             self.max_key = 0.0
-        elif count:
+        elif count and self.track_max_key:
             self.max_key = max(r.key for r in self.candidates(None))
 
 
@@ -127,7 +128,7 @@ class Scheduler:
             )
         bucket = self.buckets.get(req.bucket)
         if bucket is None:
-            bucket = self.buckets[req.bucket] = Bucket()
+            bucket = self.buckets[req.bucket] = Bucket(self.policy.max_tokens is not None)
         bucket.add(req)
         self.num_waiting += 1
         self.stats.requests += 1

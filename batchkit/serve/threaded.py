@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from batchkit.serve.request import Request
-from batchkit.serve.runtime import Options, Runtime, await_request, closed_error
+from batchkit.serve.runtime import Options, Runtime, closed_error
 from batchkit.serve.scheduler import FormedBatch
 
 
@@ -82,12 +82,6 @@ class ThreadRuntime(Runtime):
                 raise req.error  # type: ignore[misc]
             req.wait(None)  # it started running: its result is on the way
         return req.outcome()
-
-    async def acall(self, item: Any, priority: int, timeout: float | None) -> Any:
-        """One item from asyncio: the batch runs on a worker thread, the loop stays free."""
-        req = self.make_request(item, priority, asyncio.get_running_loop())
-        self.submit(req)
-        return await await_request(self, req, timeout)
 
     def submit_many(self, reqs: list[Request]) -> None:
         """Enqueue several requests (all or none)."""
