@@ -31,7 +31,9 @@ class BatchedFunction(Generic[R]):
     def __init__(self, fn: Callable[..., Any], options: Options) -> None:
         self.fn = fn
         self.options = options
-        self.is_async = inspect.iscoroutinefunction(fn)
+        self.is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+            getattr(fn, "__call__", None)  # a callable object with an async __call__
+        )
         self.__name__ = getattr(fn, "__name__", "batched")
         self.__qualname__ = getattr(fn, "__qualname__", self.__name__)
         self.__doc__ = getattr(fn, "__doc__", None)

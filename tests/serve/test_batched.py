@@ -381,3 +381,16 @@ def test_async_function_call_returns_awaitable_and_stats() -> None:
 def test_batcher_and_size_together_is_an_error() -> None:
     with pytest.raises(ValueError, match="batcher"):
         batchkit.batched(batcher=DynamicBatcher(), max_batch_size=3)
+
+
+def test_callable_object_with_async_call_runs_on_the_loop() -> None:
+    class Model:
+        async def __call__(self, xs):
+            return [x * 2 for x in xs]
+
+    f = batchkit.batched(Model())
+
+    async def main():
+        return await asyncio.gather(*(f(i) for i in range(5)))
+
+    assert asyncio.run(main()) == [0, 2, 4, 6, 8]
