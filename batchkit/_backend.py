@@ -26,14 +26,20 @@ def torch_module() -> Any | None:
     return sys.modules.get("torch")
 
 
+def _torch() -> Any:
+    """The already-imported torch module (callers only reach here holding a tensor)."""
+    torch = torch_module()
+    if torch is None:  # pragma: no cover - a tensor cannot exist without torch imported
+        raise RuntimeError("torch tensors seen but torch is not imported")
+    return torch
+
+
 def require_torch() -> Any:
     """Import torch for ``return_tensors="pt"``; a clear error if it is not installed."""
     try:
         import torch
     except ImportError as exc:  # pragma: no cover - exercised only without torch
-        raise ImportError(
-            'return_tensors="pt" needs torch: pip install "batchkit[torch]"'
-        ) from exc
+        raise ImportError('return_tensors="pt" needs torch: pip install "batchkit[torch]"') from exc
     return torch
 
 
@@ -73,7 +79,8 @@ def to_numpy(x: Any) -> np.ndarray:
     if isinstance(x, np.ndarray):
         return x
     if is_tensor(x):
-        return x.detach().cpu().numpy()
+        out: np.ndarray = x.detach().cpu().numpy()
+        return out
     return np.asarray(x)
 
 
@@ -174,6 +181,13 @@ def _fast_flat_list(items: Sequence[Any]) -> np.ndarray | None:
     return flat
 
 
+def _check_list_items(items: Sequence[Any]) -> None:
+    """Every item of a python-list batch must itself be a list or tuple (errors name the item)."""
+    for i, item in enumerate(items):
+        if not isinstance(item, (list, tuple)):
+            _item_array(item, i, "list")  # raises the precise TypeError for this item
+
+
 def to_ragged(
     items: Sequence[Any],
     *,
@@ -184,7 +198,8 @@ def to_ragged(
 
     Items longer than ``max_length`` are cut to their first ``max_length`` steps
     (callers decide beforehand whether that is allowed). Inputs are never mutated:
-    the flat buffer is always a fresh copy.
+    the flat buffer is always a fresh copy. Python lists holding no numbers at all
+    (every item empty) give int64, the dtype of token ids.
     """
     check_return_tensors(return_tensors)
     if isinstance(items, (np.ndarray,)) or is_tensor(items):
@@ -201,6 +216,7 @@ def to_ragged(
         raise TypeError(f"item 0: {exc}") from None
 
     if kind == "list":
+        _check_list_items(items)
         if max_length is not None:
             items = [s[:max_length] if len(s) > max_length else s for s in items]
         lengths = np.fromiter((len(s) for s in items), dtype=np.int64, count=len(items))
@@ -230,7 +246,7 @@ def to_ragged(
     lengths = np.fromiter((a.shape[0] for a in arrays), dtype=np.int64, count=len(arrays))
 
     if kind == "pt":
-        torch = torch_module()
+        torch = _torch()
         device = arrays[0].device
         for i, a in enumerate(arrays):
             if a.device != device:
@@ -240,6 +256,8 @@ def to_ragged(
         return Ragged(to_kind(values, out_kind), lengths, out_kind)
 
     values = np.concatenate(arrays, axis=0)
+    if kind == "list" and values.size == 0:
+        values = values.astype(np.int64)  # no numbers to infer from: token ids, as HF gives
     out_kind = output_kind(kind, return_tensors)
     if out_kind == "pt" and kind == "list" and values.dtype == np.float64:
         values = values.astype(np.float32)
@@ -249,7 +267,7 @@ def to_ragged(
 def full(kind: str, shape: tuple[int, ...], fill: Any, like: Any) -> Any:
     """An array of ``shape`` filled with ``fill``, with ``like``'s dtype and device."""
     if kind == "pt":
-        torch = torch_module()
+        torch = _torch()
         return torch.full(shape, fill, dtype=like.dtype, device=like.device)
     return np.full(shape, fill, dtype=like.dtype)
 
@@ -272,5 +290,5 @@ def check_leading_axes(outputs: Any, expected: tuple[int, ...], what: str) -> No
 def concat(parts: Sequence[Any]) -> Any:
     """Concatenate arrays or tensors along axis 0, in the backend of the first part."""
     if is_tensor(parts[0]):
-        return torch_module().cat(list(parts), dim=0)
+        return _torch().cat(list(parts), dim=0)
     return np.concatenate(parts, axis=0)

@@ -30,7 +30,7 @@ from batchkit._backend import (
     full,
     to_ragged,
 )
-from batchkit.collate.pad import check_max_length
+from batchkit.collate.pad import check_max_length, is_positive_int
 from batchkit.collate.varlen import positions_restarting
 
 Strategy = Literal["best_fit", "first_fit", "in_order"]
@@ -163,8 +163,9 @@ def pack(
     with ``split=True`` is cut into ``max_length`` chunks, each its own segment
     (positions restart at 0 in each chunk; ``unpack`` joins them back).
     """
-    if not isinstance(max_length, int) or isinstance(max_length, bool) or max_length < 1:
+    if not is_positive_int(max_length):
         raise ValueError(f"max_length must be a positive int, got {max_length!r}")
+    max_length = int(max_length)
     if not split:
         check_max_length(seqs, max_length, hint="pass split=True to cut it into pieces")
     ragged = to_ragged(seqs, return_tensors=return_tensors)

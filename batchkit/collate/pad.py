@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -24,9 +25,14 @@ def round_up(n: int, multiple: int | None) -> int:
     """``n`` rounded up to a multiple of ``multiple`` (unchanged when None)."""
     if multiple is None:
         return n
-    if not isinstance(multiple, int) or isinstance(multiple, bool) or multiple < 1:
+    if not is_positive_int(multiple):
         raise ValueError(f"pad_to_multiple_of must be a positive int, got {multiple!r}")
-    return -(-n // multiple) * multiple
+    return -(-n // int(multiple)) * int(multiple)
+
+
+def is_positive_int(x: object) -> bool:
+    """True for a positive python or numpy integer (bools excluded)."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_)) and int(x) >= 1
 
 
 def check_side(side: str) -> None:

@@ -37,8 +37,7 @@ def _stack_arrays(leaves: Sequence[Any], path: str, return_tensors: ReturnTensor
     for i, leaf in enumerate(leaves):
         if is_tensor(leaf) != tensor_in or not (tensor_in or isinstance(leaf, np.ndarray)):
             raise TypeError(
-                f"item {i}{path}: got {type(leaf).__name__}, but item 0 has "
-                f"{type(first).__name__}"
+                f"item {i}{path}: got {type(leaf).__name__}, but item 0 has {type(first).__name__}"
             )
         if tuple(leaf.shape) != tuple(first.shape):
             raise ValueError(
@@ -61,7 +60,10 @@ def _stack_scalars(leaves: Sequence[Any], path: str, return_tensors: ReturnTenso
             raise TypeError(f"item {i}{path}: expected a number, got {type(leaf).__name__}")
     out = np.asarray(leaves)
     if return_tensors == "pt":
-        return require_torch().as_tensor(out)
+        torch = require_torch()
+        if out.dtype == np.float64 and not any(isinstance(x, np.generic) for x in leaves):
+            return torch.as_tensor(out, dtype=torch.get_default_dtype())  # as torch.tensor() does
+        return torch.as_tensor(out)
     return out
 
 
@@ -80,15 +82,18 @@ def _stack(items: Sequence[Any], path: str, return_tensors: ReturnTensors) -> An
                 raise TypeError(f"item {i}{path}: expected a mapping, got {type(item).__name__}")
             if item.keys() != first.keys():
                 diff = set(first.keys()) ^ set(item.keys())
-                raise ValueError(f"item {i}{path}: keys differ from item 0's: {sorted(map(str, diff))}")
+                raise ValueError(
+                    f"item {i}{path}: keys differ from item 0's: {sorted(map(str, diff))}"
+                )
         out = {k: _stack([it[k] for it in items], f"{path}[{k!r}]", return_tensors) for k in first}
         return out if type(first) is dict else type(first)(out)  # type: ignore[call-arg]
     if isinstance(first, (list, tuple)):
         for i, item in enumerate(items):
             if type(item) is not type(first) or len(item) != len(first):
+                size = len(item) if hasattr(item, "__len__") else "?"
                 raise ValueError(
                     f"item {i}{path}: expected a {type(first).__name__} of length {len(first)}, "
-                    f"got {type(item).__name__} of length {len(item) if hasattr(item, '__len__') else '?'}"
+                    f"got {type(item).__name__} of length {size}"
                 )
         columns = [
             _stack([it[j] for it in items], f"{path}[{j}]", return_tensors)

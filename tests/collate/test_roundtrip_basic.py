@@ -24,7 +24,7 @@ def test_pad_torch_follows_input() -> None:
     seqs = [torch.randn(n, 2) for n in (3, 1)]
     padded = batchkit.pad(seqs)
     assert isinstance(padded.data, torch.Tensor) and padded.data.shape == (2, 3, 2)
-    for got, want in zip(padded.unpad(padded.data), seqs):
+    for got, want in zip(padded.unpad(padded.data), seqs, strict=True):
         assert torch.equal(got, want)
 
 
@@ -45,5 +45,5 @@ def test_stack_unstack() -> None:
     items = [{"x": np.arange(3) + i, "y": (i, "s")} for i in range(4)]
     back = batchkit.unstack(batchkit.stack(items))
     assert len(back) == 4
-    for a, b in zip(back, items):
+    for a, b in zip(back, items, strict=True):
         assert (a["x"] == b["x"]).all() and a["y"][0] == b["y"][0] and a["y"][1] == b["y"][1]
