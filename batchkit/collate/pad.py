@@ -15,6 +15,7 @@ from batchkit._backend import (
     check_leading_axes,
     from_host,
     full,
+    scatter_rows,
     to_ragged,
 )
 
@@ -110,7 +111,7 @@ def pad_ragged(
     mask = from_host(ragged.kind, host_mask, ragged.device)
     if values.shape[0]:
         # Boolean-mask assignment fills row-major, which is exactly concatenation order.
-        data[mask] = values
+        scatter_rows(data, host_mask, mask, values)
     return Padded(
         data=data,
         mask=mask,
