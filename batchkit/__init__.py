@@ -6,10 +6,17 @@
 """
 
 from batchkit import batchers, collate, serve
-from batchkit.batchers import Batch, Batcher, BucketedBatcher, DynamicBatcher, SortedBatcher, StaticBatcher
+from batchkit.batchers import (
+    Batch,
+    Batcher,
+    BucketedBatcher,
+    DynamicBatcher,
+    SortedBatcher,
+    StaticBatcher,
+)
 from batchkit.collate import (
-    PadCollator,
     Packed,
+    PadCollator,
     Padded,
     Varlen,
     VarlenCollator,

@@ -32,7 +32,7 @@ class BatchedFunction(Generic[R]):
         self.fn = fn
         self.options = options
         self.is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
-            getattr(fn, "__call__", None)  # a callable object with an async __call__
+            getattr(fn, "__call__", None)  # noqa: B004 - an object with an async __call__
         )
         self.__name__ = getattr(fn, "__name__", "batched")
         self.__qualname__ = getattr(fn, "__qualname__", self.__name__)
