@@ -50,11 +50,18 @@ class DynamicBatcher(Batcher):
         """The oldest requests, cut to the largest preferred size available."""
         n = take_within_budget((c.key for c in candidates), self.max_batch_size, self.max_tokens)
         sizes = self.preferred_batch_sizes
-        if sizes and not self.strict_sizes:
+        if sizes and (not self.strict_sizes or self._padded_area_over_budget(candidates, n)):
             k = bisect.bisect_right(sizes, n)
             if k:
-                n = sizes[k - 1]
+                n = sizes[k - 1]  # a preferred size: no padding needed
         return list(candidates[:n])
+
+    def _padded_area_over_budget(self, candidates: Sequence[C], n: int) -> bool:
+        """Whether padding ``n`` items up to an allowed size would exceed ``max_tokens``."""
+        if self.max_tokens is None or n == 0:
+            return False
+        longest = max(c.key for c in candidates[:n])
+        return self.padded_size(n) * longest > self.max_tokens
 
     def padded_size(self, size: int) -> int:
         """With ``strict_sizes``, the smallest preferred size >= ``size``."""

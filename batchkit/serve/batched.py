@@ -7,6 +7,7 @@ import functools
 import inspect
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Generic, TypeVar, overload
 
@@ -39,7 +40,10 @@ class BatchedFunction(Generic[R]):
         self.__doc__ = getattr(fn, "__doc__", None)
         self.__wrapped__ = fn
         self._runtime: Runtime | None = None
-        self._runtime_lock = threading.Lock()
+        self._runtime_lock = threading.RLock()
+        self._bound_by_instance: weakref.WeakKeyDictionary[Any, BatchedFunction[R]] = (
+            weakref.WeakKeyDictionary()
+        )
 
     @property
     def runtime(self) -> Runtime:
@@ -60,11 +64,28 @@ class BatchedFunction(Generic[R]):
     def __get__(self, instance: Any, owner: type | None = None) -> Any:
         if instance is None:
             return self
-        bound: BatchedFunction[R] = BatchedFunction(self.fn.__get__(instance, owner), self.options)
+        with self._runtime_lock:  # two threads' first access must share one queue
+            return self._bound_for(instance, owner)
+
+    def _bound_for(self, instance: Any, owner: type | None) -> BatchedFunction[R]:
         name = getattr(self, "_attr_name", None)
-        if name is not None and hasattr(instance, "__dict__"):
-            instance.__dict__[name] = bound  # later lookups skip this descriptor
-        return bound
+        if name is not None and isinstance(getattr(instance, "__dict__", None), dict):
+            bound = instance.__dict__.get(name)
+            if bound is None:
+                bound = BatchedFunction(self.fn.__get__(instance, owner), self.options)
+                instance.__dict__[name] = bound  # later lookups skip this descriptor
+            return bound  # type: ignore[no-any-return]
+        try:  # __slots__ classes: remember the instance weakly
+            bound = self._bound_by_instance.get(instance)
+            if bound is None:
+                bound = BatchedFunction(self.fn.__get__(instance, owner), self.options)
+                self._bound_by_instance[instance] = bound
+            return bound
+        except TypeError:
+            raise TypeError(
+                f"@batched method {self.__qualname__} needs one queue per instance: give "
+                f"{type(instance).__name__} a __dict__ or '__weakref__' in its __slots__"
+            ) from None
 
     # -- one item ------------------------------------------------------------
     def __call__(self, item: Any, *, priority: int = 0, timeout: float | None = None) -> Any:
@@ -95,14 +116,18 @@ class BatchedFunction(Generic[R]):
         assert isinstance(runtime, ThreadRuntime)
         reqs = [runtime.make_request(x, priority, None) for x in items]
         runtime.submit_many(reqs)
-        results = []
-        for req in reqs:
-            if not req.wait(timeout):
+        # Every item's timeout runs from this call, as if each were called alone now: at
+        # the deadline, all items not yet started are withdrawn together.
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for i, req in enumerate(reqs):
+            left = None if deadline is None else deadline - time.monotonic()
+            if not req.wait(left):
                 assert timeout is not None
-                if not runtime.give_up(req, runtime.timeout_error(timeout), timed_out=True):
-                    req.wait(None)
-            results.append(req)
-        return [req.outcome() for req in results]
+                for late in reqs[i:]:
+                    runtime.give_up(late, runtime.timeout_error(timeout), timed_out=True)
+                deadline = None
+                req.wait(None)  # answered now: by the timeout, or by its running batch
+        return [req.outcome() for req in reqs]
 
     async def amap(
         self, items: Iterable[Any], *, priority: int = 0, timeout: float | None = None
@@ -112,11 +137,7 @@ class BatchedFunction(Generic[R]):
         loop = asyncio.get_running_loop()
         runtime.bind(loop)
         reqs = [runtime.make_request(x, priority, loop) for x in items]
-        if isinstance(runtime, ThreadRuntime):
-            runtime.submit_many(reqs)
-        else:
-            for req in reqs:
-                runtime.submit(req)
+        runtime.submit_many(reqs)
         waits = [asyncio.ensure_future(await_request(runtime, r, timeout)) for r in reqs]
         outcomes = await asyncio.gather(*waits, return_exceptions=True)
         for out in outcomes:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchkit.batchers.base import Batcher
-from batchkit.serve.errors import BatcherClosed, RequestTimeout
+from batchkit.serve.errors import BatcherClosed, QueueFull, RequestTimeout
 from batchkit.serve.request import Request, State, resolve_futures
 from batchkit.serve.scheduler import FormedBatch, Scheduler
 from batchkit.serve.stats import Stats
@@ -82,6 +82,26 @@ class Runtime:
             self.sched.add(req)
             self._wake_locked()
 
+    def submit_many(self, reqs: list[Request]) -> None:
+        """Enqueue several requests atomically: all of them, or none (``QueueFull``)."""
+        with self.lock:
+            if self.closed:
+                raise BatcherClosed(f"{self.name} is closed")
+            limit = self.sched.max_queue_size
+            if limit is not None and self.sched.num_waiting + len(reqs) > limit:
+                self.sched.stats.rejected += len(reqs)
+                raise QueueFull(
+                    f"{len(reqs)} items do not fit: {self.sched.num_waiting} requests are "
+                    f"waiting (max_queue_size={limit})"
+                )
+            now = self.clock()
+            for req in reqs:
+                req.seq = self.sched.next_seq()
+                req.enqueued_at = now
+                self.sched.add(req)
+            if reqs:
+                self._wake_locked()
+
     def _wake_locked(self) -> None:
         """Something changed: make sure a batch leaves if one is ready."""
         raise NotImplementedError
@@ -113,6 +133,7 @@ class Runtime:
             else:
                 self.sched.stats.cancelled += 1
             req.error = error
+            deliver([req])  # wakes a thread caller; a cancelled future is left alone
             self._wake_locked()
         return True
 
@@ -228,8 +249,7 @@ async def await_request(runtime: Runtime, req: Request, timeout: float | None) -
     if timeout is not None:
 
         def expire() -> None:
-            if runtime.give_up(req, runtime.timeout_error(timeout), timed_out=True):
-                resolve_futures([req])
+            runtime.give_up(req, runtime.timeout_error(timeout), timed_out=True)
 
         timer = req.loop.call_later(max(timeout, 0.0), expire)
     try:

@@ -14,7 +14,6 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from batchkit.serve.request import Request
 from batchkit.serve.runtime import Options, Runtime, closed_error
 from batchkit.serve.scheduler import FormedBatch
 
@@ -82,19 +81,6 @@ class ThreadRuntime(Runtime):
                 raise req.error  # type: ignore[misc]
             req.wait(None)  # it started running: its result is on the way
         return req.outcome()
-
-    def submit_many(self, reqs: list[Request]) -> None:
-        """Enqueue several requests (all or none)."""
-        submitted: list[Request] = []
-        try:
-            for req in reqs:
-                self.submit(req)
-                submitted.append(req)
-        except BaseException:
-            with self.lock:
-                for req in submitted:
-                    self.sched.drop(req)
-            raise
 
     # -- shutdown ------------------------------------------------------------
     def close(self, timeout: float | None = None) -> None:

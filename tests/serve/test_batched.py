@@ -394,3 +394,68 @@ def test_callable_object_with_async_call_runs_on_the_loop() -> None:
         return await asyncio.gather(*(f(i) for i in range(5)))
 
     assert asyncio.run(main()) == [0, 2, 4, 6, 8]
+
+
+def test_slots_methods_share_one_queue_per_instance() -> None:
+    class Slotted:
+        __slots__ = ("__weakref__",)
+
+        @batchkit.batched(max_batch_size=8, max_wait_ms=30)
+        def predict(self, xs):
+            return xs
+
+    class NoWeakref:
+        __slots__ = ()
+
+        @batchkit.batched
+        def predict(self, xs):
+            return xs
+
+    m = Slotted()
+    assert m.predict is m.predict
+    with ThreadPoolExecutor(8) as pool:
+        assert list(pool.map(m.predict, range(32))) == list(range(32))
+    assert m.predict.stats().batches < 32
+    m.predict.close()
+    with pytest.raises(BatcherClosed):
+        m.predict(1)
+    with pytest.raises(TypeError, match="__weakref__"):
+        NoWeakref().predict(1)
+
+
+def test_strict_sizes_padding_respects_token_budget() -> None:
+    rec = Recorder(lambda xs: xs)
+    policy = DynamicBatcher(8, 0, preferred_batch_sizes=[1, 4, 8], strict_sizes=True,
+                            max_tokens=20)
+    f = batchkit.batched(batcher=policy)(rec)
+    items = ["abcd" + str(i) for i in range(5)]  # 5 tokens each: at most 4 per batch
+    assert f.map(items) == items
+    for b in rec.batches:
+        assert len(b) in (1, 4, 8) and len(b) * max(map(len, b)) <= 20
+
+
+def test_map_timeout_counts_from_the_call() -> None:
+    f = batchkit.batched(max_batch_size=1)(lambda xs: (time.sleep(0.1), xs)[1])
+    start = time.monotonic()
+    with pytest.raises(RequestTimeout):
+        f.map(["a", "b", "c", "d"], timeout=0.15)
+    assert time.monotonic() - start < 0.35  # c and d gave up at 0.15 s, b finished at 0.2 s
+    f.close()
+    assert f.stats().timeouts == 2
+
+
+def test_map_is_all_or_nothing_under_queue_limit() -> None:
+    rec = Recorder()
+
+    @batchkit.batched(max_batch_size=1, max_queue_size=2)
+    async def g(xs):
+        return rec(xs)
+
+    async def main():
+        with pytest.raises(QueueFull, match="5 items do not fit"):
+            await g.amap(["a", "b", "c", "d", "e"])
+        await asyncio.sleep(0.02)
+        assert await g.amap(["x", "y"]) == model(["x", "y"])
+
+    asyncio.run(main())
+    assert rec.batches == [["x"], ["y"]]  # none of the rejected map's items ran
