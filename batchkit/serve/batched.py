@@ -70,11 +70,11 @@ class BatchedFunction(Generic[R]):
     def _bound_for(self, instance: Any, owner: type | None) -> BatchedFunction[R]:
         name = getattr(self, "_attr_name", None)
         if name is not None and isinstance(getattr(instance, "__dict__", None), dict):
-            bound = instance.__dict__.get(name)
-            if bound is None:
-                bound = BatchedFunction(self.fn.__get__(instance, owner), self.options)
-                instance.__dict__[name] = bound  # later lookups skip this descriptor
-            return bound  # type: ignore[no-any-return]
+            cached: BatchedFunction[R] | None = instance.__dict__.get(name)
+            if cached is None:
+                cached = BatchedFunction(self.fn.__get__(instance, owner), self.options)
+                instance.__dict__[name] = cached  # later lookups skip this descriptor
+            return cached
         try:  # __slots__ classes: remember the instance weakly
             bound = self._bound_by_instance.get(instance)
             if bound is None:
