@@ -54,6 +54,9 @@ class BatchedFunction(Generic[R]):
                 if self._runtime is None:
                     kind = LoopRuntime if self.is_async else ThreadRuntime
                     self._runtime = kind(self.fn, self.options, self.__qualname__)
+                    # The runtime's own ``async def acall`` (same signature) answers
+                    # ``f.acall`` from now on: one coroutine per call instead of two.
+                    self.acall = self._runtime.acall  # type: ignore[method-assign]
                 runtime = self._runtime
         return runtime
 
@@ -92,7 +95,7 @@ class BatchedFunction(Generic[R]):
         """Run one item in a batch. Sync function: its result; async function: an awaitable."""
         runtime = self.runtime
         if isinstance(runtime, LoopRuntime):
-            return runtime.acall(item, priority, timeout)
+            return runtime.acall(item, priority=priority, timeout=timeout)
         assert isinstance(runtime, ThreadRuntime)
         return runtime.call(item, priority, timeout)
 
@@ -102,7 +105,7 @@ class BatchedFunction(Generic[R]):
         ``timeout``: seconds before the item must have started running, else
         :class:`~batchkit.RequestTimeout`. Lower ``priority`` values are served first.
         """
-        return await self.runtime.acall(item, priority, timeout)
+        return await self.runtime.acall(item, priority=priority, timeout=timeout)
 
     # -- many items ------------------------------------------------------------
     def map(

@@ -12,7 +12,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from batchkit.serve.runtime import Options, Runtime, closed_error
+from batchkit.serve.runtime import Options, Runtime, closed_error, deliver
 from batchkit.serve.scheduler import FormedBatch
 
 
@@ -45,6 +45,8 @@ class LoopRuntime(Runtime):
     def _wake_locked(self) -> None:
         if self._pump_scheduled or self.loop is None:
             return
+        if self.sched.in_flight >= self.sched.max_concurrent_batches and not self.closed:
+            return  # every slot is busy: the batch that ends next polls the scheduler
         self._pump_scheduled = True
         if asyncio._get_running_loop() is self.loop:
             self.loop.call_soon(self._pump)  # no self-pipe write from the loop's own thread
@@ -71,15 +73,21 @@ class LoopRuntime(Runtime):
                 self._timer = loop.call_later(max(wake_at - self.clock(), 0.0), self._pump)
             self._check_drained_locked()
 
-    async def _run(self, batch: FormedBatch) -> None:
-        try:
-            output = await self.fn(self.batch_input(batch))
-            outcomes = self.outcomes(batch, output)
-        except BaseException as exc:  # noqa: BLE001 - a failing batch must not kill the loop
-            outcomes = [(None, exc)] * len(batch.requests)
-        with self.lock:
-            self.finish_locked(batch, outcomes)
-        self._pump()
+    async def _run(self, batch: FormedBatch | None) -> None:
+        """Run batches back to back in this task while one is ready as the last ends."""
+        while batch is not None:
+            try:
+                output = await self.fn(self.batch_input(batch))
+                outcomes = self.outcomes(batch, output)
+            except BaseException as exc:  # noqa: BLE001 - a failing batch must not kill the loop
+                outcomes = [(None, exc)] * len(batch.requests)
+            # Take the next batch before waking this one's callers: its call starts in this
+            # same step, so the accelerator is not left idle while the callers resume.
+            with self.lock:
+                answered = self.finish_locked(batch, outcomes, deliver_now=False)
+                batch, _ = self.sched.poll(self.clock())
+            deliver(answered)
+        self._pump()  # re-arm the max-wait timer; start batches that became ready
 
     def _check_drained_locked(self) -> None:
         if self.closed and self.sched.drained and self._drained is not None:

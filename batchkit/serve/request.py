@@ -42,20 +42,17 @@ class Request:
     def __init__(
         self,
         item: Any,
-        *,
         key: float,
         bucket: Any,
         priority: int,
-        seq: int,
-        enqueued_at: float,
         loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
         self.item = item
         self.key = key
         self.bucket = bucket
         self.priority = priority
-        self.seq = seq
-        self.enqueued_at = enqueued_at
+        self.seq = 0  # set when enqueued: ties between equal priorities go first-come
+        self.enqueued_at = 0.0
         self.state = State.WAITING
         self.value: Any = None
         self.error: BaseException | None = None

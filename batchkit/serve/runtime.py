@@ -58,26 +58,19 @@ class Runtime:
         self, item: Any, priority: int, loop: asyncio.AbstractEventLoop | None
     ) -> Request:
         """A request for ``item``; the policy's key runs here, so its errors reach this caller."""
-        if isinstance(priority, bool) or not isinstance(priority, int):
+        if priority.__class__ is not int:  # bool and other look-alikes are refused too
             raise TypeError(f"priority must be an int, got {type(priority).__name__}")
         policy = self.options.policy
+        if policy.key is None:  # the common case: no key, one bucket
+            return Request(item, 0.0, None, priority, loop)
         key = policy.key_of(item)
-        return Request(
-            item,
-            key=key,
-            bucket=policy.bucket_of(key),
-            priority=priority,
-            seq=0,
-            enqueued_at=0.0,
-            loop=loop,
-        )
+        return Request(item, key, policy.bucket_of(key), priority, loop)
 
     def submit(self, req: Request) -> None:
         """Enqueue, or raise ``BatcherClosed``/``QueueFull`` without enqueuing."""
         with self.lock:
             if self.closed:
                 raise BatcherClosed(f"{self.name} is closed")
-            req.seq = self.sched.next_seq()
             req.enqueued_at = self.clock()
             self.sched.add(req)
             self._wake_locked()
@@ -96,7 +89,6 @@ class Runtime:
                 )
             now = self.clock()
             for req in reqs:
-                req.seq = self.sched.next_seq()
                 req.enqueued_at = now
                 self.sched.add(req)
             if reqs:
@@ -109,11 +101,14 @@ class Runtime:
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
         """Prepare to serve asyncio callers on ``loop`` (nothing to do for threads)."""
 
-    async def acall(self, item: Any, priority: int, timeout: float | None) -> Any:
+    async def acall(self, item: Any, *, priority: int = 0, timeout: float | None = None) -> Any:
         """One item from asyncio: await its result, honouring timeout and cancellation."""
         loop = asyncio.get_running_loop()
         self.bind(loop)
-        req = self.make_request(item, priority, loop)
+        if self.options.policy.key is None and priority.__class__ is int:
+            req = Request(item, 0.0, None, priority, loop)  # the common case, inlined
+        else:
+            req = self.make_request(item, priority, loop)
         self.submit(req)
         if timeout is None:  # the hot path: no timer, a single await
             try:
@@ -174,9 +169,17 @@ class Runtime:
         return out
 
     def finish_locked(
-        self, batch: FormedBatch, outcomes: list[tuple[Any, BaseException | None]]
-    ) -> None:
-        """Under the lock: free the slot and answer each still-running request once."""
+        self,
+        batch: FormedBatch,
+        outcomes: list[tuple[Any, BaseException | None]],
+        *,
+        deliver_now: bool = True,
+    ) -> list[Request]:
+        """Under the lock: free the slot and settle each still-running request once.
+
+        Returns the settled requests; they are woken here unless ``deliver_now`` is
+        False (the caller then calls :func:`deliver`).
+        """
         self.sched.finish(batch, self.clock())
         done: list[Request] = []
         for req, (value, error) in zip(batch.requests, outcomes):
@@ -187,7 +190,9 @@ class Runtime:
             if error is not None:
                 self.sched.stats.failed += 1
             done.append(req)
-        deliver(done)
+        if deliver_now:
+            deliver(done)
+        return done
 
     def fail_all_locked(self, error: BaseException) -> None:
         """Under the lock: answer every waiting and running request with ``error``.

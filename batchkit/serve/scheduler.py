@@ -6,6 +6,7 @@ caller, so its behaviour is tested deterministically with a fake clock.
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections import deque
 from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
@@ -36,15 +37,6 @@ class Bucket:
         self.live = 0
         self.max_key = 0.0  # an upper bound, exact after each take (token budgets only)
         self.track_max_key = track_max_key
-
-    def add(self, req: Request) -> None:
-        queue = self.queues.get(req.priority)
-        if queue is None:
-            queue = self.queues[req.priority] = deque()
-        queue.append(req)
-        self.live += 1
-        if req.key > self.max_key:
-            self.max_key = req.key
 
     def _fronts(self) -> Iterator[tuple[int, deque[Request]]]:
         for priority in sorted(self.queues):
@@ -104,6 +96,7 @@ class Scheduler:
     ) -> None:
         self.policy = policy
         self.max_queue_size = max_queue_size
+        self._queue_limit = float("inf") if max_queue_size is None else max_queue_size
         self.max_concurrent_batches = max_concurrent_batches
         self.buckets: dict[Hashable, Bucket] = {}
         self.num_waiting = 0
@@ -111,17 +104,13 @@ class Scheduler:
         self.closing = False
         self.running: dict[int, FormedBatch] = {}
         self.stats = StatsRecorder()
-        self._seq = 0
+        self._seq = itertools.count(1)  # arrival order: breaks ties between equal priorities
 
     # -- requests in and out ----------------------------------------------
-    def next_seq(self) -> int:
-        """A increasing number that breaks ties between equal priorities."""
-        self._seq += 1
-        return self._seq
-
     def add(self, req: Request) -> None:
         """Enqueue a request, or raise ``QueueFull`` (counted) without enqueuing it."""
-        if self.max_queue_size is not None and self.num_waiting >= self.max_queue_size:
+        # The hot path of every call: kept flat (no helper calls) on purpose.
+        if self.num_waiting >= self._queue_limit:
             self.stats.rejected += 1
             raise QueueFull(
                 f"{self.num_waiting} requests are waiting (max_queue_size={self.max_queue_size})"
@@ -129,7 +118,14 @@ class Scheduler:
         bucket = self.buckets.get(req.bucket)
         if bucket is None:
             bucket = self.buckets[req.bucket] = Bucket(self.policy.max_tokens is not None)
-        bucket.add(req)
+        queue = bucket.queues.get(req.priority)
+        if queue is None:
+            queue = bucket.queues[req.priority] = deque()
+        req.seq = next(self._seq)
+        queue.append(req)
+        bucket.live += 1
+        if req.key > bucket.max_key:
+            bucket.max_key = req.key
         self.num_waiting += 1
         self.stats.requests += 1
 

@@ -16,14 +16,8 @@ from batchkit.serve.stats import DispatchReason
 def add(sched: Scheduler, item: object, now: float, priority: int = 0) -> Request:
     policy = sched.policy
     key = policy.key_of(item)
-    req = Request(
-        item,
-        key=key,
-        bucket=policy.bucket_of(key),
-        priority=priority,
-        seq=sched.next_seq(),
-        enqueued_at=now,
-    )
+    req = Request(item, key, policy.bucket_of(key), priority)
+    req.enqueued_at = now
     sched.add(req)
     return req
 
