@@ -134,6 +134,8 @@ class Batcher:
 
     def select(self, candidates: Sequence[C]) -> list[C]:
         """Pick a batch from one bucket's waiting requests (given in service order)."""
+        if self.max_tokens is None:
+            return list(candidates[: self.max_batch_size])
         n = take_within_budget((c.key for c in candidates), self.max_batch_size, self.max_tokens)
         return list(candidates[:n])
 

@@ -48,8 +48,10 @@ class DynamicBatcher(Batcher):
 
     def select(self, candidates: Sequence[C]) -> list[C]:
         """The oldest requests, cut to the largest preferred size available."""
-        n = take_within_budget((c.key for c in candidates), self.max_batch_size, self.max_tokens)
         sizes = self.preferred_batch_sizes
+        if not sizes and self.max_tokens is None:
+            return list(candidates[: self.max_batch_size])  # the default policy's fast path
+        n = take_within_budget((c.key for c in candidates), self.max_batch_size, self.max_tokens)
         if sizes and (not self.strict_sizes or self._padded_area_over_budget(candidates, n)):
             k = bisect.bisect_right(sizes, n)
             if k:
