@@ -52,8 +52,10 @@ async def async_function_demo(n: int = 500) -> None:
     elapsed = time.perf_counter() - start
     assert results == [score_one(t) for t in texts]
     s = remote_score.stats()
-    print(f"async fn    {n} tasks in {elapsed:.2f} s with {s.batches} round trips "
-          f"(unbatched: {n} x {ROUND_TRIP_S * 1e3:.0f} ms = {n * ROUND_TRIP_S:.0f} s sequential)")
+    print(
+        f"async fn    {n} tasks in {elapsed:.2f} s with {s.batches} round trips "
+        f"(unbatched: {n} x {ROUND_TRIP_S * 1e3:.0f} ms = {n * ROUND_TRIP_S:.0f} s sequential)"
+    )
     print(f"            batch sizes {s.batch_sizes}, reasons {s.dispatch_reasons}")
     assert s.batches < n // 10
 
@@ -75,8 +77,10 @@ async def sync_function_demo(n: int = 500) -> None:
     assert all(np.allclose(o, x @ W, rtol=0, atol=1e-12) for o, x in zip(outs, xs))
     assert all(np.allclose(a, b, rtol=0, atol=1e-12) for a, b in zip(mapped, outs[:10]))
     s = embed.stats()
-    print(f"sync fn     {n} acalls in {s.batches} batches (mean size {s.mean_batch_size:.0f}), "
-          f"event loop ticked {ticks} times meanwhile")
+    print(
+        f"sync fn     {n} acalls in {s.batches} batches (mean size {s.mean_batch_size:.0f}), "
+        f"event loop ticked {ticks} times meanwhile"
+    )
 
 
 async def timeout_and_priority_demo() -> None:

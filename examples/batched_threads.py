@@ -79,8 +79,8 @@ def main(threads: int = 64, per_thread: int = 20) -> None:
     top = sorted(s.batch_sizes.items(), key=lambda kv: -kv[1])[:5]
     print(f"common batch sizes  {dict(top)}  (size: batches)")
     print(f"dispatch reasons    {s.dispatch_reasons}")
-    print(f"queue wait          p50 {s.queue_wait.p50 * 1e3:.2f} ms, p99 {s.queue_wait.p99 * 1e3:.2f} ms")
-    print(f"batch latency       p50 {s.batch_latency.p50 * 1e3:.2f} ms, p99 {s.batch_latency.p99 * 1e3:.2f} ms")
+    for label, pct in (("queue wait", s.queue_wait), ("batch latency", s.batch_latency)):
+        print(f"{label:20}p50 {pct.p50 * 1e3:.2f} ms, p99 {pct.p99 * 1e3:.2f} ms")
 
 
 if __name__ == "__main__":

@@ -101,11 +101,15 @@ def main(threads: int = 32, per_thread: int = 8) -> None:
     encode.close()
     s = encode.stats()
     assert s.items_run == len(requests) and s.failed == 0
-    print(f"requests            {len(requests)} from {threads} threads "
-          f"(lengths {lengths.min()}..{lengths.max()})")
+    print(
+        f"requests            {len(requests)} from {threads} threads "
+        f"(lengths {lengths.min()}..{lengths.max()})"
+    )
     print(f"one at a time       {t_alone:.2f} s")
-    print(f"@batched            {t_batched:.2f} s in {s.batches} batches "
-          f"(mean size {s.mean_batch_size:.1f})")
+    print(
+        f"@batched            {t_batched:.2f} s in {s.batches} batches "
+        f"(mean size {s.mean_batch_size:.1f})"
+    )
     print(f"max |difference|    {worst:.1e}")
     print(f"dispatch reasons    {s.dispatch_reasons}")
 

@@ -67,33 +67,44 @@ def main(n: int = 2000) -> None:
     lengths = np.minimum(rng.zipf(1.5, n) * 4, 512)
     requests = [rng.integers(1, VOCAB, int(k)).tolist() for k in lengths]
     total = int(lengths.sum())
-    print(f"{n} requests, {total} tokens, lengths {lengths.min()}..{lengths.max()} "
-          f"(median {int(np.median(lengths))})\n")
+    print(
+        f"{n} requests, {total} tokens, lengths {lengths.min()}..{lengths.max()} "
+        f"(median {int(np.median(lengths))})\n"
+    )
 
     policies: list[tuple[str, Batcher, int | None]] = [
         ("input order (StaticBatcher 32)", batchkit.StaticBatcher(32), None),
         ("SortedBatcher(batch_size=32)", batchkit.SortedBatcher(batch_size=32), None),
         ("SortedBatcher(32, window=256)", batchkit.SortedBatcher(batch_size=32, window=256), None),
-        ("BucketedBatcher([8..512], 32)",
-         batchkit.BucketedBatcher([8, 16, 32, 64, 128, 256, 512], max_batch_size=32), None),
-        ("Sorted + max_tokens=4096",
-         batchkit.SortedBatcher(batch_size=256, max_tokens=4096), None),
+        (
+            "BucketedBatcher([8..512], 32)",
+            batchkit.BucketedBatcher([8, 16, 32, 64, 128, 256, 512], max_batch_size=32),
+            None,
+        ),
+        ("Sorted + max_tokens=4096", batchkit.SortedBatcher(batch_size=256, max_tokens=4096), None),
         ("Sorted, pad_to_multiple_of=8", batchkit.SortedBatcher(batch_size=32), 8),
     ]
-    print(f"{'policy':34} {'batches':>7} {'padded slots':>12} {'waste':>6} {'shapes':>6} {'time':>7}")
+    print(
+        f"{'policy':34} {'batches':>7} {'padded slots':>12} {'waste':>6} {'shapes':>6} {'time':>7}"
+    )
     rows = {}
     for name, policy, multiple in policies:
         r = rows[name] = run(policy, requests, multiple)
-        print(f"{name:34} {r['batches']:7d} {r['slots']:12d} {r['waste']:6.1%} "
-              f"{r['shapes']:6d} {r['seconds']:6.2f}s")
+        print(
+            f"{name:34} {r['batches']:7d} {r['slots']:12d} {r['waste']:6.1%} "
+            f"{r['shapes']:6d} {r['seconds']:6.2f}s"
+        )
 
     naive = rows["input order (StaticBatcher 32)"]
     best = rows["SortedBatcher(batch_size=32)"]
     bucketed = rows["BucketedBatcher([8..512], 32)"]
     assert best["slots"] * 3 < naive["slots"] and bucketed["slots"] * 3 < naive["slots"]
-    print(f"\nversus input order, sorting cuts the padded slots {naive['slots'] / best['slots']:.1f}x "
-          f"and bucketing {naive['slots'] / bucketed['slots']:.1f}x;\n"
-          "every result equals its item run alone.")
+    print(
+        "\nversus input order, sorting cuts the padded slots "
+        f"{naive['slots'] / best['slots']:.1f}x "
+        f"and bucketing {naive['slots'] / bucketed['slots']:.1f}x;\n"
+        "every result equals its item run alone."
+    )
 
     budget = batchkit.SortedBatcher(batch_size=256, max_tokens=4096)
     for b in budget.batches(requests):  # the budget holds, except an over-budget item alone

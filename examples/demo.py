@@ -26,9 +26,7 @@ def build_model(seed: int = 0) -> torch.nn.Module:
         def __init__(self) -> None:
             super().__init__()
             self.embed = torch.nn.Embedding(1000, 64)
-            self.layer = torch.nn.TransformerEncoderLayer(
-                64, 4, 128, dropout=0.0, batch_first=True
-            )
+            self.layer = torch.nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
 
         def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
             hidden = self.layer(self.embed(ids), src_key_padding_mask=~mask)
@@ -81,7 +79,9 @@ def main(num_requests: int = 1024, callers: int = 64) -> None:
     embed.close()
     rows.append(("@batched (bucketed)", t_batched, lat_batched, stats.mean_batch_size))
 
-    print(f"{num_requests} requests from {callers} threads, lengths {lengths.min()}..{lengths.max()}")
+    print(
+        f"{num_requests} requests from {callers} threads, lengths {lengths.min()}..{lengths.max()}"
+    )
     print(f"{'':22}{'req/s':>9}{'p50 ms':>9}{'p99 ms':>9}{'batch':>7}{'speed-up':>10}")
     for name, wall, lat, size in rows:
         print(
