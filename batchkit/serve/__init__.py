@@ -2,14 +2,18 @@
 
 from batchkit.serve.batched import BatchedFunction, batched
 from batchkit.serve.errors import BatcherClosed, BatchkitError, QueueFull, RequestTimeout
+from batchkit.serve.events import BatchEvent, DropEvent, Listener
 from batchkit.serve.scheduler import Scheduler
 from batchkit.serve.stats import DispatchReason, Percentiles, Stats
 
 __all__ = [
+    "BatchEvent",
     "BatchedFunction",
     "BatcherClosed",
     "BatchkitError",
     "DispatchReason",
+    "DropEvent",
+    "Listener",
     "Percentiles",
     "QueueFull",
     "RequestTimeout",

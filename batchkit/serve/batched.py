@@ -13,6 +13,7 @@ from typing import Any, Generic, TypeVar, overload
 
 from batchkit.batchers.base import Batcher, check_positive_int
 from batchkit.batchers.dynamic import DynamicBatcher
+from batchkit.serve.events import Listener
 from batchkit.serve.looped import LoopRuntime
 from batchkit.serve.runtime import Clock, Options, Runtime, await_request
 from batchkit.serve.stats import Stats
@@ -149,6 +150,18 @@ class BatchedFunction(Generic[R]):
         return list(outcomes)
 
     # -- introspection and lifetime ---------------------------------------------
+    def add_listener(self, listener: Listener) -> None:
+        """Observe every batch and every dropped request (see :mod:`batchkit.serve.events`)."""
+        runtime = self.runtime
+        with runtime.lock:
+            runtime.listeners = [*runtime.listeners, listener]
+
+    def remove_listener(self, listener: Listener) -> None:
+        """Stop observing."""
+        runtime = self.runtime
+        with runtime.lock:
+            runtime.listeners = [x for x in runtime.listeners if x is not listener]
+
     def stats(self) -> Stats:
         """A snapshot: requests, batches, batch sizes, waits, latencies, dispatch reasons."""
         return self.runtime.stats()

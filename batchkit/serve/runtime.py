@@ -18,6 +18,7 @@ from typing import Any
 
 from batchkit.batchers.base import Batcher
 from batchkit.serve.errors import BatcherClosed, QueueFull, RequestTimeout
+from batchkit.serve.events import BatchEvent, DropEvent, DropReason, Listener, notify
 from batchkit.serve.request import Request, State, resolve_futures
 from batchkit.serve.scheduler import FormedBatch, Scheduler
 from batchkit.serve.stats import Stats
@@ -52,6 +53,7 @@ class Runtime:
         )
         self.lock = threading.Lock()
         self.closed = False
+        self.listeners: list[Listener] = []
 
     # -- admission ---------------------------------------------------------
     def make_request(
@@ -72,7 +74,11 @@ class Runtime:
             if self.closed:
                 raise BatcherClosed(f"{self.name} is closed")
             req.enqueued_at = self.clock()
-            self.sched.add(req)
+            try:
+                self.sched.add(req)
+            except QueueFull:
+                self._dropped("rejected", 1)
+                raise
             self._wake_locked()
 
     def submit_many(self, reqs: list[Request]) -> None:
@@ -83,6 +89,7 @@ class Runtime:
             limit = self.sched.max_queue_size
             if limit is not None and self.sched.num_waiting + len(reqs) > limit:
                 self.sched.stats.rejected += len(reqs)
+                self._dropped("rejected", len(reqs))
                 raise QueueFull(
                     f"{len(reqs)} items do not fit: {self.sched.num_waiting} requests are "
                     f"waiting (max_queue_size={limit})"
@@ -127,6 +134,7 @@ class Runtime:
                 self.sched.stats.timeouts += 1
             else:
                 self.sched.stats.cancelled += 1
+            self._dropped("timeout" if timed_out else "cancelled", 1)
             req.error = error
             deliver([req])  # wakes a thread caller; a cancelled future is left alone
             self._wake_locked()
@@ -180,7 +188,10 @@ class Runtime:
         Returns the settled requests; they are woken here unless ``deliver_now`` is
         False (the caller then calls :func:`deliver`).
         """
-        self.sched.finish(batch, self.clock())
+        now = self.clock()
+        self.sched.finish(batch, now)
+        if self.listeners:
+            self._report_batch(batch, outcomes, now)
         done: list[Request] = []
         for req, (value, error) in zip(batch.requests, outcomes):
             if req.state is not State.RUNNING:
@@ -194,12 +205,34 @@ class Runtime:
             deliver(done)
         return done
 
+    def _report_batch(
+        self, batch: FormedBatch, outcomes: list[tuple[Any, BaseException | None]], now: float
+    ) -> None:
+        keys = [r.key for r in batch.requests]
+        event = BatchEvent(
+            name=self.name,
+            size=len(batch.requests),
+            padded_size=batch.padded_size,
+            reason=batch.reason.value,
+            queue_waits=tuple(batch.dispatched_at - r.enqueued_at for r in batch.requests),
+            latency=now - batch.dispatched_at,
+            failed=sum(1 for _, error in outcomes if error is not None),
+            tokens=float(sum(keys)),
+            padded_tokens=float(batch.padded_size * max(keys, default=0.0)),
+        )
+        notify(self.listeners, "on_batch", event)
+
+    def _dropped(self, reason: DropReason, count: int) -> None:
+        if self.listeners and count:
+            notify(self.listeners, "on_drop", DropEvent(self.name, reason, count))
+
     def fail_all_locked(self, error: BaseException) -> None:
         """Under the lock: answer every waiting and running request with ``error``.
 
         Running batches go on; their results are discarded when they end.
         """
         failed = self.sched.drop_all()
+        self._dropped("closed", len(failed))
         for batch in self.sched.running.values():
             for req in batch.requests:
                 if req.state is State.RUNNING:

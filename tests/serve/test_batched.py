@@ -459,3 +459,35 @@ def test_map_is_all_or_nothing_under_queue_limit() -> None:
 
     asyncio.run(main())
     assert rec.batches == [["x"], ["y"]]  # none of the rejected map's items ran
+
+
+def test_listeners_see_batches_and_drops_and_cannot_break_the_runtime() -> None:
+    events: list[object] = []
+
+    class Spy:
+        def on_batch(self, event):
+            events.append(event)
+
+        def on_drop(self, event):
+            events.append(event)
+
+    class Broken:
+        def on_batch(self, event):
+            raise RuntimeError("listener bug")
+
+        def on_drop(self, event):
+            raise RuntimeError("listener bug")
+
+    f = batchkit.batched(batcher=DynamicBatcher(4, 0, key=len), max_queue_size=4)(model)
+    f.add_listener(Broken())
+    f.add_listener(Spy())
+    assert f.map(["ab", "abcd"]) == ["AB2", "ABCD4"]
+    with pytest.raises(QueueFull):
+        f.map(["x"] * 5)
+    f.close()
+    batches = [e for e in events if isinstance(e, batchkit.serve.BatchEvent)]
+    drops = [e for e in events if isinstance(e, batchkit.serve.DropEvent)]
+    assert sum(b.size for b in batches) == 2 and all(b.failed == 0 for b in batches)
+    assert sum(b.tokens for b in batches) == 6.0
+    assert all(b.padded_tokens >= b.tokens and b.latency >= 0 for b in batches)
+    assert drops == [batchkit.serve.DropEvent(f.__qualname__, "rejected", 5)]
