@@ -9,7 +9,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Generic, TypeVar, overload
+from typing import Any, Generic, Literal, TypeVar, overload
 
 from batchkit.batchers.base import Batcher, check_positive_int
 from batchkit.batchers.dynamic import DynamicBatcher
@@ -119,7 +119,18 @@ class BatchedFunction(Generic[R]):
         runtime = self.runtime
         assert isinstance(runtime, ThreadRuntime)
         reqs = [runtime.make_request(x, priority, None) for x in items]
-        runtime.submit_many(reqs)
+        if runtime.room_mode_block:  # wait for room item by item, within the timeout
+            start = time.monotonic()
+            for i, req in enumerate(reqs):
+                left = None if timeout is None else timeout - (time.monotonic() - start)
+                try:
+                    runtime.submit_blocking(req, left)
+                except BaseException as exc:
+                    for earlier in reqs[:i]:  # the map failed: withdraw what has not run
+                        runtime.give_up(earlier, exc, timed_out=False)
+                    raise
+        else:
+            runtime.submit_many(reqs)
         # Every item's timeout runs from this call, as if each were called alone now: at
         # the deadline, all items not yet started are withdrawn together.
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -141,7 +152,18 @@ class BatchedFunction(Generic[R]):
         loop = asyncio.get_running_loop()
         runtime.bind(loop)
         reqs = [runtime.make_request(x, priority, loop) for x in items]
-        runtime.submit_many(reqs)
+        if runtime.room_mode_block:
+            start = time.monotonic()
+            for i, req in enumerate(reqs):
+                left = None if timeout is None else timeout - (time.monotonic() - start)
+                try:
+                    await runtime.asubmit_blocking(req, left)
+                except BaseException as exc:
+                    for earlier in reqs[:i]:  # the map failed: withdraw what has not run
+                        runtime.give_up(earlier, exc, timed_out=False)
+                    raise
+        else:
+            runtime.submit_many(reqs)
         waits = [asyncio.ensure_future(await_request(runtime, r, timeout)) for r in reqs]
         outcomes = await asyncio.gather(*waits, return_exceptions=True)
         for out in outcomes:
@@ -198,6 +220,22 @@ class BatchedFunction(Generic[R]):
 _UNSET: Any = object()
 
 
+def _oom_types(
+    oom_errors: tuple[type[BaseException], ...] | None,
+) -> tuple[type[BaseException], ...] | None:
+    """None (the default): the built-in out-of-memory types; () turns splitting off."""
+    if oom_errors is None:
+        return ()
+    if isinstance(oom_errors, type):
+        oom_errors = (oom_errors,)
+    if len(oom_errors) == 0:
+        return None
+    for t in oom_errors:
+        if not (isinstance(t, type) and issubclass(t, BaseException)):
+            raise TypeError(f"oom_errors must hold exception types, got {t!r}")
+    return tuple(oom_errors)
+
+
 @overload
 def batched(fn: Callable[[Any], R], /) -> BatchedFunction[R]: ...
 @overload
@@ -210,6 +248,9 @@ def batched(
     split: Callable[[Any], Sequence[Any]] | None = ...,
     max_queue_size: int | None = ...,
     max_concurrent_batches: int = ...,
+    when_full: Literal["reject", "block"] = ...,
+    oom_errors: tuple[type[BaseException], ...] | None = ...,
+    isolate_errors: bool = ...,
     clock: Clock | None = ...,
 ) -> Callable[[Callable[[Any], R]], BatchedFunction[R]]: ...
 
@@ -225,6 +266,9 @@ def batched(
     split: Callable[[Any], Sequence[Any]] | None = None,
     max_queue_size: int | None = None,
     max_concurrent_batches: int = 1,
+    when_full: Literal["reject", "block"] = "reject",
+    oom_errors: tuple[type[BaseException], ...] | None = None,
+    isolate_errors: bool = False,
     clock: Clock | None = None,
 ) -> Any:
     """Decorate a batch function (list of items -> sequence of results).
@@ -233,7 +277,16 @@ def batched(
     ``batcher=`` for another policy (then ``max_batch_size``/``max_wait_ms`` belong
     to it). ``collate(items)`` builds the function's argument and ``split(output)``
     its per-item results. ``max_queue_size`` waiting requests make further calls
-    raise ``QueueFull`` at once. ``clock`` replaces ``time.monotonic`` (tests).
+    raise ``QueueFull`` at once, or with ``when_full="block"`` wait for room (within
+    their ``timeout``). ``clock`` replaces ``time.monotonic`` (tests).
+
+    Reliability: a batch that runs out of memory (``MemoryError``,
+    ``torch.cuda.OutOfMemoryError``, plus any ``oom_errors`` types) is split in
+    halves and retried down to single items, and the size that worked becomes the
+    bucket's effective maximum (probed upward again later); ``oom_errors=()`` turns
+    this off. ``isolate_errors=True`` re-runs a failing batch in halves so that only
+    the items that fail alone get the exception. A batch whose ``collate`` fails is
+    always split the same way: a malformed item fails only its own caller.
     """
     if batcher is not None and (max_batch_size is not _UNSET or max_wait_ms is not _UNSET):
         raise ValueError("pass max_batch_size/max_wait_ms to the batcher, not to @batched")
@@ -246,6 +299,11 @@ def batched(
         raise TypeError(f"batcher must be a batchkit Batcher, got {type(batcher).__name__}")
     check_positive_int("max_queue_size", max_queue_size, allow_none=True)
     check_positive_int("max_concurrent_batches", max_concurrent_batches)
+    if when_full not in ("reject", "block"):
+        raise ValueError(f'when_full must be "reject" or "block", got {when_full!r}')
+    if when_full == "block" and max_queue_size is None:
+        raise ValueError('when_full="block" needs a max_queue_size')
+    oom_types = _oom_types(oom_errors)
     for name, cb in (("collate", collate), ("split", split)):
         if cb is not None and not callable(cb):
             raise TypeError(f"{name} must be callable, got {type(cb).__name__}")
@@ -256,6 +314,9 @@ def batched(
         max_queue_size=max_queue_size,
         max_concurrent_batches=max_concurrent_batches,
         clock=clock or time.monotonic,
+        oom_errors=oom_types,
+        isolate_errors=bool(isolate_errors),
+        when_full=when_full,
     )
 
     def wrap(func: Callable[[Any], Any]) -> BatchedFunction[Any]:

@@ -12,6 +12,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
+from batchkit.serve.recovery import BatchRun, Stage
 from batchkit.serve.runtime import Options, Runtime, closed_error, deliver
 from batchkit.serve.scheduler import FormedBatch
 
@@ -76,18 +77,31 @@ class LoopRuntime(Runtime):
     async def _run(self, batch: FormedBatch | None) -> None:
         """Run batches back to back in this task while one is ready as the last ends."""
         while batch is not None:
-            try:
-                output = await self.fn(self.batch_input(batch))
-                outcomes = self.outcomes(batch, output)
-            except BaseException as exc:  # noqa: BLE001 - a failing batch must not kill the loop
-                outcomes = [(None, exc)] * len(batch.requests)
+            run = await self._execute(batch)
             # Take the next batch before waking this one's callers: its call starts in this
             # same step, so the accelerator is not left idle while the callers resume.
             with self.lock:
-                answered = self.finish_locked(batch, outcomes, deliver_now=False)
+                answered = self.finish_locked(batch, run, deliver_now=False)
                 batch, _ = self.sched.poll(self.clock())
             deliver(answered)
         self._pump()  # re-arm the max-wait timer; start batches that became ready
+
+    async def _execute(self, batch: FormedBatch) -> BatchRun:
+        """Await the function (again on parts, if the batch is split); never raises."""
+        run = self.start_run(batch)
+        while (part := run.next_part()) is not None:
+            prepared = self.prepare(run, part)
+            if prepared is None:
+                continue
+            padded, argument = prepared
+            run.calls += 1
+            try:
+                output = await self.fn(argument)
+            except BaseException as exc:  # noqa: BLE001 - a failing batch must not kill the loop
+                run.failed(part, exc, Stage.CALL)
+                continue
+            self.settle(run, part, padded, output)
+        return run
 
     def _check_drained_locked(self) -> None:
         if self.closed and self.sched.drained and self._drained is not None:
@@ -99,6 +113,7 @@ class LoopRuntime(Runtime):
         loop = asyncio.get_running_loop()
         with self.lock:
             self.closed = self.sched.closing = True
+            self.room.wake_all()  # blocked callers see BatcherClosed
             if self.sched.drained:
                 self._check_drained_locked()
                 return

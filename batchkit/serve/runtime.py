@@ -14,11 +14,13 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from batchkit.batchers.base import Batcher
+from batchkit.serve.backpressure import RoomWaiters
 from batchkit.serve.errors import BatcherClosed, QueueFull, RequestTimeout
 from batchkit.serve.events import BatchEvent, DropEvent, DropReason, Listener, notify
+from batchkit.serve.recovery import BatchRun, Outcome, Stage
 from batchkit.serve.request import Request, State, resolve_futures
 from batchkit.serve.scheduler import FormedBatch, Scheduler
 from batchkit.serve.stats import Stats
@@ -36,6 +38,9 @@ class Options:
     max_queue_size: int | None = None
     max_concurrent_batches: int = 1
     clock: Clock = time.monotonic
+    oom_errors: tuple[type[BaseException], ...] | None = ()  # None: no out-of-memory splitting
+    isolate_errors: bool = False
+    when_full: Literal["reject", "block"] = "reject"
 
 
 class Runtime:
@@ -54,6 +59,10 @@ class Runtime:
         self.lock = threading.Lock()
         self.closed = False
         self.listeners: list[Listener] = []
+        self.room = RoomWaiters()  # callers blocked on a full queue (when_full="block")
+        self.room_mode_block = options.when_full == "block"
+        if self.room_mode_block:
+            self.sched.on_room = self._room_freed
 
     # -- admission ---------------------------------------------------------
     def make_request(
@@ -71,15 +80,72 @@ class Runtime:
     def submit(self, req: Request) -> None:
         """Enqueue, or raise ``BatcherClosed``/``QueueFull`` without enqueuing."""
         with self.lock:
-            if self.closed:
-                raise BatcherClosed(f"{self.name} is closed")
-            req.enqueued_at = self.clock()
+            self._admit_locked(req)
+
+    def _admit_locked(self, req: Request) -> None:
+        if self.closed:
+            raise BatcherClosed(f"{self.name} is closed")
+        req.enqueued_at = self.clock()
+        try:
+            self.sched.add(req)
+        except QueueFull:
+            self._dropped("rejected", 1)
+            raise
+        self._wake_locked()
+
+    def _has_room_locked(self) -> bool:
+        limit = self.sched.max_queue_size
+        return limit is None or self.sched.num_waiting < limit
+
+    def _room_freed(self) -> None:
+        """Scheduler callback (under the lock): requests left the queue."""
+        if self.room:
+            limit = self.sched.max_queue_size
+            self.room.wake(len(self.room) if limit is None else limit - self.sched.num_waiting)
+
+    def _gave_up_waiting_for_room(self, timeout: float) -> RequestTimeout:
+        self.sched.stats.timeouts += 1
+        self._dropped("timeout", 1)
+        return self.timeout_error(timeout)
+
+    def submit_blocking(self, req: Request, timeout: float | None) -> None:
+        """A thread caller's enqueue with ``when_full="block"``: wait for room up to ``timeout``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self.lock:
+                if self.closed or self._has_room_locked():
+                    self._admit_locked(req)
+                    return
+                waiter = self.room.add_thread()
+            left = -1.0 if deadline is None else max(deadline - time.monotonic(), 0.0)
+            if not waiter.acquire(timeout=left):
+                with self.lock:
+                    if self.room.discard(waiter):
+                        raise self._gave_up_waiting_for_room(timeout or 0.0)
+                # Woken just as the timeout passed: try once more.
+
+    async def asubmit_blocking(self, req: Request, timeout: float | None) -> None:
+        """:meth:`submit_blocking` for asyncio callers (the loop is never blocked)."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self.lock:
+                if self.closed or self._has_room_locked():
+                    self._admit_locked(req)
+                    return
+                fut = self.room.add_async(loop)
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
             try:
-                self.sched.add(req)
-            except QueueFull:
-                self._dropped("rejected", 1)
+                await asyncio.wait_for(fut, left)
+            except asyncio.TimeoutError:
+                with self.lock:
+                    if self.room.discard(fut):
+                        raise self._gave_up_waiting_for_room(timeout or 0.0) from None
+            except asyncio.CancelledError:
+                with self.lock:
+                    if not self.room.discard(fut):
+                        self._room_freed()  # pass the wake-up on to the next waiter
                 raise
-            self._wake_locked()
 
     def submit_many(self, reqs: list[Request]) -> None:
         """Enqueue several requests atomically: all of them, or none (``QueueFull``)."""
@@ -116,7 +182,13 @@ class Runtime:
             req = Request(item, 0.0, None, priority, loop)  # the common case, inlined
         else:
             req = self.make_request(item, priority, loop)
-        self.submit(req)
+        if self.room_mode_block:
+            started = time.monotonic()
+            await self.asubmit_blocking(req, timeout)
+            if timeout is not None:
+                timeout = max(timeout - (time.monotonic() - started), 0.0)
+        else:
+            self.submit(req)
         if timeout is None:  # the hot path: no timer, a single await
             try:
                 return await req.future  # type: ignore[misc]
@@ -145,16 +217,37 @@ class Runtime:
         return RequestTimeout(f"{self.name}: request did not start within timeout={timeout}s")
 
     # -- running a batch ----------------------------------------------------
-    def batch_input(self, batch: FormedBatch) -> Any:
-        """The argument the function is called with (padded up, then collated)."""
-        items = [r.item for r in batch.requests]
-        if batch.padded_size > len(items):
-            items.extend([items[-1]] * (batch.padded_size - len(items)))
-        collate = self.options.collate
-        return collate(items) if collate is not None else items
+    def start_run(self, batch: FormedBatch) -> BatchRun:
+        """The bookkeeping for running ``batch``, with its split-and-retry rules."""
+        oom = self.options.oom_errors
+        return BatchRun(
+            batch.requests,
+            oom_enabled=oom is not None,
+            oom_extra=oom or (),
+            isolate_errors=self.options.isolate_errors,
+        )
 
-    def outcomes(self, batch: FormedBatch, output: Any) -> list[tuple[Any, BaseException | None]]:
-        """Per-request (value, error) from the function's output (split, length-checked)."""
+    def prepare(self, run: BatchRun, part: Sequence[Request]) -> tuple[int, Any] | None:
+        """(padded size, function argument) for ``part``; None if collate failed (recorded)."""
+        padded = self.options.policy.padded_size(len(part))
+        items = [r.item for r in part]
+        if padded > len(items):  # strict sizes: repeat the last item; its results are dropped
+            items.extend([items[-1]] * (padded - len(items)))
+        collate = self.options.collate
+        try:
+            return padded, collate(items) if collate is not None else items
+        except BaseException as exc:  # noqa: BLE001 - a bad item must not cost the others
+            run.failed(part, exc, Stage.COLLATE)
+            return None
+
+    def settle(self, run: BatchRun, part: Sequence[Request], padded: int, output: Any) -> None:
+        """Record the function's output for ``part`` (split, length-checked, per slot)."""
+        try:
+            run.succeeded(part, self._outcomes(len(part), padded, output))
+        except BaseException as exc:  # noqa: BLE001 - e.g. a bug in split()
+            run.failed(part, exc, Stage.OUTPUT)
+
+    def _outcomes(self, size: int, padded: int, output: Any) -> list[Outcome]:
         split = self.options.split
         results = split(output) if split is not None else output
         try:
@@ -162,26 +255,17 @@ class Runtime:
         except TypeError:
             raise TypeError(
                 f"{self.name} returned {type(results).__name__}, expected a sequence of "
-                f"{batch.padded_size} results (one per item)"
+                f"{padded} results (one per item)"
             ) from None
-        if count != batch.padded_size:
-            raise ValueError(
-                f"{self.name} returned {count} results for a batch of {batch.padded_size} items"
-            )
-        out: list[tuple[Any, BaseException | None]] = []
-        for _, result in zip(batch.requests, results):
-            if isinstance(result, BaseException):
-                out.append((None, result))
-            else:
-                out.append((result, None))
-        return out
+        if count != padded:
+            raise ValueError(f"{self.name} returned {count} results for a batch of {padded} items")
+        return [
+            (None, result) if isinstance(result, BaseException) else (result, None)
+            for _, result in zip(range(size), results)
+        ]
 
     def finish_locked(
-        self,
-        batch: FormedBatch,
-        outcomes: list[tuple[Any, BaseException | None]],
-        *,
-        deliver_now: bool = True,
+        self, batch: FormedBatch, run: BatchRun, *, deliver_now: bool = True
     ) -> list[Request]:
         """Under the lock: free the slot and settle each still-running request once.
 
@@ -189,7 +273,17 @@ class Runtime:
         False (the caller then calls :func:`deliver`).
         """
         now = self.clock()
-        self.sched.finish(batch, now)
+        sched = self.sched
+        sched.finish(batch, now)
+        outcomes = run.outcomes()
+        stats = sched.stats
+        stats.calls += run.calls
+        if run.hit_oom:
+            stats.oom_splits += run.oom_splits
+            sched.learn_cap(batch.requests[0].bucket, max(run.largest_ok, 1))
+        elif sched.caps:
+            sched.note_success(batch.requests[0].bucket, len(batch.requests))
+        stats.isolated += run.isolated
         if self.listeners:
             self._report_batch(batch, outcomes, now)
         done: list[Request] = []
@@ -199,15 +293,13 @@ class Runtime:
             req.state = State.DONE
             req.value, req.error = value, error
             if error is not None:
-                self.sched.stats.failed += 1
+                stats.failed += 1
             done.append(req)
         if deliver_now:
             deliver(done)
         return done
 
-    def _report_batch(
-        self, batch: FormedBatch, outcomes: list[tuple[Any, BaseException | None]], now: float
-    ) -> None:
+    def _report_batch(self, batch: FormedBatch, outcomes: list[Outcome], now: float) -> None:
         keys = [r.key for r in batch.requests]
         event = BatchEvent(
             name=self.name,
@@ -232,6 +324,7 @@ class Runtime:
         Running batches go on; their results are discarded when they end.
         """
         failed = self.sched.drop_all()
+        self.room.wake_all()
         self._dropped("closed", len(failed))
         for batch in self.sched.running.values():
             for req in batch.requests:
@@ -246,7 +339,11 @@ class Runtime:
         """A snapshot of the counters."""
         with self.lock:
             return self.sched.stats.snapshot(
-                queue_depth=self.sched.num_waiting, in_flight=self.sched.in_flight
+                queue_depth=self.sched.num_waiting,
+                in_flight=self.sched.in_flight,
+                caps={
+                    "default" if b is None else str(b): cap for b, cap in self.sched.caps.items()
+                },
             )
 
 

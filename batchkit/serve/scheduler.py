@@ -8,13 +8,15 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 
 from batchkit.batchers.base import Batcher
 from batchkit.serve.errors import QueueFull
 from batchkit.serve.request import Request, State
 from batchkit.serve.stats import DispatchReason, StatsRecorder
+
+PROBE_AFTER = 32  # successful batches at a learned cap before trying a larger one
 
 
 @dataclass(slots=True)
@@ -103,6 +105,11 @@ class Scheduler:
         self.in_flight = 0
         self.closing = False
         self.running: dict[int, FormedBatch] = {}
+        # Learned after out-of-memory: a bucket's effective maximum batch size, raised
+        # again by a quarter after PROBE_AFTER successful batches at the cap.
+        self.caps: dict[Hashable, int] = {}
+        self.on_room: Callable[[], None] | None = None  # called when requests leave the queue
+        self._cap_successes: dict[Hashable, int] = {}
         self.stats = StatsRecorder()
         self._seq = itertools.count(1)  # arrival order: breaks ties between equal priorities
 
@@ -137,6 +144,8 @@ class Scheduler:
         bucket = self.buckets[req.bucket]
         bucket.taken(1)
         self.num_waiting -= 1
+        if self.on_room is not None:
+            self.on_room()
         return True
 
     def drop_all(self) -> list[Request]:
@@ -149,12 +158,42 @@ class Scheduler:
             bucket.queues.clear()
             bucket.live = 0
         self.num_waiting = 0
+        if self.on_room is not None:
+            self.on_room()
         return dropped
 
     # -- dispatch ----------------------------------------------------------
-    def _reason(self, bucket: Bucket, now: float) -> DispatchReason | None:
+    # -- learned limits ------------------------------------------------------
+    def learn_cap(self, bucket: Hashable, size: int) -> None:
+        """A batch of this bucket ran out of memory; ``size`` items fit."""
+        self.caps[bucket] = min(size, self.caps.get(bucket, self.policy.max_batch_size))
+        self._cap_successes[bucket] = 0
+
+    def note_success(self, bucket: Hashable, size: int) -> None:
+        """A batch ran without running out of memory: probe upward after enough of them."""
+        cap = self.caps.get(bucket)
+        if cap is None or size < cap:
+            return
+        self._cap_successes[bucket] = done = self._cap_successes.get(bucket, 0) + 1
+        if done >= PROBE_AFTER:
+            raised = cap + max(1, cap // 4)
+            self._cap_successes[bucket] = 0
+            if raised >= self.policy.max_batch_size:
+                del self.caps[bucket]
+            else:
+                self.caps[bucket] = raised
+
+    def _limit(self, name: Hashable) -> int:
+        return (
+            self.caps.get(name, self.policy.max_batch_size)
+            if self.caps
+            else (self.policy.max_batch_size)
+        )
+
+    # -- dispatch ----------------------------------------------------------
+    def _reason(self, name: Hashable, bucket: Bucket, now: float) -> DispatchReason | None:
         policy = self.policy
-        if bucket.live >= policy.max_batch_size or (
+        if bucket.live >= self._limit(name) or (
             policy.max_tokens is not None and bucket.live * bucket.max_key >= policy.max_tokens
         ):
             return DispatchReason.FULL
@@ -180,7 +219,7 @@ class Scheduler:
         for name, bucket in self.buckets.items():
             if bucket.live == 0:
                 continue
-            reason = self._reason(bucket, now)
+            reason = self._reason(name, bucket, now)
             head = bucket.head()
             assert head is not None
             if reason is not None:
@@ -191,15 +230,23 @@ class Scheduler:
         if not ready:
             return None, wake_at
         _, _, name, reason = ready[0]
-        return self._take(self.buckets[name], reason, now), None
+        return self._take(name, reason, now), None
 
-    def _take(self, bucket: Bucket, reason: DispatchReason, now: float) -> FormedBatch:
+    def _take(self, name: Hashable, reason: DispatchReason, now: float) -> FormedBatch:
+        bucket = self.buckets[name]
         chosen = self.policy.select(bucket.candidates(self.policy.candidate_limit))
+        if self.caps and name in self.caps:
+            cap = self.caps[name]
+            del chosen[cap:]
+            while len(chosen) > 1 and self.policy.padded_size(len(chosen)) > cap:
+                chosen.pop()
         for req in chosen:
             req.state = State.RUNNING
         bucket.taken(len(chosen))
         self.num_waiting -= len(chosen)
         self.in_flight += 1
+        if self.on_room is not None:
+            self.on_room()
         padded = self.policy.padded_size(len(chosen))
         stats = self.stats
         stats.batches += 1

@@ -47,12 +47,16 @@ class Stats:
 
     requests: int
     batches: int
+    calls: int  # function calls: more than batches when batches were split and retried
     items_run: int
     padded_slots: int
     rejected: int
     timeouts: int
     cancelled: int
     failed: int
+    oom_splits: int  # parts split in halves after running out of memory
+    isolated: int  # items that failed alone after their batch was split
+    effective_max_batch_size: dict[str, int]  # per bucket, learned after out-of-memory
     queue_depth: int
     in_flight: int
     batch_sizes: dict[int, int]
@@ -72,28 +76,35 @@ class StatsRecorder:
 
     requests: int = 0
     batches: int = 0
+    calls: int = 0
     items_run: int = 0
     padded_slots: int = 0
     rejected: int = 0
     timeouts: int = 0
     cancelled: int = 0
     failed: int = 0
+    oom_splits: int = 0
+    isolated: int = 0
     batch_sizes: Counter[int] = field(default_factory=Counter)
     reasons: Counter[str] = field(default_factory=Counter)
     queue_wait: deque[float] = field(default_factory=lambda: deque(maxlen=SAMPLE_WINDOW))
     batch_latency: deque[float] = field(default_factory=lambda: deque(maxlen=SAMPLE_WINDOW))
 
-    def snapshot(self, *, queue_depth: int, in_flight: int) -> Stats:
+    def snapshot(self, *, queue_depth: int, in_flight: int, caps: dict[str, int]) -> Stats:
         """Freeze the current values."""
         return Stats(
             requests=self.requests,
             batches=self.batches,
+            calls=self.calls,
             items_run=self.items_run,
             padded_slots=self.padded_slots,
             rejected=self.rejected,
             timeouts=self.timeouts,
             cancelled=self.cancelled,
             failed=self.failed,
+            oom_splits=self.oom_splits,
+            isolated=self.isolated,
+            effective_max_batch_size=caps,
             queue_depth=queue_depth,
             in_flight=in_flight,
             batch_sizes=dict(sorted(self.batch_sizes.items())),

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
+from batchkit.serve.recovery import BatchRun, Stage
 from batchkit.serve.runtime import Options, Runtime, closed_error
 from batchkit.serve.scheduler import FormedBatch
 
@@ -56,26 +58,42 @@ class ThreadRuntime(Runtime):
                     continue
                 cond.release()
                 try:
-                    outcomes = self._run(batch)
+                    run = self._run(batch)
                 finally:
                     cond.acquire()
-                self.finish_locked(batch, outcomes)
+                self.finish_locked(batch, run)
                 if sched.drained or (self.idle_workers and sched.num_waiting):
                     cond.notify_all()
 
-    def _run(self, batch: FormedBatch) -> list[tuple[Any, BaseException | None]]:
-        """Call the function; any failure (callbacks included) goes to this batch's callers."""
-        try:
-            return self.outcomes(batch, self.fn(self.batch_input(batch)))
-        except BaseException as exc:  # noqa: BLE001 - the worker must survive anything
-            return [(None, exc)] * len(batch.requests)
+    def _run(self, batch: FormedBatch) -> BatchRun:
+        """Call the function (again on parts, if the batch is split); never raises."""
+        run = self.start_run(batch)
+        while (part := run.next_part()) is not None:
+            prepared = self.prepare(run, part)
+            if prepared is None:
+                continue
+            padded, argument = prepared
+            run.calls += 1
+            try:
+                output = self.fn(argument)
+            except BaseException as exc:  # noqa: BLE001 - the worker must survive anything
+                run.failed(part, exc, Stage.CALL)
+                continue
+            self.settle(run, part, padded, output)
+        return run
 
     # -- callers -----------------------------------------------------------
     def call(self, item: Any, priority: int, timeout: float | None) -> Any:
         """One item from a thread: block until its result (or error)."""
         req = self.make_request(item, priority, None)
-        self.submit(req)
-        if not req.wait(timeout):
+        if self.room_mode_block:
+            started = time.monotonic()
+            self.submit_blocking(req, timeout)
+            left = None if timeout is None else max(timeout - (time.monotonic() - started), 0.0)
+        else:
+            self.submit(req)
+            left = timeout
+        if not req.wait(left):
             assert timeout is not None
             if self.give_up(req, self.timeout_error(timeout), timed_out=True):
                 raise req.error  # type: ignore[misc]
@@ -87,6 +105,7 @@ class ThreadRuntime(Runtime):
         """Stop accepting, serve what is queued and running; after ``timeout``, fail the rest."""
         with self.cond:
             self.closed = self.sched.closing = True
+            self.room.wake_all()  # blocked callers see BatcherClosed
             self.cond.notify_all()
             finished = self.cond.wait_for(lambda: self.sched.drained, timeout)
             if not finished:

@@ -425,8 +425,7 @@ def test_slots_methods_share_one_queue_per_instance() -> None:
 
 def test_strict_sizes_padding_respects_token_budget() -> None:
     rec = Recorder(lambda xs: xs)
-    policy = DynamicBatcher(8, 0, preferred_batch_sizes=[1, 4, 8], strict_sizes=True,
-                            max_tokens=20)
+    policy = DynamicBatcher(8, 0, preferred_batch_sizes=[1, 4, 8], strict_sizes=True, max_tokens=20)
     f = batchkit.batched(batcher=policy)(rec)
     items = ["abcd" + str(i) for i in range(5)]  # 5 tokens each: at most 4 per batch
     assert f.map(items) == items

@@ -1,0 +1,113 @@
+"""Running one formed batch until every request has exactly one outcome.
+
+A batch may be split in halves and its parts re-run:
+
+- on out-of-memory (``MemoryError``, ``torch.cuda.OutOfMemoryError``, plus the
+  ``oom_errors`` types given to ``@batched``), down to single items; the size that
+  worked becomes the bucket's effective maximum;
+- when ``collate`` fails: a malformed item must fail only its own caller;
+- when the function raises and ``isolate_errors=True``: a binary search for the
+  poison items. With ``k`` failing items among ``n``, at most about
+  ``2 * k * log2(n)`` extra calls are made; with none, no extra call at all.
+
+Anything else (a wrong number of results, an error without isolation) fails the
+whole part, which is the whole batch unless an out-of-memory split happened.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from enum import Enum
+from typing import Any
+
+from batchkit.serve.request import Request
+
+Outcome = tuple[Any, BaseException | None]
+
+
+class Stage(Enum):
+    """Where a part failed."""
+
+    COLLATE = "collate"
+    CALL = "call"
+    OUTPUT = "output"  # split() or the length check
+
+
+def is_oom(exc: BaseException, extra: tuple[type[BaseException], ...]) -> bool:
+    """Whether ``exc`` means "this batch did not fit in memory"."""
+    if isinstance(exc, (MemoryError, *extra)):
+        return True
+    torch = sys.modules.get("torch")  # only if the process uses torch at all
+    oom_type = getattr(getattr(torch, "cuda", None), "OutOfMemoryError", None)
+    return isinstance(oom_type, type) and isinstance(exc, oom_type)
+
+
+class BatchRun:
+    """The parts of one batch still to run, and the outcomes settled so far."""
+
+    __slots__ = (
+        "requests",
+        "oom_enabled",
+        "oom_extra",
+        "isolate_errors",
+        "_todo",
+        "_results",
+        "calls",
+        "oom_splits",
+        "isolated",
+        "largest_ok",
+    )
+
+    def __init__(
+        self,
+        requests: Sequence[Request],
+        *,
+        oom_enabled: bool,
+        oom_extra: tuple[type[BaseException], ...],
+        isolate_errors: bool,
+    ) -> None:
+        self.requests = requests
+        self.oom_enabled = oom_enabled
+        self.oom_extra = oom_extra
+        self.isolate_errors = isolate_errors
+        self._todo: list[Sequence[Request]] = [requests]
+        self._results: dict[int, Outcome] = {}
+        self.calls = 0
+        self.oom_splits = 0  # parts split because they ran out of memory
+        self.isolated = 0  # items that failed alone after a split
+        self.largest_ok = 0  # the largest part the function completed
+
+    def next_part(self) -> Sequence[Request] | None:
+        """The next part to run (left halves first), or None when all are settled."""
+        return self._todo.pop() if self._todo else None
+
+    def succeeded(self, part: Sequence[Request], outcomes: list[Outcome]) -> None:
+        """The function returned one outcome per item of ``part``."""
+        self.largest_ok = max(self.largest_ok, len(part))
+        for req, outcome in zip(part, outcomes):
+            self._results[id(req)] = outcome
+
+    def failed(self, part: Sequence[Request], exc: BaseException, stage: Stage) -> None:
+        """``part`` raised ``exc`` at ``stage``: split it and retry, or settle it with ``exc``."""
+        oom = self.oom_enabled and stage is Stage.CALL and is_oom(exc, self.oom_extra)
+        retry = oom or stage is Stage.COLLATE or (stage is Stage.CALL and self.isolate_errors)
+        if retry and len(part) > 1:
+            self.oom_splits += oom
+            half = (len(part) + 1) // 2
+            self._todo.append(part[half:])
+            self._todo.append(part[:half])  # popped first: keeps the input order
+            return
+        if len(part) < len(self.requests):
+            self.isolated += len(part)
+        for req in part:
+            self._results[id(req)] = (None, exc)
+
+    @property
+    def hit_oom(self) -> bool:
+        """Whether any part ran out of memory."""
+        return self.oom_splits > 0
+
+    def outcomes(self) -> list[Outcome]:
+        """One outcome per request, in the batch's order."""
+        return [self._results[id(req)] for req in self.requests]

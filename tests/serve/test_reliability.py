@@ -1,0 +1,255 @@
+"""Issue 6: out-of-memory recovery, poison isolation, malformed items, backpressure,
+hanging functions. Every caller ends with exactly its own outcome."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+import batchkit
+from batchkit import BatcherClosed, BucketedBatcher, DynamicBatcher, RequestTimeout
+from batchkit.serve.scheduler import PROBE_AFTER, Scheduler
+
+
+class OOMAbove:
+    """A fake model that runs out of memory on batches larger than ``limit``."""
+
+    def __init__(self, limit: int, error: type[BaseException] = MemoryError) -> None:
+        self.limit, self.error, self.sizes = limit, error, []
+        self.lock = threading.Lock()
+
+    def __call__(self, xs):
+        with self.lock:
+            self.sizes.append(len(xs))
+        if len(xs) > self.limit:
+            raise self.error(f"batch of {len(xs)} does not fit")
+        return [x * 10 for x in xs]
+
+
+def burst(f, items, threads=64):
+    """Submit everything at once behind a gate so that full batches form."""
+    gate = threading.Event()
+
+    def one(x):
+        gate.wait()
+        return f(x)
+
+    with ThreadPoolExecutor(threads) as pool:
+        futs = [pool.submit(one, x) for x in items]
+        time.sleep(0.05)
+        gate.set()
+        return [fu.result(10) for fu in futs]
+
+
+def test_oom_splits_batches_learns_the_size_and_answers_everyone() -> None:
+    model = OOMAbove(5)
+    f = batchkit.batched(max_batch_size=32, max_wait_ms=50)(model)
+    items = list(range(64))
+    assert f.map(items) == [x * 10 for x in items]
+    s = f.stats()
+    assert s.oom_splits > 0 and s.failed == 0
+    assert s.effective_max_batch_size == {"default": 4}  # 32 -> 16 -> 8 -> 4 fit
+    calls_before = len(model.sizes)
+    assert f.map(items) == [x * 10 for x in items]
+    assert all(n <= 4 for n in model.sizes[calls_before:])  # no more failed attempts
+    f.close()
+
+
+def test_an_item_that_fails_alone_gets_the_oom_error() -> None:
+    def fn(xs):
+        if "huge" in xs:
+            raise MemoryError("huge item")
+        return [x.upper() for x in xs]
+
+    f = batchkit.batched(max_batch_size=8, max_wait_ms=50)(fn)
+    results = []
+    for out in burst(lambda x: _catch(f, x), ["a", "b", "huge", "c", "d"]):
+        results.append(out)
+    assert results[:2] == ["A", "B"] and results[3:] == ["C", "D"]
+    assert isinstance(results[2], MemoryError)
+    f.close()
+
+
+def _catch(f, x):
+    try:
+        return f(x)
+    except Exception as exc:  # noqa: BLE001
+        return exc
+
+
+def test_oom_recovery_can_be_turned_off_or_extended() -> None:
+    class DeviceOOM(RuntimeError):
+        pass
+
+    off = batchkit.batched(max_batch_size=8, oom_errors=())(OOMAbove(1))
+    with pytest.raises(MemoryError):
+        off.map([1, 2, 3])
+    assert off.stats().oom_splits == 0
+    custom = batchkit.batched(max_batch_size=8, oom_errors=(DeviceOOM,))(OOMAbove(1, DeviceOOM))
+    assert custom.map([1, 2, 3]) == [10, 20, 30]
+    with pytest.raises(TypeError, match="exception types"):
+        batchkit.batched(oom_errors=(int,))
+
+
+def test_oom_caps_are_per_bucket() -> None:
+    def fn(xs):
+        if len(xs) > 2 and len(xs[0]) > 4:
+            raise MemoryError
+        return xs
+
+    policy = BucketedBatcher([4, 100], max_batch_size=8, max_wait_ms=50)
+    f = batchkit.batched(batcher=policy)(fn)
+    items = ["ab"] * 8 + ["abcdefg"] * 8
+    assert f.map(items) == items
+    assert f.stats().effective_max_batch_size == {"1": 2}  # the long bucket only
+
+
+def test_learned_cap_is_probed_upward_and_dropped_at_the_maximum() -> None:
+    sched = Scheduler(DynamicBatcher(8))
+    sched.learn_cap(None, 4)
+    for _ in range(PROBE_AFTER):
+        sched.note_success(None, 4)
+    assert sched.caps == {None: 5}
+    for _ in range(PROBE_AFTER * 8):
+        sched.note_success(None, sched.caps.get(None, 8))
+    assert sched.caps == {}
+
+
+def test_isolate_errors_fails_only_the_poison_items_with_bounded_calls() -> None:
+    calls = []
+
+    def fn(xs):
+        calls.append(len(xs))
+        bad = [x for x in xs if x % 17 == 3]
+        if bad:
+            raise ValueError(f"poison {bad}")
+        return [x + 1 for x in xs]
+
+    f = batchkit.batched(max_batch_size=32, max_wait_ms=50, isolate_errors=True)(fn)
+    outs = burst(lambda x: _catch(f, x), list(range(32)))
+    for x, out in zip(range(32), outs):
+        if x % 17 == 3:
+            assert isinstance(out, ValueError) and str(out) == f"poison [{x}]"
+        else:
+            assert out == x + 1
+    poison = 2  # 3 and 20
+    assert len(calls) <= 1 + 2 * poison * math.ceil(math.log2(32))
+    assert f.stats().isolated == poison
+
+
+def test_without_isolation_the_whole_batch_fails() -> None:
+    f = batchkit.batched(max_batch_size=8, max_wait_ms=50)(
+        lambda xs: (_ for _ in ()).throw(ValueError("boom")) if 3 in xs else xs
+    )
+    outs = burst(lambda x: _catch(f, x), [1, 2, 3, 4])
+    assert all(isinstance(o, ValueError) for o in outs)
+
+
+def test_malformed_item_fails_only_its_own_caller() -> None:
+    def collate(items):
+        return batchkit.pad(items, return_tensors="np")
+
+    def model(padded):
+        return [row[mask].sum() for row, mask in zip(padded.data, padded.mask)]
+
+    f = batchkit.batched(max_batch_size=8, max_wait_ms=50, collate=collate)(model)
+    items = [[1, 2], [3], "not tokens", [4, 5, 6], None, [[1, 2], [3]]]
+    outs = burst(lambda x: _catch(f, x), items)
+    assert outs[0] == 3 and outs[1] == 3 and outs[3] == 15
+    assert isinstance(outs[2], TypeError) and "item 0" in str(outs[2])
+    assert isinstance(outs[4], TypeError)
+    assert isinstance(outs[5], (TypeError, ValueError))  # ragged nested list, named
+    assert f.stats().failed == 3
+
+
+def test_block_mode_waits_for_room_instead_of_rejecting() -> None:
+    gate = threading.Event()
+    f = batchkit.batched(max_batch_size=2, max_queue_size=2, when_full="block")(
+        lambda xs: (gate.wait(5), [x * 2 for x in xs])[1]
+    )
+    with ThreadPoolExecutor(12) as pool:
+        futs = [pool.submit(f, i) for i in range(10)]
+        time.sleep(0.1)
+        assert f.stats().queue_depth <= 2 and f.stats().rejected == 0
+        gate.set()
+        assert [fu.result(5) for fu in futs] == [i * 2 for i in range(10)]
+    with pytest.raises(ValueError, match="max_queue_size"):
+        batchkit.batched(when_full="block")
+
+
+def test_block_mode_timeout_and_close_answer_blocked_callers() -> None:
+    gate = threading.Event()
+    f = batchkit.batched(max_batch_size=1, max_queue_size=1, when_full="block")(
+        lambda xs: (gate.wait(5), xs)[1]
+    )
+    with ThreadPoolExecutor(4) as pool:
+        running = pool.submit(f, "r")
+        while f.stats().in_flight == 0:
+            time.sleep(0.001)
+        queued = pool.submit(f, "q")
+        while f.stats().queue_depth == 0:
+            time.sleep(0.001)
+        with pytest.raises(RequestTimeout):
+            f("blocked", timeout=0.05)
+        blocked = pool.submit(f, "late")
+        time.sleep(0.05)
+        closer = pool.submit(f.close, 0.1)
+        with pytest.raises(BatcherClosed):
+            blocked.result(5)
+        gate.set()
+        closer.result(5)
+        for fu, item in ((running, "r"), (queued, "q")):
+            out = _catch(fu.result, 5)  # the close timed out: a result or BatcherClosed
+            assert out == item or isinstance(out, BatcherClosed)
+
+
+def test_block_mode_from_asyncio() -> None:
+    @batchkit.batched(max_batch_size=4, max_queue_size=4, when_full="block")
+    async def f(xs):
+        await asyncio.sleep(0.005)
+        return [x + 1 for x in xs]
+
+    async def main():
+        out = await asyncio.gather(*(f(i) for i in range(50)))
+        assert out == [i + 1 for i in range(50)]
+        assert await f.amap(range(10)) == list(range(1, 11))
+        await f.aclose()
+
+    asyncio.run(asyncio.wait_for(main(), 10))
+    assert f.stats().rejected == 0
+
+
+def test_deadlines_fire_while_the_function_hangs() -> None:
+    release = threading.Event()
+    f = batchkit.batched(max_batch_size=1)(lambda xs: (release.wait(10), xs)[1])
+    with ThreadPoolExecutor(8) as pool:
+        hung = pool.submit(f, "hang")
+        while f.stats().in_flight == 0:
+            time.sleep(0.001)
+        start = time.monotonic()
+        late = [pool.submit(_catch_timeout, f, i) for i in range(5)]
+        assert all(isinstance(x.result(5), RequestTimeout) for x in late)
+        assert time.monotonic() - start < 5
+        assert f.stats().timeouts == 5
+        f.close(timeout=0.05)  # the hung batch's caller is answered too
+        with pytest.raises(BatcherClosed):
+            hung.result(5)
+    release.set()
+
+
+def _catch_timeout(f, x):
+    try:
+        return f(x, timeout=0.05)
+    except Exception as exc:  # noqa: BLE001
+        return exc
+
+
+def test_numpy_outputs_split_per_row() -> None:
+    f = batchkit.batched(max_batch_size=4)(lambda xs: np.asarray(xs) * 2)
+    assert f.map([1, 2, 3]) == [2, 4, 6]
