@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import batchkit
-from batchkit import BatcherClosed, BucketedBatcher, DynamicBatcher, RequestTimeout
+from batchkit import BatcherClosed, BucketedBatcher, DynamicBatcher, RequestTimeout, StaticBatcher
 from batchkit.serve.scheduler import PROBE_AFTER, Scheduler
 
 
@@ -131,7 +131,7 @@ def test_isolate_errors_fails_only_the_poison_items_with_bounded_calls() -> None
             raise ValueError(f"poison {bad}")
         return [x + 1 for x in xs]
 
-    f = batchkit.batched(max_batch_size=32, max_wait_ms=50, isolate_errors=True)(fn)
+    f = batchkit.batched(batcher=StaticBatcher(32), isolate_errors=True)(fn)  # one batch
     outs = burst(lambda x: _catch(f, x), list(range(32)))
     for x, out in zip(range(32), outs):
         if x % 17 == 3:
@@ -144,7 +144,7 @@ def test_isolate_errors_fails_only_the_poison_items_with_bounded_calls() -> None
 
 
 def test_without_isolation_the_whole_batch_fails() -> None:
-    f = batchkit.batched(max_batch_size=8, max_wait_ms=50)(
+    f = batchkit.batched(batcher=StaticBatcher(4))(
         lambda xs: (_ for _ in ()).throw(ValueError("boom")) if 3 in xs else xs
     )
     outs = burst(lambda x: _catch(f, x), [1, 2, 3, 4])
