@@ -325,6 +325,7 @@ class Runtime:
         """
         failed = self.sched.drop_all()
         self.room.wake_all()
+        self.sched.stats.closed += len(failed)
         self._dropped("closed", len(failed))
         for batch in self.sched.running.values():
             for req in batch.requests:

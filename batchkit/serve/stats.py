@@ -53,6 +53,7 @@ class Stats:
     rejected: int
     timeouts: int
     cancelled: int
+    closed: int  # waiting requests answered with BatcherClosed when a close timed out
     failed: int
     oom_splits: int  # parts split in halves after running out of memory
     isolated: int  # items that failed alone after their batch was split
@@ -82,6 +83,7 @@ class StatsRecorder:
     rejected: int = 0
     timeouts: int = 0
     cancelled: int = 0
+    closed: int = 0
     failed: int = 0
     oom_splits: int = 0
     isolated: int = 0
@@ -101,6 +103,7 @@ class StatsRecorder:
             rejected=self.rejected,
             timeouts=self.timeouts,
             cancelled=self.cancelled,
+            closed=self.closed,
             failed=self.failed,
             oom_splits=self.oom_splits,
             isolated=self.isolated,
