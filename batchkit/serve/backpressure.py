@@ -9,8 +9,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
 from collections import deque
-from typing import TypeAlias
+from typing import TYPE_CHECKING, TypeAlias
+
+from batchkit.serve.errors import RequestTimeout
+from batchkit.serve.events import DropReason
+from batchkit.serve.request import Request
+
+if TYPE_CHECKING:
+    from batchkit.serve.scheduler import Scheduler
 
 Waiter: TypeAlias = "threading.Lock | asyncio.Future[None]"  # a string: Lock is a factory
 
@@ -67,3 +75,107 @@ def _wake(waiter: Waiter) -> None:
 def _resolve(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_result(None)
+
+
+class BlockingAdmission:
+    """The ``when_full="block"`` half of :class:`~batchkit.serve.runtime.Runtime`:
+    callers wait for queue room (within their timeout) instead of getting ``QueueFull``."""
+
+    # Provided by Runtime:
+    lock: threading.Lock
+    closed: bool
+    room: RoomWaiters
+    sched: Scheduler
+    name: str
+
+    def _admit_locked(self, req: Request) -> None:
+        raise NotImplementedError
+
+    def _dropped(self, reason: DropReason, count: int) -> None:
+        raise NotImplementedError
+
+    def timeout_error(self, timeout: float) -> RequestTimeout:
+        raise NotImplementedError
+
+    def give_up(self, req: Request, error: BaseException, *, timed_out: bool) -> bool:
+        raise NotImplementedError
+
+    def _has_room_locked(self) -> bool:
+        limit = self.sched.max_queue_size
+        return limit is None or self.sched.num_waiting < limit
+
+    def _room_freed(self) -> None:
+        """Scheduler callback (under the lock): requests left the queue."""
+        if self.room:
+            limit = self.sched.max_queue_size
+            self.room.wake(len(self.room) if limit is None else limit - self.sched.num_waiting)
+
+    def _gave_up_waiting_for_room(self, timeout: float) -> RequestTimeout:
+        self.sched.stats.timeouts += 1
+        self._dropped("timeout", 1)
+        return self.timeout_error(timeout)
+
+    def submit_blocking(self, req: Request, timeout: float | None) -> None:
+        """A thread caller's enqueue with ``when_full="block"``: wait for room up to ``timeout``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self.lock:
+                if self.closed or self._has_room_locked():
+                    self._admit_locked(req)
+                    return
+                waiter = self.room.add_thread()
+            left = -1.0 if deadline is None else max(deadline - time.monotonic(), 0.0)
+            if not waiter.acquire(timeout=left):
+                with self.lock:
+                    if self.room.discard(waiter):
+                        raise self._gave_up_waiting_for_room(timeout or 0.0)
+                # Woken just as the timeout passed: try once more.
+
+    async def asubmit_blocking(self, req: Request, timeout: float | None) -> None:
+        """:meth:`submit_blocking` for asyncio callers (the loop is never blocked)."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self.lock:
+                if self.closed or self._has_room_locked():
+                    self._admit_locked(req)
+                    return
+                fut = self.room.add_async(loop)
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            try:
+                await asyncio.wait_for(fut, left)
+            except asyncio.TimeoutError:
+                with self.lock:
+                    if self.room.discard(fut):
+                        raise self._gave_up_waiting_for_room(timeout or 0.0) from None
+            except asyncio.CancelledError:
+                with self.lock:
+                    if not self.room.discard(fut):
+                        self._room_freed()  # pass the wake-up on to the next waiter
+                raise
+
+    def submit_all_blocking(self, reqs: list[Request], timeout: float | None) -> None:
+        """Block-mode ``map``: enqueue item by item; on failure withdraw what has not run."""
+        start = time.monotonic()
+        for i, req in enumerate(reqs):
+            left = None if timeout is None else timeout - (time.monotonic() - start)
+            try:
+                self.submit_blocking(req, left)
+            except BaseException as exc:
+                self._withdraw(reqs[:i], exc)
+                raise
+
+    async def asubmit_all_blocking(self, reqs: list[Request], timeout: float | None) -> None:
+        """:meth:`submit_all_blocking` for asyncio callers."""
+        start = time.monotonic()
+        for i, req in enumerate(reqs):
+            left = None if timeout is None else timeout - (time.monotonic() - start)
+            try:
+                await self.asubmit_blocking(req, left)
+            except BaseException as exc:
+                self._withdraw(reqs[:i], exc)
+                raise
+
+    def _withdraw(self, reqs: list[Request], error: BaseException) -> None:
+        for req in reqs:
+            self.give_up(req, error, timed_out=False)

@@ -119,16 +119,8 @@ class BatchedFunction(Generic[R]):
         runtime = self.runtime
         assert isinstance(runtime, ThreadRuntime)
         reqs = [runtime.make_request(x, priority, None) for x in items]
-        if runtime.room_mode_block:  # wait for room item by item, within the timeout
-            start = time.monotonic()
-            for i, req in enumerate(reqs):
-                left = None if timeout is None else timeout - (time.monotonic() - start)
-                try:
-                    runtime.submit_blocking(req, left)
-                except BaseException as exc:
-                    for earlier in reqs[:i]:  # the map failed: withdraw what has not run
-                        runtime.give_up(earlier, exc, timed_out=False)
-                    raise
+        if runtime.room_mode_block:
+            runtime.submit_all_blocking(reqs, timeout)
         else:
             runtime.submit_many(reqs)
         # Every item's timeout runs from this call, as if each were called alone now: at
@@ -153,15 +145,7 @@ class BatchedFunction(Generic[R]):
         runtime.bind(loop)
         reqs = [runtime.make_request(x, priority, loop) for x in items]
         if runtime.room_mode_block:
-            start = time.monotonic()
-            for i, req in enumerate(reqs):
-                left = None if timeout is None else timeout - (time.monotonic() - start)
-                try:
-                    await runtime.asubmit_blocking(req, left)
-                except BaseException as exc:
-                    for earlier in reqs[:i]:  # the map failed: withdraw what has not run
-                        runtime.give_up(earlier, exc, timed_out=False)
-                    raise
+            await runtime.asubmit_all_blocking(reqs, timeout)
         else:
             runtime.submit_many(reqs)
         waits = [asyncio.ensure_future(await_request(runtime, r, timeout)) for r in reqs]

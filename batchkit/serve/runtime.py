@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from batchkit.batchers.base import Batcher
-from batchkit.serve.backpressure import RoomWaiters
+from batchkit.serve.backpressure import BlockingAdmission, RoomWaiters
 from batchkit.serve.errors import BatcherClosed, QueueFull, RequestTimeout
 from batchkit.serve.events import BatchEvent, DropEvent, DropReason, Listener, notify
 from batchkit.serve.recovery import BatchRun, Outcome, Stage
@@ -43,7 +43,7 @@ class Options:
     when_full: Literal["reject", "block"] = "reject"
 
 
-class Runtime:
+class Runtime(BlockingAdmission):
     """Admission, outcome assignment and delivery; subclasses run batches and wake up."""
 
     def __init__(self, fn: Callable[[Any], Any], options: Options, name: str) -> None:
@@ -92,60 +92,6 @@ class Runtime:
             self._dropped("rejected", 1)
             raise
         self._wake_locked()
-
-    def _has_room_locked(self) -> bool:
-        limit = self.sched.max_queue_size
-        return limit is None or self.sched.num_waiting < limit
-
-    def _room_freed(self) -> None:
-        """Scheduler callback (under the lock): requests left the queue."""
-        if self.room:
-            limit = self.sched.max_queue_size
-            self.room.wake(len(self.room) if limit is None else limit - self.sched.num_waiting)
-
-    def _gave_up_waiting_for_room(self, timeout: float) -> RequestTimeout:
-        self.sched.stats.timeouts += 1
-        self._dropped("timeout", 1)
-        return self.timeout_error(timeout)
-
-    def submit_blocking(self, req: Request, timeout: float | None) -> None:
-        """A thread caller's enqueue with ``when_full="block"``: wait for room up to ``timeout``."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            with self.lock:
-                if self.closed or self._has_room_locked():
-                    self._admit_locked(req)
-                    return
-                waiter = self.room.add_thread()
-            left = -1.0 if deadline is None else max(deadline - time.monotonic(), 0.0)
-            if not waiter.acquire(timeout=left):
-                with self.lock:
-                    if self.room.discard(waiter):
-                        raise self._gave_up_waiting_for_room(timeout or 0.0)
-                # Woken just as the timeout passed: try once more.
-
-    async def asubmit_blocking(self, req: Request, timeout: float | None) -> None:
-        """:meth:`submit_blocking` for asyncio callers (the loop is never blocked)."""
-        loop = asyncio.get_running_loop()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            with self.lock:
-                if self.closed or self._has_room_locked():
-                    self._admit_locked(req)
-                    return
-                fut = self.room.add_async(loop)
-            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-            try:
-                await asyncio.wait_for(fut, left)
-            except asyncio.TimeoutError:
-                with self.lock:
-                    if self.room.discard(fut):
-                        raise self._gave_up_waiting_for_room(timeout or 0.0) from None
-            except asyncio.CancelledError:
-                with self.lock:
-                    if not self.room.discard(fut):
-                        self._room_freed()  # pass the wake-up on to the next waiter
-                raise
 
     def submit_many(self, reqs: list[Request]) -> None:
         """Enqueue several requests atomically: all of them, or none (``QueueFull``)."""
