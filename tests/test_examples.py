@@ -28,3 +28,16 @@ def test_readme_snippets_run() -> None:
     assert blocks
     for block in blocks:
         exec(compile(block, "README.md", "exec"), {})
+
+
+DOCS = sorted((ROOT / "docs").rglob("*.md"))
+
+
+@pytest.mark.parametrize("page", DOCS, ids=lambda p: str(p.relative_to(ROOT / "docs")))
+def test_doc_snippets_run(page: Path) -> None:
+    """Each page's python blocks run in order in one namespace (a later block may use an
+    earlier one's names); a block that starts with ``# not run`` is illustration only."""
+    namespace: dict[str, object] = {"__name__": "__docs__"}
+    for block in re.findall(r"```python\n(.*?)```", page.read_text(), re.S):
+        if not block.startswith("# not run"):
+            exec(compile(block, str(page), "exec"), namespace)
