@@ -5,7 +5,7 @@
 - ``batchkit.serve``: ``@batched``, which runs any callable in batches for many callers.
 """
 
-from batchkit import batchers, collate, serve
+from batchkit import batchers, collate, generate, kv, serve
 from batchkit.batchers import (
     Batch,
     Batcher,
@@ -26,6 +26,8 @@ from batchkit.collate import (
     stack,
     unstack,
 )
+from batchkit.generate import ContinuousBatcher, GenerationHandle, GenerationStats, StepBatch
+from batchkit.kv import BlockAllocator, BlockTable, OutOfBlocks, StepLayout
 from batchkit.serve import (
     BatchedFunction,
     BatcherClosed,
@@ -35,6 +37,9 @@ from batchkit.serve import (
     Stats,
     batched,
 )
+from batchkit.tools.memory import MemoryPlan, activation_bytes, kv_cache_bytes, memory_plan
+from batchkit.tools.profile import ProfileResult, profile
+from batchkit.tools.simulate import LatencyModel, SimResult, simulate
 
 __version__ = "0.1.0"
 
@@ -44,25 +49,44 @@ __all__ = [
     "Batcher",
     "BatcherClosed",
     "BatchkitError",
+    "BlockAllocator",
+    "BlockTable",
     "BucketedBatcher",
+    "ContinuousBatcher",
     "DynamicBatcher",
-    "PadCollator",
+    "GenerationHandle",
+    "GenerationStats",
+    "LatencyModel",
+    "MemoryPlan",
+    "OutOfBlocks",
     "Packed",
+    "PadCollator",
     "Padded",
+    "ProfileResult",
     "QueueFull",
     "RequestTimeout",
+    "SimResult",
     "SortedBatcher",
     "StaticBatcher",
     "Stats",
+    "StepBatch",
+    "StepLayout",
     "Varlen",
     "VarlenCollator",
+    "activation_bytes",
     "batched",
     "batchers",
     "collate",
+    "generate",
+    "kv",
+    "kv_cache_bytes",
+    "memory_plan",
     "pack",
     "pack_varlen",
     "pad",
+    "profile",
     "serve",
+    "simulate",
     "stack",
     "unstack",
 ]

@@ -1,0 +1,67 @@
+"""The ``batchkit`` command: ``demo``, ``profile``, ``simulate`` and ``memory``.
+
+Each command lives in its own module with ``add_parser`` and ``run``; ``main``
+parses, dispatches, and turns every expected failure (a bad argument, an
+unreadable file, a missing optional dependency) into one line on stderr and exit
+status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from batchkit.cli import demo, memory, profile, simulate
+from batchkit.cli._args import CliError
+
+COMMANDS = (demo, profile, simulate, memory)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser for every command."""
+    parser = argparse.ArgumentParser(
+        prog="batchkit",
+        description="Plan, measure and demonstrate batched inference.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for module in COMMANDS:
+        module.add_parser(commands)
+    return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("batchkit")
+    except PackageNotFoundError:  # pragma: no cover - running from a source tree
+        return "unknown"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``batchkit`` command line; returns the exit status."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse already printed usage and the error (or --help)
+        return exc.code if isinstance(exc.code, int) else 2
+    prog = f"batchkit {args.command}"
+    try:
+        status: int = args.run(args)
+    except (CliError, ValueError, ImportError, OSError) as exc:
+        print(f"{prog}: error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    return status
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text
+
+
+__all__ = ["CliError", "build_parser", "main"]

@@ -1,0 +1,95 @@
+"""Argument types and the one error the commands raise for a bad argument."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+
+
+class CliError(Exception):
+    """A bad argument or input found after parsing: one line on stderr, exit status 2."""
+
+
+def positive_int(text: str) -> int:
+    """An int >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """An int >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def _float(text: str, *, positive: bool) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        what = "a positive number" if positive else "a number >= 0"
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite float > 0."""
+    return _float(text, positive=True)
+
+
+def non_negative_float(text: str) -> float:
+    """A finite float >= 0."""
+    return _float(text, positive=False)
+
+
+def fraction(text: str) -> float:
+    """A float in [0, 1)."""
+    value = _float(text, positive=False)
+    if value >= 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1), got {text!r}")
+    return value
+
+
+def int_list(text: str) -> list[int]:
+    """``"1,2,4,8"`` -> positive ints (separated by commas or spaces)."""
+    parts = [p for p in re.split(r"[,\s]+", text.strip()) if p]
+    if not parts:
+        raise argparse.ArgumentTypeError(
+            f"expected a comma-separated list of integers, got {text!r}"
+        )
+    return [positive_int(p) for p in parts]
+
+
+def float_list(text: str) -> list[float]:
+    """``"0,2.5,5"`` -> numbers >= 0."""
+    parts = [p for p in re.split(r"[,\s]+", text.strip()) if p]
+    if not parts:
+        raise argparse.ArgumentTypeError(
+            f"expected a comma-separated list of numbers, got {text!r}"
+        )
+    return [non_negative_float(p) for p in parts]
+
+
+def shape(text: str) -> tuple[int, ...]:
+    """``"3,224,224"`` or ``"3x224x224"`` -> a shape of positive dimensions."""
+    parts = re.split(r"\s*[,x]\s*", text.strip().strip("()[]").strip())
+    if not all(parts):
+        raise argparse.ArgumentTypeError(f"expected a shape such as 3,224,224, got {text!r}")
+    try:
+        return tuple(positive_int(p) for p in parts)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"expected a shape of positive integers such as 3,224,224, got {text!r}"
+        ) from None

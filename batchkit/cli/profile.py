@@ -1,0 +1,189 @@
+"""``batchkit profile MODULE:CALLABLE``: latency and throughput per batch size, the knee,
+and ``max_batch_size``/``max_wait_ms`` for a latency target."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from batchkit.cli._args import CliError, int_list, non_negative_int, positive_float, positive_int
+from batchkit.cli._args import shape as shape_arg
+from batchkit.tools.profile import DEFAULT_BATCH_SIZES, ProfileResult, profile
+from batchkit.tools.progress import Progress
+
+NEEDS_MATPLOTLIB = '--plot needs matplotlib: pip install "batchkit[plot]" (or matplotlib)'
+
+
+def add_parser(commands: Any) -> None:
+    """Register the command."""
+    p: argparse.ArgumentParser = commands.add_parser(
+        "profile",
+        help="sweep batch sizes of a batch function; find the knee; recommend settings",
+        description=(
+            "Call MODULE:CALLABLE on batches of shape [B, *input-shape] (a numpy array, or a "
+            "torch tensor with --framework torch) for each batch size: warm-up runs, then "
+            "timed runs (median; CUDA-synchronised on GPU). Prints latency and throughput per "
+            "size, the knee (the smallest size within 5% of the peak throughput) and "
+            "settings for --sla-ms."
+        ),
+    )
+    p.add_argument("target", metavar="MODULE:CALLABLE",
+                   help="e.g. mypkg.model:predict, or path/to/file.py:predict")  # fmt: skip
+    p.add_argument("--input-shape", type=shape_arg, required=True,
+                   help="one item's shape without the batch axis: 128, 3,224,224")  # fmt: skip
+    default_sizes = ",".join(map(str, DEFAULT_BATCH_SIZES))
+    p.add_argument("--batch-sizes", type=int_list, default=list(DEFAULT_BATCH_SIZES),
+                   help=f"comma-separated (default {default_sizes})")  # fmt: skip
+    p.add_argument("--framework", choices=("numpy", "torch"), default="numpy",
+                   help="what the callable receives (default numpy)")  # fmt: skip
+    p.add_argument("--dtype", default="float32", help="element type (default float32)")
+    p.add_argument("--device", help="torch device (default cuda if available, else cpu)")
+    p.add_argument("--warmup", type=non_negative_int, default=2, help="untimed runs (default 2)")
+    p.add_argument("--repeats", type=positive_int, default=5, help="timed runs (default 5)")
+    p.add_argument("--sla-ms", type=positive_float, help="latency target for the recommendation")
+    p.add_argument("--json", type=Path, metavar="OUT.json",
+                   help="save the profile (read by 'batchkit simulate --profile')")  # fmt: skip
+    p.add_argument("--plot", type=Path, metavar="OUT.png", help="draw the curve (matplotlib)")
+    p.set_defaults(run=run)
+
+
+def load_callable(spec: str) -> Callable[[Any], Any]:
+    """``module.path:name`` or ``file.py:name`` (dotted names allowed) -> the callable."""
+    module_name, sep, attr = spec.rpartition(":")
+    if not sep or not module_name or not attr:
+        raise CliError(f"expected MODULE:CALLABLE (e.g. mypkg.model:predict), got {spec!r}")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as 'python -m' would: modules next to the user
+    try:
+        if module_name.endswith(".py"):
+            path = Path(module_name)
+            if not path.is_file():
+                raise CliError(f"no such file: {module_name}")
+            loaded = importlib.util.spec_from_file_location(path.stem, path)
+            if loaded is None or loaded.loader is None:
+                raise CliError(f"cannot import {module_name}")
+            module = importlib.util.module_from_spec(loaded)
+            loaded.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+    except CliError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any import-time failure of user code is one line
+        raise CliError(f"cannot import {module_name!r}: {type(exc).__name__}: {exc}") from None
+    obj: Any = module
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise CliError(f"{module_name!r} has no attribute {attr!r}") from None
+    if not callable(obj):
+        raise CliError(f"{spec} is a {type(obj).__name__}, not a callable")
+    return obj  # type: ignore[no-any-return]
+
+
+def _check_plot_backend() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise CliError(NEEDS_MATPLOTLIB) from None
+
+
+def run(args: argparse.Namespace) -> int:
+    """Profile, print, and save or plot if asked."""
+    if args.plot is not None:
+        _check_plot_backend()  # fail before the sweep, not after it
+    fn = load_callable(args.target)
+    show = sys.stderr.isatty()
+    total = len(set(args.batch_sizes)) * (args.warmup + args.repeats)
+    with Progress("profiling", total, enabled=show) as bar:
+        try:
+            result = profile(
+                fn,
+                args.input_shape,
+                batch_sizes=args.batch_sizes,
+                framework=args.framework,
+                dtype=args.dtype,
+                device=args.device,
+                warmup=args.warmup,
+                repeats=args.repeats,
+                sla_ms=args.sla_ms,
+                name=args.target,
+                on_step=lambda done, _total: bar.set(done),
+            )
+        except RuntimeError as exc:  # the callable failed on a batch: say which, in one line
+            raise CliError(str(exc)) from None
+    print(format_profile(result))
+    if args.json is not None:
+        result.save(args.json)
+        print(f"saved {args.json} (use: batchkit simulate --profile {args.json} --rate ...)")
+    if args.plot is not None:
+        plot(result, args.plot)
+        print(f"plotted {args.plot}")
+    return 0
+
+
+def format_profile(result: ProfileResult) -> str:
+    """The printed report."""
+    shape = ", ".join(map(str, result.input_shape))
+    lines = [
+        f"{result.target}: input [B, {shape}] {result.dtype} ({result.framework}, "
+        f"{result.device}); median of {result.repeats} after {result.warmup} warm-up",
+        f"{'batch':>7}{'latency ms':>12}{'items/s':>11}{'of peak':>9}",
+    ]
+    peak = result.peak.throughput
+    for p in result.points:
+        mark = "  <- knee" if p.batch_size == result.knee else ""
+        lines.append(
+            f"{p.batch_size:>7}{p.latency_ms:>12.3f}{p.throughput:>11,.0f}"
+            f"{p.throughput / peak:>9.0%}{mark}"
+        )
+    fixed, per_item = result.fit()
+    rec = result.recommendation
+    lines.append(
+        f"knee: batch size {result.knee} (smallest within 5% of the peak "
+        f"{peak:,.0f} items/s); fit: {fixed:.3f} ms + {per_item:.4f} ms x B"
+    )
+    target = f"for a {rec.sla_ms:g} ms target" if rec.sla_ms is not None else "(no --sla-ms given)"
+    lines.append(
+        f"recommended {target}: max_batch_size={rec.max_batch_size}, "
+        f"max_wait_ms={rec.max_wait_ms:g}"
+    )
+    lines.append(
+        f"  {rec.reason}; worst case ~{rec.worst_latency_ms:.1f} ms, "
+        f"capacity ~{rec.capacity:,.0f} req/s"
+    )
+    if not rec.meets_sla:
+        lines.append(
+            "  warning: the target cannot be met by batching; a faster model or device is needed"
+        )
+    return "\n".join(lines)
+
+
+def plot(result: ProfileResult, path: Path) -> None:
+    """Latency and throughput against batch size, the knee marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    sizes = [p.batch_size for p in result.points]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(sizes, [p.throughput for p in result.points], "o-", color="tab:blue")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("items/s", color="tab:blue")
+    ax.axvline(result.knee, color="grey", linestyle="--", label=f"knee ({result.knee})")
+    ax.legend(loc="upper left")
+    lat = ax.twinx()
+    lat.plot(sizes, [p.latency_ms for p in result.points], "s-", color="tab:red")
+    lat.set_ylabel("latency ms (median)", color="tab:red")
+    ax.set_title(result.target)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

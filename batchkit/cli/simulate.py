@@ -1,0 +1,172 @@
+"""``batchkit simulate``: replay arrivals against batcher settings before deploying them."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import sys
+from typing import Any
+
+from batchkit.cli._args import (
+    CliError,
+    float_list,
+    int_list,
+    non_negative_float,
+    positive_float,
+    positive_int,
+)
+from batchkit.tools.progress import Progress
+from batchkit.tools.simulate import LatencyModel, SimResult, poisson_arrivals, read_trace, simulate
+
+
+def add_parser(commands: Any) -> None:
+    """Register the command."""
+    p: argparse.ArgumentParser = commands.add_parser(
+        "simulate",
+        help="replay Poisson or traced arrivals against batcher settings (simulated time)",
+        description=(
+            "Drive batchkit's own scheduler with simulated time: requests arrive (Poisson at "
+            "--rate, or the times in --trace), batches run for a + b x size ms (or as a "
+            "profile file says). Prints throughput, p50/p99/p99.9 latency and the batch-size "
+            "histogram. Comma-separated --max-batch-size/--max-wait-ms/--max-concurrent-"
+            "batches values give one table row per combination."
+        ),
+    )
+    arrivals = p.add_mutually_exclusive_group(required=True)
+    arrivals.add_argument("--rate", type=positive_float, help="Poisson arrivals, requests/s")
+    arrivals.add_argument("--trace", metavar="FILE",
+                          help="arrival times in seconds, one per line")  # fmt: skip
+    p.add_argument("--requests", type=positive_int, default=10_000,
+                   help="Poisson arrivals to simulate (default 10000)")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--policy", choices=("dynamic", "static"), default="dynamic",
+                   help="DynamicBatcher or StaticBatcher (default dynamic)")  # fmt: skip
+    p.add_argument("--max-batch-size", type=int_list, default=[32], help="default 32")
+    p.add_argument("--max-wait-ms", type=float_list, default=[5.0], help="default 5")
+    p.add_argument("--max-concurrent-batches", type=int_list, default=[1],
+                   help="batches running at once, each as if alone (default 1)")  # fmt: skip
+    p.add_argument("--max-queue-size", type=positive_int,
+                   help="waiting requests beyond this are rejected (QueueFull)")  # fmt: skip
+    model = p.add_argument_group("latency model (default 5 ms + 0.5 ms x batch size)")
+    model.add_argument("--latency-ms", type=non_negative_float, help="a: fixed cost of a batch")
+    model.add_argument("--per-item-ms", type=non_negative_float, help="b: cost per item")
+    model.add_argument("--profile", metavar="FILE.json",
+                       help="a 'batchkit profile --json' file instead of a + b x size")  # fmt: skip
+    p.set_defaults(run=run)
+
+
+def _latency_model(args: argparse.Namespace) -> LatencyModel:
+    linear = args.latency_ms is not None or args.per_item_ms is not None
+    if args.profile is not None:
+        if linear:
+            raise CliError("give either --profile or --latency-ms/--per-item-ms, not both")
+        return LatencyModel.from_profile(args.profile)
+    fixed = 5.0 if args.latency_ms is None else args.latency_ms
+    per_item = 0.5 if args.per_item_ms is None else args.per_item_ms
+    return LatencyModel.linear(fixed, per_item)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Simulate every combination of settings; details for one, a table for several."""
+    model = _latency_model(args)
+    if args.trace is not None:
+        times = read_trace(args.trace)
+        source = f"{len(times)} arrivals from {args.trace}"
+    else:
+        times = poisson_arrivals(args.rate, args.requests, args.seed)
+        source = f"{len(times)} Poisson arrivals at {args.rate:g} req/s (seed {args.seed})"
+    combos = list(
+        itertools.product(args.max_batch_size, args.max_wait_ms, args.max_concurrent_batches)
+    )
+    results = []
+    with Progress(
+        "simulating", len(combos), enabled=sys.stderr.isatty() and len(combos) > 1
+    ) as bar:
+        for size, wait, slots in combos:
+            results.append(
+                simulate(
+                    model,
+                    arrivals=times,
+                    policy=args.policy,
+                    max_batch_size=size,
+                    max_wait_ms=wait,
+                    max_concurrent_batches=slots,
+                    max_queue_size=args.max_queue_size,
+                )
+            )
+            bar.advance()
+    print(f"{source}; latency model {model.description}")
+    if len(results) == 1:
+        print(format_result(results[0]))
+    else:
+        print(format_table(combos, results))
+    return 0
+
+
+def format_table(combos: list[tuple[int, float, int]], results: list[SimResult]) -> str:
+    """One row per setting: the latency/throughput trade-off at a glance."""
+    head = (
+        f"{'max_batch':>9}{'wait ms':>8}{'slots':>6}{'req/s':>9}{'p50 ms':>8}{'p99 ms':>8}"
+        f"{'p99.9 ms':>9}{'batch':>7}{'busy':>6}"
+    )
+    lines = [head]
+    for (size, wait, slots), r in zip(combos, results):
+        lines.append(
+            f"{size:>9}{wait:>8g}{slots:>6}{r.throughput:>9,.0f}{r.latency.p50:>8.1f}"
+            f"{r.latency.p99:>8.1f}{r.latency.p999:>9.1f}{r.mean_batch_size:>7.1f}"
+            f"{r.utilization:>6.0%}{_overload_mark(r)}"
+        )
+    if any(_overload_mark(r) for r in results):
+        lines.append(
+            "(!) overloaded: arrivals exceed capacity, the queue grows for as long as they last"
+        )
+    return "\n".join(lines)
+
+
+def _overload_mark(r: SimResult) -> str:
+    return "  (!)" if r.offered_rate > r.capacity else ""
+
+
+def format_result(r: SimResult) -> str:
+    """Every number of one run, and the batch-size histogram."""
+    lat, wait = r.latency, r.queue_wait
+    lines = [
+        f"batcher: {r.batcher}, {r.max_concurrent_batches} concurrent batch(es)",
+        f"throughput    {r.throughput:,.1f} req/s (offered {r.offered_rate:,.1f}; capacity at "
+        f"full batches {r.capacity:,.1f}; busy {r.utilization:.0%})",
+        f"latency ms    p50 {lat.p50:.2f}  p90 {lat.p90:.2f}  p99 {lat.p99:.2f}  "
+        f"p99.9 {lat.p999:.2f}  max {lat.max:.2f}",
+        f"queue wait ms p50 {wait.p50:.2f}  p99 {wait.p99:.2f}  max {wait.max:.2f}",
+        f"served {r.served} of {r.requests}"
+        + (f", rejected {r.rejected} (QueueFull)" if r.rejected else ""),
+        f"batches       {r.batches:,}, mean size {r.mean_batch_size:.2f}; dispatched: "
+        + ", ".join(f"{k} {v:,}" for k, v in sorted(r.dispatch_reasons.items())),
+    ]
+    if r.offered_rate > r.capacity:
+        lines.append("warning: arrivals exceed capacity: the queue grows for as long as they last")
+    lines.append("batch sizes")
+    lines.extend(histogram(r.batch_sizes))
+    return "\n".join(lines)
+
+
+def histogram(batch_sizes: dict[int, int], width: int = 40) -> list[str]:
+    """One bar per size (power-of-two ranges when there are many sizes)."""
+    if not batch_sizes:
+        return ["  (no batches)"]
+    if len(batch_sizes) <= 16:
+        bins = [(str(size), count) for size, count in sorted(batch_sizes.items())]
+    else:
+        grouped: dict[int, int] = {}
+        for size, count in batch_sizes.items():
+            low = 1 << (size.bit_length() - 1)
+            grouped[low] = grouped.get(low, 0) + count
+        bins = [(f"{lo}-{2 * lo - 1}" if lo > 1 else "1", c) for lo, c in sorted(grouped.items())]
+    total = sum(c for _, c in bins)
+    top = max(c for _, c in bins)
+    label_width = max(len(label) for label, _ in bins)
+    return [
+        f"  {label:>{label_width}} {'#' * max(1, math.ceil(width * c / top)):<{width}} "
+        f"{c:>8,} {c / total:6.1%}"
+        for label, c in bins
+    ]

@@ -1,0 +1,24 @@
+"""Continuous (iteration-level) batching for autoregressive generation.
+
+``ContinuousBatcher`` drives a step function: every step, finished sequences leave and
+waiting ones join, with chunked prefill, a token budget, and (with a
+:class:`~batchkit.kv.BlockAllocator`) paged KV memory with preemption by recompute.
+The scheduler core (``Scheduler``) is pure and usable on its own.
+"""
+
+from batchkit.generate.batcher import ContinuousBatcher
+from batchkit.generate.handle import GenerationHandle
+from batchkit.generate.scheduler import Scheduler
+from batchkit.generate.sequence import ScheduledSeq, SeqStatus, Sequence, StepBatch
+from batchkit.generate.stats import GenerationStats
+
+__all__ = [
+    "ContinuousBatcher",
+    "GenerationHandle",
+    "GenerationStats",
+    "ScheduledSeq",
+    "Scheduler",
+    "SeqStatus",
+    "Sequence",
+    "StepBatch",
+]

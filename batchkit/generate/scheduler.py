@@ -1,0 +1,422 @@
+"""The continuous-batching scheduler: a pure, synchronous core (no threads, no clock).
+
+Every step, :meth:`Scheduler.schedule` picks the sequences to compute: running ones
+first (a decode token each, or their next prefill chunk), then waiting ones,
+first-come-first-served within a priority (lower values first), while there are
+free rows (``max_num_seqs``), tokens in the step's budget
+(``max_num_batched_tokens``; long prompts are split into chunks) and, in paged
+mode, free KV blocks. When a running sequence needs a block and none is free, the
+newest running sequence is preempted: its blocks are freed and it waits again, to be
+recomputed from its tokens (prompt and generated so far) when it is readmitted.
+:meth:`Scheduler.update` takes the step's sampled tokens and retires sequences that
+hit a stop token or their length limit. The driver (:mod:`batchkit.generate.batcher`)
+adds threads, handles and time.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+
+import numpy as np
+
+from batchkit.generate.sequence import ScheduledSeq, SeqStatus, Sequence, StepBatch
+from batchkit.generate.stats import GenerationStatsRecorder
+from batchkit.kv.allocator import BlockAllocator
+from batchkit.kv.block_table import BlockTable, blocks_for
+
+
+class Scheduler:
+    """Iteration-level scheduling over a waiting queue and a running set."""
+
+    def __init__(
+        self,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        allocator: BlockAllocator | None = None,
+        max_model_len: int | None = None,
+    ) -> None:
+        if max_num_seqs.__class__ is not int or max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be a positive int, got {max_num_seqs!r}")
+        if max_num_batched_tokens.__class__ is not int or max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be a positive int, got {max_num_batched_tokens!r}"
+            )
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.allocator = allocator
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._free_slots = list(range(max_num_seqs))  # a heap: lowest free row first
+        # Paged mode: each row's block table as int32, kept up to date as blocks are added,
+        # so a step's block_tables is one fancy index instead of a rebuild.
+        self._rows = np.full((max_num_seqs, 8), -1, dtype=np.int32)
+        self._row_len = [0] * max_num_seqs
+        self._released: list[int] = []
+        self._in_flight: StepBatch | None = None
+        self._arrivals = 0
+        self._deadlines: list[tuple[float, int, Sequence]] = []
+        self.stats = GenerationStatsRecorder()
+
+    # -- admission -----------------------------------------------------------
+    @property
+    def has_work(self) -> bool:
+        """Whether any sequence is running or waiting."""
+        return bool(self.running or self.waiting)
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences waiting (new or preempted)."""
+        return len(self.waiting)
+
+    def check_fits(self, seq: Sequence) -> None:
+        """Raise ``ValueError`` if ``seq`` could never run, even alone."""
+        if seq.num_prompt_tokens < 1:
+            raise ValueError(f"request {seq.request_id}: the prompt is empty")
+        if seq.max_new_tokens.__class__ is not int or seq.max_new_tokens < 1:
+            raise ValueError(
+                f"request {seq.request_id}: max_new_tokens must be a positive int, "
+                f"got {seq.max_new_tokens!r}"
+            )
+        longest = seq.num_prompt_tokens + seq.max_new_tokens
+        limit = self.max_model_len
+        if limit is not None and seq.num_prompt_tokens >= limit:
+            raise ValueError(
+                f"request {seq.request_id}: prompt of {seq.num_prompt_tokens} tokens leaves no "
+                f"room to generate within max_model_len={limit}"
+            )
+        if limit is not None:
+            longest = min(longest, limit)
+        alloc = self.allocator
+        if alloc is not None:
+            # The last generated token is returned, never computed: it needs no KV slot.
+            need = blocks_for(longest - 1, alloc.block_size)
+            if need > alloc.num_blocks:
+                raise ValueError(
+                    f"request {seq.request_id} can never fit: {seq.num_prompt_tokens} prompt + "
+                    f"{seq.max_new_tokens} new tokens need {need} KV blocks of "
+                    f"{alloc.block_size}, the pool has {alloc.num_blocks}"
+                )
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence (``ValueError`` if it can never fit)."""
+        self.check_fits(seq)
+        self._arrivals += 1
+        seq.order = self._arrivals
+        seq.status = SeqStatus.WAITING
+        self._enqueue(seq)
+        if seq.deadline is not None:
+            heapq.heappush(self._deadlines, (seq.deadline, seq.order, seq))
+        self.stats.requests += 1
+
+    def _enqueue(self, seq: Sequence) -> None:
+        """Insert by (priority, arrival): O(1) at either end, the common cases."""
+        waiting = self.waiting
+        key = (seq.priority, seq.order)
+        if not waiting or key > (waiting[-1].priority, waiting[-1].order):
+            waiting.append(seq)
+        elif key < (waiting[0].priority, waiting[0].order):
+            waiting.appendleft(seq)
+        else:
+            i = next(i for i, s in enumerate(waiting) if key < (s.priority, s.order))
+            waiting.insert(i, seq)
+
+    # -- scheduling -----------------------------------------------------------
+    def schedule(self) -> StepBatch:
+        """The next step's batch (possibly empty); call :meth:`update` with its tokens."""
+        if self._in_flight is not None:
+            raise RuntimeError("schedule() called again before update() of the last step")
+        alloc = self.allocator
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        running = self.running
+        preempted = False
+
+        # running sequences: one decode token each, or their next prefill chunk
+        bs = 0 if alloc is None else alloc.block_size
+        row_len = self._row_len
+        fill: list[int] = [] if alloc is None else alloc.fill
+        fast_tokens = 0
+        i = 0
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            computed = seq.num_computed_tokens
+            n = len(seq.token_ids) - computed
+            if n > budget:
+                n = budget
+            if alloc is not None:
+                table = seq.block_table
+                assert table is not None  # every running sequence holds one in paged mode
+                if n == 1 and table.num_tokens % bs:
+                    # The decode fast path (most sequences, most steps): the token fits in
+                    # the private tail block; what BlockTable.grow(1) does, minus the calls.
+                    table.num_tokens += 1
+                    fill[table.block_ids[-1]] += 1
+                    fast_tokens += 1
+                else:
+                    need = -(-(table.num_tokens + n) // bs) - len(table.block_ids)
+                    while need > alloc.num_free:
+                        victim = running[-1]  # the newest: it loses the least work
+                        self._preempt(victim)
+                        preempted = True
+                        if victim is seq:
+                            break
+                    if seq.status is not SeqStatus.RUNNING:
+                        break
+                    table.grow(n)
+                    if len(table.block_ids) != row_len[seq.slot]:  # type: ignore[index]
+                        self._sync_row(seq)
+            seq.in_step = True
+            scheduled.append(ScheduledSeq(seq, computed, n))
+            budget -= n
+            i += 1
+
+        if fast_tokens:
+            alloc.add_tokens_stored(fast_tokens)  # type: ignore[union-attr]
+
+        # waiting sequences, in order, while rows, budget and blocks last. Nothing joins
+        # in a step that preempted: the memory is short, and the preempted go first.
+        waiting = self.waiting
+        while waiting and not preempted and budget > 0 and len(running) < self.max_num_seqs:
+            seq = waiting[0]
+            if alloc is not None and not self._admit_blocks(seq, budget):
+                break
+            waiting.popleft()
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if alloc is not None:
+                assert seq.block_table is not None
+                seq.block_table.grow(n)
+            seq.status = SeqStatus.RUNNING
+            seq.slot = heapq.heappop(self._free_slots)
+            if alloc is not None:
+                row_len[seq.slot] = 0
+                self._sync_row(seq)
+            running.append(seq)
+            seq.in_step = seq.started = True
+            scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
+            budget -= n
+
+        batch = StepBatch(scheduled, self._released, self.stats.steps)
+        if alloc is not None:
+            batch.block_size = alloc.block_size
+            slots = [s.slot for s in scheduled]
+            width = max(max((row_len[r] for r in slots), default=1), 1)  # type: ignore[index]
+            batch.block_tables = self._rows[slots, :width]  # type: ignore[index]
+        self._released = []
+        self._in_flight = batch
+        self._record_step(batch, self.max_num_batched_tokens - budget)
+        return batch
+
+    def _admit_blocks(self, seq: Sequence, budget: int) -> bool:
+        """Give a waiting sequence its table (with any prefix hit); False if blocks are short."""
+        alloc = self.allocator
+        assert alloc is not None
+        table = BlockTable(alloc)
+        hits = alloc.lookup_prefix(seq.token_ids)
+        if hits:
+            table.adopt(hits, len(hits) * alloc.block_size)
+        n = min(seq.num_tokens - table.num_tokens, budget)
+        if table.blocks_needed(n) > alloc.num_free:
+            table.free()  # give the hit back: a waiting sequence holds no memory
+            return False
+        seq.block_table = table
+        seq.num_computed_tokens = table.num_tokens
+        seq.num_cached_tokens += table.num_tokens
+        return True
+
+    def _sync_row(self, seq: Sequence) -> None:
+        """Copy the blocks ``seq`` gained since its row was last written."""
+        table, slot = seq.block_table, seq.slot
+        assert table is not None and slot is not None
+        blocks = table.block_ids
+        if len(blocks) > self._rows.shape[1]:  # widen (doubling): rare
+            wider = np.full((self._rows.shape[0], 2 * len(blocks)), -1, dtype=np.int32)
+            wider[:, : self._rows.shape[1]] = self._rows
+            self._rows = wider
+        old = self._row_len[slot]
+        self._rows[slot, old : len(blocks)] = blocks[old:]
+        self._rows[slot, len(blocks) :] = -1  # a shorter table than the row's last owner
+        self._row_len[slot] = len(blocks)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Back to waiting, first in line; its blocks are freed and recomputed later."""
+        self.running.remove(seq)
+        self._free(seq)
+        seq.status = SeqStatus.WAITING
+        seq.num_computed_tokens = 0
+        self._enqueue(seq)
+        self.stats.preemptions += 1
+
+    def _free(self, seq: Sequence) -> None:
+        """Give back the sequence's blocks and row, and tell the step function."""
+        if seq.block_table is not None:
+            seq.block_table.free()
+            seq.block_table = None
+        if seq.slot is not None:
+            heapq.heappush(self._free_slots, seq.slot)
+            seq.slot = None
+        self._released.append(seq.request_id)
+
+    def _record_step(self, batch: StepBatch, tokens: int) -> None:
+        st = self.stats
+        st.steps += 1
+        util = len(batch.seqs) / self.max_num_seqs
+        st.seqs_sum += util
+        if self.waiting:
+            st.waiting_steps += 1
+            st.seqs_sum_waiting += util
+        st.tokens_sum += tokens / self.max_num_batched_tokens
+        st.tokens_computed += tokens
+        alloc = self.allocator
+        if alloc is not None:
+            used = alloc.num_used
+            st.kv_steps += 1
+            st.kv_usage_sum += used / alloc.num_blocks
+            if used:
+                st.kv_waste_sum += 1.0 - alloc.tokens_stored / (used * alloc.block_size)
+
+    # -- results --------------------------------------------------------------
+    def update(
+        self, batch: StepBatch, tokens: list[int | None], now: float = 0.0
+    ) -> list[Sequence]:
+        """Apply a step's results (one per ``batch.seqs``); returns the sequences that got a token.
+
+        A sequence cancelled while the step ran gets nothing (its token is dropped).
+        """
+        if batch is not self._in_flight:
+            raise RuntimeError("update() expects the batch of the last schedule()")
+        seqs = batch.seqs
+        if len(tokens) != len(seqs):
+            self.fail_step(batch)
+            raise ValueError(
+                f"the step function returned {len(tokens)} results for {len(seqs)} sequences"
+            )
+        if None in tokens:  # check before changing anything
+            for sched, token in zip(seqs, tokens):
+                if token is None and sched.start + sched.num_tokens == len(sched.token_ids):
+                    self.fail_step(batch)
+                    raise ValueError(
+                        f"the step function returned None for request {sched.request_id}, "
+                        "which reached its last token and must sample"
+                    )
+        self._in_flight = None
+        alloc = self.allocator
+        prefix = None if alloc is None else alloc.prefix
+        produced: list[Sequence] = []
+        any_finished = False
+        max_len = self.max_model_len
+        st = self.stats
+        ttft, itl = st.ttft, st.itl
+        finished_status, running_status = SeqStatus.FINISHED, SeqStatus.RUNNING
+        for sched, token in zip(seqs, tokens):
+            seq = sched.seq
+            seq.in_step = False
+            if seq.status is finished_status:  # cancelled during the step
+                self._free(seq)
+                any_finished = True
+                continue
+            computed = sched.start + sched.num_tokens
+            seq.num_computed_tokens = computed
+            if prefix is not None:
+                self._cache_full_blocks(seq, sched.start, computed)
+            ids = seq.token_ids
+            if computed < len(ids):
+                continue  # a prefill chunk: nothing sampled yet
+            tok = token if token.__class__ is int else int(token)  # type: ignore[arg-type]
+            ids.append(tok)
+            generated = len(ids) - seq.num_prompt_tokens
+            if generated == 1:
+                ttft.append(now - seq.arrival_time)
+            else:
+                itl.append(now - seq.last_token_time)
+            seq.last_token_time = now
+            produced.append(seq)
+            if tok in seq.stop_token_ids:
+                seq.finish_reason = "stop"
+            elif generated >= seq.max_new_tokens or (max_len is not None and len(ids) >= max_len):
+                seq.finish_reason = "length"
+            else:
+                continue
+            seq.status = finished_status
+            self._free(seq)
+            st.finished += 1
+            any_finished = True
+        st.tokens_generated += len(produced)
+        if any_finished:
+            self.running = [s for s in self.running if s.status is running_status]
+        return produced
+
+    def _cache_full_blocks(self, seq: Sequence, start: int, end: int) -> None:
+        """Register the blocks this step completed (their keys/values now exist)."""
+        alloc = self.allocator
+        assert alloc is not None and alloc.prefix is not None and seq.block_table is not None
+        bs = alloc.block_size
+        blocks = seq.block_table.block_ids
+        for j in range(start // bs, end // bs):
+            alloc.prefix.insert(
+                blocks[j], blocks[j - 1] if j else -1, seq.token_ids[j * bs : (j + 1) * bs]
+            )
+
+    # -- leaving early ----------------------------------------------------------
+    def abort(self, seq: Sequence, reason: str = "cancelled") -> bool:
+        """Finish ``seq`` now; False if it had finished already.
+
+        During a step its resources stay held until :meth:`update` (the step may be
+        writing them); that step's token is then dropped.
+        """
+        if seq.status is SeqStatus.FINISHED:
+            return False
+        if seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        if not seq.in_step:
+            was_running = seq.slot is not None or seq.block_table is not None
+            if was_running:
+                self._free(seq)
+                self.running = [s for s in self.running if s is not seq]
+        else:
+            self.running = [s for s in self.running if s is not seq]
+        if reason == "cancelled":
+            self.stats.cancelled += 1
+        elif reason == "timeout":
+            self.stats.timeouts += 1
+        else:
+            self.stats.failed += 1
+        return True
+
+    def fail_step(self, batch: StepBatch, reason: str = "error") -> list[Sequence]:
+        """The step of ``batch`` failed: abort its sequences (their state is unknown)."""
+        if batch is not self._in_flight:
+            raise RuntimeError("fail_step() expects the batch of the last schedule()")
+        self._in_flight = None
+        for s in batch.seqs:
+            s.seq.in_step = False
+        seqs = [s.seq for s in batch.seqs]
+        for seq in seqs:  # cancelled during the step: its resources are still held
+            if seq.status is SeqStatus.FINISHED and (
+                seq.slot is not None or seq.block_table is not None
+            ):
+                self._free(seq)
+        return self.fail(seqs, reason)
+
+    def fail(self, seqs: list[Sequence], reason: str = "error") -> list[Sequence]:
+        """Abort each sequence (e.g. the step function raised); returns those aborted."""
+        return [s for s in seqs if self.abort(s, reason)]
+
+    def expire(self, now: float) -> list[Sequence]:
+        """Drop waiting sequences whose deadline passed before they first ran."""
+        out: list[Sequence] = []
+        deadlines = self._deadlines
+        while deadlines and deadlines[0][0] <= now:
+            _, _, seq = heapq.heappop(deadlines)
+            if not seq.started and seq.status is SeqStatus.WAITING:
+                self.abort(seq, "timeout")
+                out.append(seq)
+        return out
+
+    def abort_all(self, reason: str) -> list[Sequence]:
+        """Abort every waiting and running sequence."""
+        return self.fail(list(self.waiting) + list(self.running), reason)

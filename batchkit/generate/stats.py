@@ -1,0 +1,96 @@
+"""Counters of a continuous batcher, and the snapshot ``batcher.stats()`` returns."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from batchkit.serve.stats import SAMPLE_WINDOW, Percentiles
+
+
+@dataclass(frozen=True)
+class GenerationStats:
+    """A snapshot of one continuous batcher since it was created.
+
+    Utilisations are means over steps: ``slot_utilisation`` is sequences per step over
+    ``max_num_seqs`` (``slot_utilisation_waiting`` the same, over the steps that left
+    requests waiting), ``token_budget_utilisation`` tokens per step over
+    ``max_num_batched_tokens``. KV figures are paged mode only (0 otherwise):
+    ``kv_usage`` now, ``mean_kv_usage`` and ``mean_kv_waste`` (internal waste, see
+    :class:`~batchkit.kv.AllocatorStats`) over steps.
+    """
+
+    requests: int
+    finished: int
+    cancelled: int
+    timeouts: int
+    failed: int
+    steps: int
+    running: int
+    waiting: int
+    preemptions: int
+    tokens_generated: int
+    tokens_computed: int
+    slot_utilisation: float
+    slot_utilisation_waiting: float
+    token_budget_utilisation: float
+    kv_usage: float
+    mean_kv_usage: float
+    mean_kv_waste: float
+    prefix_hit_rate: float
+    time_to_first_token: Percentiles
+    inter_token_latency: Percentiles
+
+
+@dataclass
+class GenerationStatsRecorder:
+    """Mutable counters; updated by the scheduler under its owner's lock."""
+
+    requests: int = 0
+    finished: int = 0
+    cancelled: int = 0
+    timeouts: int = 0
+    failed: int = 0
+    steps: int = 0
+    preemptions: int = 0
+    tokens_generated: int = 0
+    tokens_computed: int = 0
+    seqs_sum: float = 0.0  # sum over steps of scheduled/max_num_seqs
+    waiting_steps: int = 0
+    seqs_sum_waiting: float = 0.0
+    tokens_sum: float = 0.0  # sum over steps of tokens/max_num_batched_tokens
+    kv_steps: int = 0
+    kv_usage_sum: float = 0.0
+    kv_waste_sum: float = 0.0
+    ttft: deque[float] = field(default_factory=lambda: deque(maxlen=SAMPLE_WINDOW))
+    itl: deque[float] = field(default_factory=lambda: deque(maxlen=SAMPLE_WINDOW))
+
+    def snapshot(
+        self, *, running: int, waiting: int, kv_usage: float, prefix_hit_rate: float
+    ) -> GenerationStats:
+        """Freeze the current values."""
+        steps = self.steps or 1
+        return GenerationStats(
+            requests=self.requests,
+            finished=self.finished,
+            cancelled=self.cancelled,
+            timeouts=self.timeouts,
+            failed=self.failed,
+            steps=self.steps,
+            running=running,
+            waiting=waiting,
+            preemptions=self.preemptions,
+            tokens_generated=self.tokens_generated,
+            tokens_computed=self.tokens_computed,
+            slot_utilisation=self.seqs_sum / steps,
+            slot_utilisation_waiting=(
+                self.seqs_sum_waiting / self.waiting_steps if self.waiting_steps else 0.0
+            ),
+            token_budget_utilisation=self.tokens_sum / steps,
+            kv_usage=kv_usage,
+            mean_kv_usage=self.kv_usage_sum / self.kv_steps if self.kv_steps else 0.0,
+            mean_kv_waste=self.kv_waste_sum / self.kv_steps if self.kv_steps else 0.0,
+            prefix_hit_rate=prefix_hit_rate,
+            time_to_first_token=Percentiles.of(self.ttft),
+            inter_token_latency=Percentiles.of(self.itl),
+        )

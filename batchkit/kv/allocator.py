@@ -1,0 +1,214 @@
+"""A fixed pool of KV-cache blocks with reference counts (the physical side of paging).
+
+Blocks are numbered ``0 .. num_blocks-1``; a block holds ``block_size`` tokens' keys
+and values for every layer. A block is *free* when its reference count is zero.
+Sequences that share a prefix (a fork, or a prefix-cache hit) share its full blocks
+and each hold a reference; the block returns to the pool when the last one releases
+it.
+
+With ``prefix_caching=True`` a freed block keeps its contents and its place in the
+prefix cache until it is handed out again: freed blocks are reused least recently
+freed first, so recently used prefixes survive longest.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from batchkit.kv.prefix import PrefixCache
+from batchkit.serve.errors import BatchkitError
+
+
+class OutOfBlocks(BatchkitError, RuntimeError):
+    """The pool has fewer free blocks than requested; nothing was allocated."""
+
+
+@dataclass(frozen=True, slots=True)
+class AllocatorStats:
+    """A snapshot of a :class:`BlockAllocator`.
+
+    ``internal_waste`` is ``1 - tokens_stored / (used_blocks * block_size)``: the share
+    of allocated token slots that hold nothing (partly filled tail blocks). It counts
+    a shared block once, with the tokens its owners recorded through
+    :meth:`BlockAllocator.set_tokens_stored`.
+    """
+
+    num_blocks: int
+    block_size: int
+    num_free: int
+    num_used: int
+    usage: float
+    tokens_stored: int
+    internal_waste: float
+    num_cached: int
+    prefix_queries: int
+    prefix_hits: int
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Share of queried full prompt blocks that were found in the prefix cache."""
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+
+class BlockAllocator:
+    """A fixed pool of ``num_blocks`` blocks of ``block_size`` tokens, refcounted.
+
+    :meth:`allocate` is all-or-nothing and raises :class:`OutOfBlocks`;
+    :meth:`retain` adds a reference to blocks in use; :meth:`release` drops one.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, *, prefix_caching: bool = False) -> None:
+        if num_blocks.__class__ is not int or num_blocks < 1:
+            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
+        if block_size.__class__ is not int or block_size < 1:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.refcounts = [0] * num_blocks
+        # Free ids, least recently freed first. A block revived by a prefix hit stays in
+        # the deque as a stale entry (its refcount is > 0) and is skipped when popped.
+        self._free: deque[int] = deque(range(num_blocks))
+        self._num_free = num_blocks
+        # Tokens each block holds, as its owners report (for the internal-waste statistic);
+        # public so that BlockTable can count a decode token with one list update.
+        self.fill = [0] * num_blocks
+        self._stored_total = 0
+        self.prefix: PrefixCache | None = PrefixCache(block_size) if prefix_caching else None
+
+    # -- the pool -------------------------------------------------------------
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether full blocks are shared between sequences with equal prefixes."""
+        return self.prefix is not None
+
+    @property
+    def num_free(self) -> int:
+        """Blocks with no reference (cached-but-free blocks included: they are reusable)."""
+        return self._num_free
+
+    @property
+    def num_used(self) -> int:
+        """Blocks with at least one reference."""
+        return self.num_blocks - self._num_free
+
+    @property
+    def usage(self) -> float:
+        """``num_used / num_blocks``."""
+        return self.num_used / self.num_blocks
+
+    def can_allocate(self, n: int) -> bool:
+        """Whether :meth:`allocate` of ``n`` blocks would succeed now."""
+        return n <= self._num_free
+
+    def allocate(self, n: int) -> list[int]:
+        """``n`` fresh blocks, each with one reference; :class:`OutOfBlocks` if fewer are free."""
+        if n > self._num_free:
+            raise OutOfBlocks(f"{n} blocks requested, {self._num_free} of {self.num_blocks} free")
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} blocks")
+        out: list[int] = []
+        free, refcounts, prefix = self._free, self.refcounts, self.prefix
+        while len(out) < n:
+            block = free.popleft()
+            if refcounts[block]:
+                continue  # stale entry: revived by a prefix hit since it was freed
+            refcounts[block] = 1
+            if prefix is not None:
+                prefix.forget(block)  # its old contents are about to be overwritten
+            out.append(block)
+        self._num_free -= n
+        return out
+
+    def retain(self, block_ids: Iterable[int]) -> None:
+        """Add one reference to each block; every block must be in use already."""
+        refcounts = self.refcounts
+        for block in block_ids:
+            if refcounts[block] <= 0:
+                raise ValueError(f"block {block} is free; retain only blocks in use")
+            refcounts[block] += 1
+
+    def release(self, block_ids: Iterable[int]) -> None:
+        """Drop one reference from each block; blocks left with none return to the pool."""
+        refcounts, free = self.refcounts, self._free
+        for block in block_ids:
+            count = refcounts[block]
+            if count <= 0:
+                raise ValueError(f"block {block} is already free (double release)")
+            refcounts[block] = count - 1
+            if count == 1:
+                free.append(block)
+                self._num_free += 1
+                self._stored_total -= self.fill[block]
+                self.fill[block] = 0
+        if len(free) > 4 * self.num_blocks:  # stale entries pile up under heavy reuse
+            self._compact()
+
+    def _compact(self) -> None:
+        seen: set[int] = set()
+        live: deque[int] = deque()
+        for b in self._free:
+            if self.refcounts[b] == 0 and b not in seen:
+                seen.add(b)
+                live.append(b)
+        self._free = live
+
+    def refcount(self, block_id: int) -> int:
+        """The number of references to ``block_id`` (0 = free)."""
+        return self.refcounts[block_id]
+
+    # -- occupancy accounting (for the internal-waste statistic) ------------
+    def set_tokens_stored(self, block_id: int, num_tokens: int) -> None:
+        """Record how many tokens ``block_id`` holds (its owner calls this as it fills)."""
+        if not 0 <= num_tokens <= self.block_size:
+            raise ValueError(f"a block holds 0..{self.block_size} tokens, got {num_tokens}")
+        self._stored_total += num_tokens - self.fill[block_id]
+        self.fill[block_id] = num_tokens
+
+    def add_tokens_stored(self, num_tokens: int) -> None:
+        """Adjust the total after updating :attr:`fill` directly (the fast path)."""
+        self._stored_total += num_tokens
+
+    @property
+    def tokens_stored(self) -> int:
+        """Tokens held by blocks in use (a shared block counted once)."""
+        return self._stored_total
+
+    # -- prefix caching -------------------------------------------------------
+    def lookup_prefix(self, token_ids: Sequence[int]) -> list[int]:
+        """Blocks holding the longest cached prefix of ``token_ids``, each retained once.
+
+        Only full blocks are shared, and never the whole prompt: at least its last token
+        is left to compute, so the step that computes it can sample. Empty without
+        prefix caching.
+        """
+        prefix = self.prefix
+        if prefix is None:
+            return []
+        hits = prefix.match(token_ids, max_blocks=(len(token_ids) - 1) // self.block_size)
+        for block in hits:
+            if self.refcounts[block] == 0:
+                self._num_free -= 1  # revived; its deque entry goes stale
+                self.fill[block] = self.block_size
+                self._stored_total += self.block_size
+            self.refcounts[block] += 1
+        return hits
+
+    def stats(self) -> AllocatorStats:
+        """A snapshot of occupancy, waste and prefix-cache counters."""
+        used = self.num_used
+        capacity = used * self.block_size
+        prefix = self.prefix
+        return AllocatorStats(
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            num_free=self._num_free,
+            num_used=used,
+            usage=used / self.num_blocks,
+            tokens_stored=self._stored_total,
+            internal_waste=1.0 - self._stored_total / capacity if capacity else 0.0,
+            num_cached=len(prefix) if prefix is not None else 0,
+            prefix_queries=prefix.queries if prefix is not None else 0,
+            prefix_hits=prefix.hits if prefix is not None else 0,
+        )

@@ -1,0 +1,132 @@
+"""One sequence's logical-to-physical block map (the virtual side of paging).
+
+Token ``i`` of a sequence lives in block ``block_ids[i // block_size]`` at offset
+``i % block_size``; its *slot* (the row of a flat ``[num_blocks * block_size, ...]``
+cache) is ``block_ids[i // block_size] * block_size + i % block_size``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from batchkit.kv.allocator import BlockAllocator
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """Blocks needed to hold ``num_tokens`` tokens."""
+    return -(-num_tokens // block_size)
+
+
+class BlockTable:
+    """The blocks of one sequence, in order, and how many tokens they hold."""
+
+    __slots__ = ("allocator", "block_ids", "num_tokens")
+
+    def __init__(self, allocator: BlockAllocator) -> None:
+        self.allocator = allocator
+        self.block_ids: list[int] = []
+        self.num_tokens = 0  # tokens whose slots were handed out by append()
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block."""
+        return self.allocator.block_size
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks held."""
+        return len(self.block_ids)
+
+    def blocks_needed(self, num_new_tokens: int) -> int:
+        """Fresh blocks :meth:`append` of ``num_new_tokens`` would allocate."""
+        bs = self.allocator.block_size
+        return max(-(-(self.num_tokens + num_new_tokens) // bs) - len(self.block_ids), 0)
+
+    def append(self, num_new_tokens: int) -> np.ndarray:
+        """Make room for ``num_new_tokens`` more tokens; int64 slots of the new tokens.
+
+        All-or-nothing: raises :class:`~batchkit.kv.OutOfBlocks` (and changes nothing)
+        when the pool cannot supply the blocks.
+        """
+        start = self.num_tokens
+        self.grow(num_new_tokens)
+        return slots_of(self.block_ids, self.allocator.block_size, start, self.num_tokens)
+
+    def grow(self, num_new_tokens: int) -> None:
+        """:meth:`append` without computing the slots (the scheduler's per-step path)."""
+        if num_new_tokens < 0:
+            raise ValueError(f"cannot append {num_new_tokens} tokens")
+        alloc = self.allocator
+        bs = alloc.block_size
+        blocks = self.block_ids
+        start = self.num_tokens
+        end = start + num_new_tokens
+        need = -(-end // bs) - len(blocks)
+        if need > 0:
+            blocks.extend(alloc.allocate(need))
+        self.num_tokens = end
+        if end == start:
+            return
+        # New tokens land in the private tail (only full blocks are ever shared), so the
+        # fill counts of the touched blocks rise by exactly num_new_tokens in total.
+        fill = alloc.fill
+        first, last = start // bs, (end - 1) // bs
+        if first == last:
+            fill[blocks[first]] += num_new_tokens
+        else:
+            fill[blocks[first]] = bs
+            for j in range(first + 1, last):
+                fill[blocks[j]] = bs
+            fill[blocks[last]] = end - last * bs
+        alloc.add_tokens_stored(num_new_tokens)
+
+    def adopt(self, block_ids: Sequence[int], num_tokens: int) -> None:
+        """Start from already-retained full blocks (a prefix-cache hit) holding ``num_tokens``."""
+        if self.block_ids:
+            raise ValueError("adopt() is for an empty table")
+        if num_tokens != len(block_ids) * self.block_size:
+            raise ValueError("a prefix hit covers whole blocks only")
+        self.block_ids = list(block_ids)
+        self.num_tokens = num_tokens
+
+    def fork(self) -> tuple[BlockTable, list[tuple[int, int]]]:
+        """A copy sharing this table's full blocks; the partial tail is copied eagerly.
+
+        Returns the new table and ``[(src_block, dst_block)]``, the block copies the
+        caller must apply to its KV cache before either sequence writes again. Raises
+        :class:`~batchkit.kv.OutOfBlocks` (nothing shared) when no block is free for
+        the tail.
+        """
+        bs = self.allocator.block_size
+        child = BlockTable(self.allocator)
+        full = self.num_tokens // bs
+        tail = len(self.block_ids) > full  # a partly filled last block
+        copies: list[tuple[int, int]] = []
+        tail_block = self.allocator.allocate(1) if tail else []
+        self.allocator.retain(self.block_ids[:full])
+        child.block_ids = self.block_ids[:full] + tail_block
+        child.num_tokens = self.num_tokens
+        if tail:
+            copies.append((self.block_ids[full], tail_block[0]))
+            self.allocator.set_tokens_stored(tail_block[0], self.num_tokens - full * bs)
+        return child, copies
+
+    def free(self) -> None:
+        """Release every block; the table is empty afterwards (and reusable)."""
+        if self.block_ids:
+            self.allocator.release(self.block_ids)
+        self.block_ids = []
+        self.num_tokens = 0
+
+    def slots(self) -> np.ndarray:
+        """int64 slots of all ``num_tokens`` tokens."""
+        return slots_of(self.block_ids, self.allocator.block_size, 0, self.num_tokens)
+
+
+def slots_of(block_ids: Sequence[int], block_size: int, start: int, end: int) -> np.ndarray:
+    """int64 slots of tokens ``start .. end-1`` of a sequence with these blocks."""
+    pos = np.arange(start, end, dtype=np.int64)
+    table = np.asarray(block_ids, dtype=np.int64)
+    return table[pos // block_size] * block_size + pos % block_size

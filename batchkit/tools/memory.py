@@ -1,0 +1,192 @@
+"""Transformer memory arithmetic: KV cache, activations, and the largest batch that fits.
+
+Everything is counted in bytes, exactly: the numbers are meant to be checked by
+hand (``2 * layers * kv_heads * head_dim * tokens * bytes_per_element``).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+# Bytes per element; fp8/int8 store one byte, 4-bit formats half of one.
+DTYPE_BYTES: dict[str, float] = {
+    "fp32": 4, "float32": 4, "float": 4,
+    "fp16": 2, "float16": 2, "half": 2, "bf16": 2, "bfloat16": 2,
+    "fp8": 1, "float8": 1, "int8": 1,
+    "int4": 0.5, "fp4": 0.5, "nf4": 0.5,
+}  # fmt: skip
+
+# Decimal suffixes (KB, MB, ...) are powers of 1000; binary ones (KiB, ...) and bare
+# letters (K, M, G, as nvidia-smi and free print them) are powers of 1024.
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+}  # fmt: skip
+_COUNT_UNITS = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+_NUMBER = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+
+GiB = 2**30
+
+
+def dtype_bytes(dtype: str) -> float:
+    """Bytes per element of ``dtype`` (``"fp16"``, ``"bfloat16"``, ``"fp8"``, ...)."""
+    try:
+        return DTYPE_BYTES[dtype.lower()]
+    except KeyError:
+        known = ", ".join(sorted(DTYPE_BYTES))
+        raise ValueError(f"unknown dtype {dtype!r} (known: {known})") from None
+
+
+def _parse(text: str, units: dict[str, int], what: str) -> float:
+    match = _NUMBER.match(text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in units:
+        raise ValueError(f"cannot read {text!r} as {what}")
+    value = float(match.group(1)) * units[unit]
+    if not math.isfinite(value):
+        raise ValueError(f"cannot read {text!r} as {what}")
+    return value
+
+
+def parse_bytes(text: str) -> int:
+    """``"80GiB"``, ``"80G"`` (binary), ``"80GB"`` (decimal), ``"1.5TiB"``, ``"4096"`` -> bytes."""
+    return int(_parse(text, _SIZE_UNITS, "a memory size (e.g. 80GiB, 24GB, 4096)"))
+
+
+def parse_count(text: str) -> int:
+    """``"7B"``, ``"7e9"``, ``"125M"``, ``"70b"`` -> a parameter count."""
+    return int(_parse(text, _COUNT_UNITS, "a parameter count (e.g. 7B, 125M, 7e9)"))
+
+
+def format_bytes(n: float) -> str:
+    """Bytes in binary units, 3 significant digits: ``2.00 GiB``."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _check_positive(**values: float) -> None:
+    for name, value in values.items():
+        if isinstance(value, bool) or not value > 0 or not math.isfinite(value):
+            raise ValueError(f"{name} must be a positive number, got {value!r}")
+
+
+def kv_cache_bytes(
+    *,
+    layers: int,
+    kv_heads: int,
+    head_dim: int,
+    seq_len: int,
+    batch_size: int = 1,
+    dtype: str = "fp16",
+) -> int:
+    """Bytes of the KV cache for ``batch_size`` sequences of ``seq_len`` tokens.
+
+    A key and a value vector per layer, per KV head, per token:
+    ``2 * layers * kv_heads * head_dim * seq_len * batch_size * bytes(dtype)``.
+    Llama-2-7B (32 layers, 32 KV heads of 128, fp16) at 4096 tokens: 2 GiB per sequence.
+    """
+    _check_positive(
+        layers=layers, kv_heads=kv_heads, head_dim=head_dim, seq_len=seq_len, batch_size=batch_size
+    )
+    elements = 2 * layers * kv_heads * head_dim * seq_len * batch_size
+    return math.ceil(elements * dtype_bytes(dtype))
+
+
+def activation_bytes(
+    *,
+    seq_len: int,
+    hidden_size: int,
+    intermediate_size: int | None = None,
+    batch_size: int = 1,
+    dtype: str = "fp16",
+) -> int:
+    """Peak activation bytes of one forward pass over ``batch_size * seq_len`` tokens.
+
+    Layers run one after another, so only one layer's tensors are alive at once:
+    the residual stream in and out (``2 * hidden``) and the MLP's up and gate
+    projections (``2 * intermediate``, default ``4 * hidden``), per token. Attention
+    scores are not counted (FlashAttention-style kernels never materialise them).
+    A planning estimate, not an allocator trace.
+    """
+    intermediate = 4 * hidden_size if intermediate_size is None else intermediate_size
+    _check_positive(
+        seq_len=seq_len, hidden_size=hidden_size, intermediate_size=intermediate,
+        batch_size=batch_size,
+    )  # fmt: skip
+    per_token = 2 * hidden_size + 2 * intermediate
+    return math.ceil(per_token * seq_len * batch_size * dtype_bytes(dtype))
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """How a transformer's serving memory splits, and the largest batch that fits."""
+
+    kv_bytes_per_sequence: int
+    kv_bytes_per_token: int
+    activation_bytes_per_sequence: int  # 0 unless a hidden size was given
+    weight_bytes: int  # 0 unless a parameter count was given
+    gpu_bytes: int | None
+    reserved_bytes: int  # gpu_bytes * reserve: kept free for the framework, fragmentation
+    available_bytes: int | None  # for KV cache and activations, after weights and reserve
+    max_batch_size: int | None  # sequences of seq_len tokens that fit (None: no GPU given)
+
+    @property
+    def bytes_per_sequence(self) -> int:
+        """What one more sequence in the batch costs."""
+        return self.kv_bytes_per_sequence + self.activation_bytes_per_sequence
+
+
+def memory_plan(
+    *,
+    layers: int,
+    kv_heads: int,
+    head_dim: int,
+    seq_len: int,
+    dtype: str = "fp16",
+    gpu_memory: int | str | None = None,
+    params: int | str | None = None,
+    weight_dtype: str | None = None,
+    reserve: float = 0.1,
+    hidden_size: int | None = None,
+    intermediate_size: int | None = None,
+) -> MemoryPlan:
+    """KV cache per sequence and, given ``gpu_memory``, the largest batch that fits.
+
+    ``gpu_memory`` minus ``reserve`` (a fraction of it, like vLLM's
+    ``gpu_memory_utilization = 1 - reserve``) minus the weights (``params`` times
+    ``weight_dtype``'s bytes, default ``dtype``) is shared by the sequences; each
+    costs its KV cache plus, when ``hidden_size`` is given, its peak activations.
+    """
+    if not (0 <= reserve < 1):
+        raise ValueError(f"reserve must be a fraction in [0, 1), got {reserve!r}")
+    kv_seq = kv_cache_bytes(
+        layers=layers, kv_heads=kv_heads, head_dim=head_dim, seq_len=seq_len, dtype=dtype
+    )
+    kv_token = kv_cache_bytes(
+        layers=layers, kv_heads=kv_heads, head_dim=head_dim, seq_len=1, dtype=dtype
+    )
+    act_seq = 0
+    if hidden_size is not None:
+        act_seq = activation_bytes(
+            seq_len=seq_len, hidden_size=hidden_size, intermediate_size=intermediate_size,
+            dtype=dtype,
+        )  # fmt: skip
+    n_params = parse_count(params) if isinstance(params, str) else params
+    weights = 0
+    if n_params is not None:
+        _check_positive(params=n_params)
+        weights = math.ceil(n_params * dtype_bytes(weight_dtype or dtype))
+    gpu = parse_bytes(gpu_memory) if isinstance(gpu_memory, str) else gpu_memory
+    if gpu is None:
+        return MemoryPlan(kv_seq, kv_token, act_seq, weights, None, 0, None, None)
+    _check_positive(gpu_memory=gpu)
+    reserved = math.ceil(gpu * reserve)
+    available = gpu - reserved - weights
+    fits = max(available, 0) // (kv_seq + act_seq)
+    return MemoryPlan(kv_seq, kv_token, act_seq, weights, gpu, reserved, available, fits)

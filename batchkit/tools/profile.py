@@ -1,0 +1,262 @@
+"""Profile a batch function: latency and throughput per batch size, the knee, and
+settings for a latency target.
+
+The function under test takes one batch, an array of shape ``[B, *input_shape]``:
+a numpy array (``framework="numpy"``) or a torch tensor on ``device``
+(``framework="torch"``). Each size is run ``warmup`` times untimed, then
+``repeats`` times; the median is reported. On CUDA every timing is bracketed by
+``torch.cuda.synchronize()`` so queued kernels are counted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+KNEE_FRACTION = 0.95  # the knee: the smallest size within 5% of the peak throughput
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+@dataclass(frozen=True)
+class ProfilePoint:
+    """One batch size: median latency and the throughput it gives."""
+
+    batch_size: int
+    latency_ms: float  # median over the repeats
+    min_ms: float
+    max_ms: float
+
+    @property
+    def throughput(self) -> float:
+        """Items per second when batches of this size run back to back."""
+        return self.batch_size / (self.latency_ms / 1e3)
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """Settings for ``DynamicBatcher`` derived from a profile (and a latency target).
+
+    Worst case for a request under load: it arrives just after a full batch left,
+    waits for that batch, waits up to ``max_wait_ms`` for its own to form (with
+    ``max_concurrent_batches > 1``), then runs: ``2 * latency(B) + max_wait_ms``.
+    """
+
+    max_batch_size: int
+    max_wait_ms: float
+    worst_latency_ms: float  # the bound above, for these settings
+    capacity: float  # requests/s at full batches, one batch at a time
+    sla_ms: float | None
+    meets_sla: bool  # False: even batches of 1 cannot meet sla_ms
+    reason: str
+
+
+@dataclass(frozen=True)
+class ProfileResult:
+    """A batch-size sweep and what it implies."""
+
+    target: str
+    input_shape: tuple[int, ...]
+    framework: str
+    dtype: str
+    device: str
+    warmup: int
+    repeats: int
+    points: list[ProfilePoint]
+    knee: int  # batch size
+    recommendation: Recommendation
+
+    @property
+    def peak(self) -> ProfilePoint:
+        """The point with the highest throughput."""
+        return max(self.points, key=lambda p: p.throughput)
+
+    def fit(self) -> tuple[float, float]:
+        """Least-squares ``(fixed_ms, per_item_ms)`` of ``latency = fixed + per_item * B``."""
+        sizes = np.array([p.batch_size for p in self.points], dtype=np.float64)
+        lat = np.array([p.latency_ms for p in self.points], dtype=np.float64)
+        if len(sizes) < 2:
+            return float(lat[0]), 0.0
+        slope, intercept = np.polyfit(sizes, lat, 1)
+        return max(float(intercept), 0.0), max(float(slope), 0.0)
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict (what ``--json`` writes and ``simulate --profile`` reads)."""
+        data = asdict(self)
+        data["batchkit_profile"] = 1
+        data["input_shape"] = list(self.input_shape)
+        for point, raw in zip(self.points, data["points"]):
+            raw["throughput"] = point.throughput
+        data["fit_ms"] = dict(zip(("fixed", "per_item"), self.fit()))
+        return data
+
+    def save(self, path: str | Path) -> None:
+        """Write :meth:`to_json` to ``path``."""
+        Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
+
+
+def find_knee(points: Sequence[ProfilePoint], fraction: float = KNEE_FRACTION) -> int:
+    """The smallest batch size whose throughput is within ``1 - fraction`` of the peak."""
+    peak = max(p.throughput for p in points)
+    return min(p.batch_size for p in points if p.throughput >= fraction * peak)
+
+
+def recommend(points: Sequence[ProfilePoint], sla_ms: float | None = None) -> Recommendation:
+    """``max_batch_size``: the knee, or the largest size up to it whose worst case fits
+    ``sla_ms``. ``max_wait_ms``: the slack left, capped at one batch's run time
+    (waiting longer than a batch takes rarely fills it further)."""
+    if sla_ms is not None and not (math.isfinite(sla_ms) and sla_ms > 0):
+        raise ValueError(f"sla_ms must be a positive number, got {sla_ms!r}")
+    by_size = {p.batch_size: p for p in points}
+    knee, peak = find_knee(points), find_peak(points)
+    sizes = sorted(s for s in by_size if s <= knee)
+    fitting = sizes if sla_ms is None else [s for s in sizes if 2 * by_size[s].latency_ms <= sla_ms]
+    if fitting:
+        size, meets = fitting[-1], True
+    else:
+        size, meets = sizes[0], False
+    lat = by_size[size].latency_ms
+    slack = lat if sla_ms is None else max(sla_ms - 2 * lat, 0.0)
+    wait = math.floor(min(slack, lat) * 10 + 1e-9) / 10  # 0.1 ms steps, never over the slack
+    if not meets:
+        reason = f"even a batch of {size} takes {lat:.1f} ms: no setting meets {sla_ms:g} ms"
+    elif size == knee:
+        share = by_size[size].throughput / peak
+        reason = f"the knee: batches of {size} give {share:.0%} of the peak throughput"
+    else:
+        reason = f"the largest size up to the knee whose worst case fits {sla_ms:g} ms"
+    return Recommendation(
+        max_batch_size=size,
+        max_wait_ms=wait,
+        worst_latency_ms=2 * lat + wait,
+        capacity=by_size[size].throughput,
+        sla_ms=sla_ms,
+        meets_sla=meets,
+        reason=reason,
+    )
+
+
+def find_peak(points: Sequence[ProfilePoint]) -> float:
+    """The highest throughput (items/s) in a sweep."""
+    return max(p.throughput for p in points)
+
+
+def _make_input(framework: str, shape: tuple[int, ...], dtype: str, device: str) -> Any:
+    rng = np.random.default_rng(0)
+    np_dtype = np.dtype(dtype)
+    if np_dtype.kind in "iub":
+        host = rng.integers(0, 100, shape).astype(np_dtype)  # token-id-like values
+    else:
+        host = rng.standard_normal(shape).astype(np_dtype)
+    if framework == "numpy":
+        return host
+    import torch
+
+    return torch.from_numpy(host).to(device)
+
+
+def _check_dtype(dtype: str) -> None:
+    try:
+        kind = np.dtype(dtype).kind
+    except TypeError:
+        raise ValueError(
+            f"unknown dtype {dtype!r} (numpy names: float32, float16, int64, ...)"
+        ) from None
+    if kind not in "biuf":
+        raise ValueError(f"dtype must be numeric, got {dtype!r}")
+
+
+def _synchronizer(framework: str, device: str) -> Callable[[], None]:
+    """What to call before reading the clock: CUDA work is asynchronous."""
+    if framework != "torch":
+        return lambda: None
+    import torch
+
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+def profile(
+    fn: Callable[[Any], Any],
+    input_shape: Sequence[int],
+    *,
+    batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
+    framework: str = "numpy",
+    dtype: str = "float32",
+    device: str | None = None,
+    warmup: int = 2,
+    repeats: int = 5,
+    sla_ms: float | None = None,
+    name: str | None = None,
+    on_step: Callable[[int, int], None] | None = None,
+) -> ProfileResult:
+    """Time ``fn`` on batches of each size; see the module docstring for the convention.
+
+    ``device`` (torch only) defaults to ``"cuda"`` when available, else ``"cpu"``.
+    ``on_step(done, total)`` is called after each timed or warm-up call (progress).
+    """
+    if framework not in ("numpy", "torch"):
+        raise ValueError(f"framework must be 'numpy' or 'torch', got {framework!r}")
+    shape = tuple(int(d) for d in input_shape)
+    if any(d < 1 for d in shape):
+        raise ValueError(f"input_shape dimensions must be >= 1, got {shape}")
+    sizes = sorted(set(batch_sizes))
+    if not sizes or sizes[0] < 1:
+        raise ValueError(f"batch sizes must be positive ints, got {list(batch_sizes)}")
+    if warmup < 0 or repeats < 1:
+        raise ValueError(f"need warmup >= 0 and repeats >= 1, got {warmup} and {repeats}")
+    _check_dtype(dtype)
+    if framework == "torch":
+        try:
+            import torch
+        except ImportError:
+            raise ImportError(
+                'framework="torch" needs torch: pip install "batchkit[torch]"'
+            ) from None
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = device or "cpu"
+    sync = _synchronizer(framework, device)
+    target = name or str(getattr(fn, "__qualname__", repr(fn)))
+    total, done = len(sizes) * (warmup + repeats), 0
+    points = []
+    for size in sizes:
+        batch = _make_input(framework, (size, *shape), dtype, device)
+        times = []
+        for i in range(warmup + repeats):
+            sync()
+            start = time.perf_counter()
+            try:
+                fn(batch)
+            except Exception as exc:
+                raise RuntimeError(
+                    f"{target} failed on a batch of shape {(size, *shape)}: "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
+            sync()
+            if i >= warmup:
+                times.append((time.perf_counter() - start) * 1e3)
+            done += 1
+            if on_step is not None:
+                on_step(done, total)
+        points.append(ProfilePoint(size, statistics.median(times), min(times), max(times)))
+    return ProfileResult(
+        target=target,
+        input_shape=shape,
+        framework=framework,
+        dtype=dtype,
+        device=device,
+        warmup=warmup,
+        repeats=repeats,
+        points=points,
+        knee=find_knee(points),
+        recommendation=recommend(points, sla_ms),
+    )

@@ -1,0 +1,164 @@
+"""The command line, in-process: output, exit codes, and one-line errors (no tracebacks)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from batchkit.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+MODELS = Path(__file__).with_name("models.py")
+LLAMA = ["memory", "--layers", "32", "--kv-heads", "32", "--head-dim", "128", "--seq-len", "4096"]
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(code: int, err: str, *needles: str) -> None:
+    assert code == 2
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert "error:" in last
+    for needle in needles:
+        assert needle in last, last
+
+
+def test_memory_command(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(
+        capsys, *LLAMA, "--gpu-memory", "80GiB", "--params", "7B", "--batch-size", "8"
+    )
+    assert code == 0
+    assert "2.00 GiB  (4096 tokens, 2,147,483,648 bytes)" in out
+    assert re.search(r"batch of 8 +16.00 GiB", out)
+    assert "weights: 7B params x 2 B = 13.04 GiB" in out
+    assert "largest batch: 29 sequences" in out
+
+
+def test_simulate_command(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "simulate", "--rate", "1000", "--requests", "2000",
+                       "--latency-ms", "2", "--per-item-ms", "0.25")  # fmt: skip
+    assert code == 0
+    for text in ("throughput", "p99.9", "batch sizes", "DynamicBatcher(max_batch_size=32"):
+        assert text in out
+
+
+def test_simulate_sweep_and_trace(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    trace = tmp_path / "t.txt"
+    trace.write_text("\n".join(str(i / 1000) for i in range(8)))
+    code, out, _ = run(capsys, "simulate", "--trace", str(trace), "--latency-ms", "2.2",
+                       "--per-item-ms", "0.5", "--max-batch-size", "2,32")  # fmt: skip
+    assert code == 0
+    rows = out.splitlines()[2:4]
+    assert rows[0].split()[:3] == ["2", "5", "1"] and rows[1].split()[:3] == ["32", "5", "1"]
+
+
+def test_profile_command(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    out_json = tmp_path / "p.json"
+    code, out, _ = run(capsys, "profile", f"{MODELS}:saturating", "--input-shape", "16",
+                       "--batch-sizes", "1,4,8,16", "--warmup", "1", "--repeats", "3",
+                       "--sla-ms", "50", "--json", str(out_json))  # fmt: skip
+    assert code == 0, out
+    # The knee itself is checked in test_profile.py; here, that the report is complete.
+    assert "<- knee" in out and "recommended for a 50 ms target: max_batch_size=" in out
+    code, out, _ = run(capsys, "simulate", "--profile", str(out_json), "--rate", "500",
+                       "--requests", "500")  # fmt: skip
+    assert code == 0 and "profile of 4 sizes" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "needles"),
+    [
+        (["profile", "nomodule_xyz:f", "--input-shape", "4"], ["cannot import 'nomodule_xyz'"]),
+        (["profile", "tests.cli.models:nothing", "--input-shape", "4"], ["no attribute 'nothing'"]),
+        (["profile", "tests.cli.models:not_callable", "--input-shape", "4"], ["not a callable"]),
+        (["profile", "no_colon", "--input-shape", "4"], ["MODULE:CALLABLE"]),
+        (["profile", "missing.py:f", "--input-shape", "4"], ["no such file"]),
+        (["profile", "tests.cli.models:broken", "--input-shape", "4", "--batch-sizes", "2"],
+         ["shape (2, 4)", "shapes do not match"]),
+        (["profile", "tests.cli.models:saturating", "--input-shape", "4", "--dtype", "float99"],
+         ["unknown dtype"]),
+        (["simulate", "--trace", "/nonexistent/trace.txt"], ["cannot read trace file"]),
+        (["simulate", "--rate", "10", "--profile", "/nonexistent.json"], ["cannot read profile"]),
+        (["simulate", "--rate", "10", "--profile", "x.json", "--latency-ms", "1"], ["not both"]),
+        (["simulate", "--rate", "10", "--latency-ms", "0", "--per-item-ms", "0"], ["0 ms"]),
+        ([*LLAMA, "--dtype", "fp13"], ["unknown dtype 'fp13'"]),
+        ([*LLAMA, "--intermediate-size", "10"], ["needs --hidden-size"]),
+    ],
+)  # fmt: skip
+def test_bad_input_is_one_line_and_exit_2(
+    capsys: pytest.CaptureFixture[str], argv: list[str], needles: list[str]
+) -> None:
+    code, _, err = run(capsys, *argv)
+    assert_one_line_error(code, err, *needles)
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["simulate", "--rate", "-5"], "expected a positive number"),
+        (["simulate", "--rate", "nan"], "expected a positive number"),
+        (["simulate"], "one of the arguments --rate --trace is required"),
+        (["simulate", "--rate", "5", "--max-batch-size", "0,4"], "positive integer"),
+        (["profile", "m:f", "--input-shape", "3,x"], "shape"),
+        ([*LLAMA, "--gpu-memory", "80 parsecs"], "cannot read '80 parsecs'"),
+        ([*LLAMA, "--reserve", "1.5"], "fraction"),
+        (["memory", "--layers", "32"], "required"),
+        (["frobnicate"], "invalid choice"),
+        ([], "required"),
+    ],
+)
+def test_argparse_errors_exit_2(
+    capsys: pytest.CaptureFixture[str], argv: list[str], needle: str
+) -> None:
+    code, _, err = run(capsys, *argv)
+    assert code == 2 and needle in err and "Traceback" not in err
+
+
+def test_plot_without_matplotlib(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        code, _, err = run(capsys, "profile", "tests.cli.models:saturating", "--input-shape", "4",
+                           "--plot", str(tmp_path / "p.png"))  # fmt: skip
+        assert_one_line_error(code, err, "matplotlib")
+    else:
+        code, _, _ = run(capsys, "profile", "tests.cli.models:saturating", "--input-shape", "4",
+                         "--batch-sizes", "1,2", "--plot", str(tmp_path / "p.png"))  # fmt: skip
+        assert code == 0 and (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "--help")
+    assert code == 0 and "simulate" in out and "profile" in out
+
+
+def test_python_m_batchkit_demo_runs() -> None:
+    pytest.importorskip("torch")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-m", "batchkit", "demo", "--requests", "64"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "@batched (bucketed)" in done.stdout and "speed-up" in done.stdout
+
+
+def test_demo_without_torch_is_one_line(tmp_path: Path) -> None:
+    # A stub that makes 'import torch' fail, as on a numpy-only install.
+    (tmp_path / "torch.py").write_text("raise ImportError('No module named torch')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    done = subprocess.run(
+        [sys.executable, "-m", "batchkit", "demo", "--requests", "8"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60, env=env,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr.strip() == 'batchkit demo needs torch: pip install "batchkit[torch]"'

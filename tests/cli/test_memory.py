@@ -1,0 +1,85 @@
+"""memory: numbers against hand calculations."""
+
+from __future__ import annotations
+
+import pytest
+
+from batchkit.tools.memory import (
+    activation_bytes,
+    kv_cache_bytes,
+    memory_plan,
+    parse_bytes,
+    parse_count,
+)
+
+GiB = 2**30
+LLAMA2_7B = {"layers": 32, "kv_heads": 32, "head_dim": 128}
+
+
+def test_llama2_7b_is_2_gib_per_4096_token_sequence() -> None:
+    # 2 (K, V) x 32 layers x 32 heads x 128 dims x 2 bytes = 512 KiB per token.
+    assert kv_cache_bytes(**LLAMA2_7B, seq_len=1) == 512 * 1024
+    assert kv_cache_bytes(**LLAMA2_7B, seq_len=4096) == 2 * GiB
+    assert kv_cache_bytes(**LLAMA2_7B, seq_len=4096, batch_size=8, dtype="fp32") == 32 * GiB
+
+
+def test_gqa_and_small_dtypes() -> None:
+    # Llama-3-70B: 80 layers, 8 KV heads of 128: 2*80*8*128*2 = 320 KiB per token in fp16.
+    assert kv_cache_bytes(layers=80, kv_heads=8, head_dim=128, seq_len=1) == 320 * 1024
+    assert kv_cache_bytes(layers=80, kv_heads=8, head_dim=128, seq_len=1, dtype="fp8") == 160 * 1024
+    assert kv_cache_bytes(layers=1, kv_heads=1, head_dim=3, seq_len=1, dtype="int4") == 3
+
+
+def test_largest_batch_on_80_gib() -> None:
+    plan = memory_plan(**LLAMA2_7B, seq_len=4096, gpu_memory="80GiB", params="7B", reserve=0.1)
+    assert plan.weight_bytes == 14 * 10**9
+    assert plan.reserved_bytes == 8 * GiB
+    assert plan.available_bytes == 72 * GiB - 14 * 10**9
+    assert plan.max_batch_size == (72 * GiB - 14 * 10**9) // (2 * GiB) == 29
+    assert memory_plan(**LLAMA2_7B, seq_len=4096).max_batch_size is None
+
+
+def test_activations_count_per_sequence() -> None:
+    # (2 * 4096 + 2 * 11008) values per token, 2 bytes, 4096 tokens.
+    act = activation_bytes(seq_len=4096, hidden_size=4096, intermediate_size=11008)
+    assert act == (2 * 4096 + 2 * 11008) * 2 * 4096
+    plan = memory_plan(**LLAMA2_7B, seq_len=4096, gpu_memory="80GiB", params="7B",
+                       hidden_size=4096, intermediate_size=11008)  # fmt: skip
+    assert plan.max_batch_size == plan.available_bytes // (2 * GiB + act) == 26  # type: ignore[operator]
+
+
+def test_weights_alone_overflow() -> None:
+    plan = memory_plan(**LLAMA2_7B, seq_len=4096, gpu_memory="24GB", params="70B")
+    assert plan.max_batch_size == 0 and plan.available_bytes is not None
+    assert plan.available_bytes < 0
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("80GiB", 80 * GiB), ("80G", 80 * GiB), ("80GB", 80 * 10**9), ("1.5 TiB", 3 * 2**39),
+     ("4096", 4096), ("512mib", 512 * 2**20)],
+)  # fmt: skip
+def test_parse_bytes(text: str, value: int) -> None:
+    assert parse_bytes(text) == value
+
+
+@pytest.mark.parametrize(
+    ("text", "value"), [("7B", 7 * 10**9), ("7e9", 7 * 10**9), ("125M", 125 * 10**6)]
+)
+def test_parse_count(text: str, value: int) -> None:
+    assert parse_count(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "GiB", "80 parsecs", "-1GB", "nan", "1e999GB"])
+def test_parse_bytes_rejects(text: str) -> None:
+    with pytest.raises(ValueError, match="cannot read"):
+        parse_bytes(text)
+
+
+def test_bad_model_numbers() -> None:
+    with pytest.raises(ValueError, match="layers"):
+        kv_cache_bytes(layers=0, kv_heads=1, head_dim=1, seq_len=1)
+    with pytest.raises(ValueError, match="unknown dtype"):
+        kv_cache_bytes(layers=1, kv_heads=1, head_dim=1, seq_len=1, dtype="fp13")
+    with pytest.raises(ValueError, match="reserve"):
+        memory_plan(**LLAMA2_7B, seq_len=1, reserve=1.0)

@@ -1,0 +1,132 @@
+"""simulate: hand-computable cases exactly, monotonic sanity, determinism, speed."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from batchkit.batchers import BucketedBatcher, StaticBatcher
+from batchkit.tools.simulate import LatencyModel, poisson_arrivals, read_trace, simulate
+
+MS = 1e-3
+
+
+def sizes(result: object) -> list[int]:
+    return [n for _, _, n in result.batch_log]  # type: ignore[attr-defined]
+
+
+def test_deterministic_arrivals_one_slot() -> None:
+    # Arrivals every 1 ms; a batch takes 2.2 + 0.5 n ms; one batch at a time.
+    # t=0: [0] alone (idle) -> ends 2.7; [1, 2] -> 5.9; [3, 4, 5] -> 9.6; [6, 7] -> 12.8.
+    r = simulate((2.2, 0.5), arrivals=np.arange(8) * MS, max_batch_size=32)
+    assert sizes(r) == [1, 2, 3, 2]
+    starts_ends = np.array([(s, e) for s, e, _ in r.batch_log]) / MS
+    assert starts_ends == pytest.approx(np.array([(0, 2.7), (2.7, 5.9), (5.9, 9.6), (9.6, 12.8)]))
+    expected_ms = [2.7, 4.9, 3.9, 6.6, 5.6, 4.6, 6.8, 5.8]
+    assert r.latencies_s / MS == pytest.approx(expected_ms)
+    assert r.batch_sizes == {1: 1, 2: 2, 3: 1}
+    assert r.dispatch_reasons == {"idle": 4}
+    assert r.latency.max == pytest.approx(6.8)
+    assert r.throughput == pytest.approx(8 / (12.8 * MS))
+    assert r.served == r.requests == 8
+
+
+def test_max_wait_with_two_slots() -> None:
+    # 10 ms batches, two slots, max_wait 1.5 ms, at most 3 per batch.
+    # t=0 [0] idle -> 10; t=2.5 [1, 2] max_wait (1 waited 1.5 ms) -> 12.5;
+    # t=3, 4 wait for a slot; t=10 [3, 4] max_wait -> 20.
+    r = simulate(
+        (10.0, 0.0),
+        arrivals=np.arange(5) * MS,
+        max_batch_size=3,
+        max_wait_ms=1.5,
+        max_concurrent_batches=2,
+    )
+    assert sizes(r) == [1, 2, 2]
+    assert [s / MS for s, _, _ in r.batch_log] == pytest.approx([0, 2.5, 10])
+    assert r.latencies_s / MS == pytest.approx([10, 11.5, 10.5, 17, 16])
+    assert r.dispatch_reasons == {"idle": 1, "max_wait": 2}
+
+
+def test_steady_state_batch_size_is_hand_computable() -> None:
+    # One request per ms, batches of n take 2 + 0.5 n ms: the fixed point n = 2 / (1 - 0.5) = 4.
+    r = simulate((2.0, 0.5), arrivals=np.arange(2000) * MS + 0.1 * MS, max_batch_size=64)
+    assert sizes(r)[-100:-1] == [4] * 99
+
+
+def test_full_batches_and_static_tail_served_at_close() -> None:
+    r = simulate((1.0, 0.0), arrivals=np.zeros(10), batcher=StaticBatcher(4))
+    assert sizes(r) == [4, 4, 2]
+    assert r.dispatch_reasons == {"full": 2, "closing": 1}
+    assert r.latencies_s / MS == pytest.approx([1] * 4 + [2] * 4 + [3] * 2)
+
+
+def test_queue_limit_rejects() -> None:
+    r = simulate((10.0, 0.0), arrivals=np.zeros(10), max_batch_size=2, max_queue_size=3)
+    assert r.rejected == 7 and r.served == 3
+    assert np.isnan(r.latencies_s).sum() == 7
+
+
+def test_bucketed_policy_with_keys() -> None:
+    batcher = BucketedBatcher([8, 16], max_batch_size=8)
+    r = simulate((1.0, 0.0), arrivals=np.zeros(6), batcher=batcher, keys=[4, 12, 5, 13, 6, 14])
+    assert sorted(sizes(r)) == [3, 3]
+
+
+@pytest.mark.parametrize("slots", [1, 2])
+def test_more_load_means_bigger_batches(slots: int) -> None:
+    means, p50s = [], []
+    for rate in (100, 500, 1500, 3000):
+        r = simulate(
+            (2.0, 0.25), rate=rate, num_requests=4000, seed=1, max_concurrent_batches=slots
+        )
+        means.append(r.mean_batch_size)
+        p50s.append(r.latency.p50)
+        assert r.throughput == pytest.approx(rate, rel=0.1)  # under capacity: all of it served
+    assert means == sorted(means) and means[-1] > 3 * means[0]
+
+
+def test_bigger_max_batch_size_raises_capacity() -> None:
+    arrivals = poisson_arrivals(5000, 5000, seed=0)
+    small = simulate((2.0, 0.25), arrivals=arrivals, max_batch_size=4)
+    big = simulate((2.0, 0.25), arrivals=arrivals, max_batch_size=32)
+    assert small.capacity == pytest.approx(4 / 3e-3)  # 4 items per 3 ms
+    assert small.offered_rate > small.capacity  # overloaded: the queue grows
+    assert big.latency.p99 < small.latency.p99
+    assert big.throughput > small.throughput
+
+
+def test_seeded_runs_repeat_and_are_fast() -> None:
+    start = time.perf_counter()
+    a = simulate((2.0, 0.25), rate=2000, num_requests=100_000, seed=7)
+    assert time.perf_counter() - start < 10
+    b = simulate((2.0, 0.25), rate=2000, num_requests=100_000, seed=7)
+    assert a.batch_sizes == b.batch_sizes and a.latency == b.latency
+    assert sum(n * c for n, c in a.batch_sizes.items()) == 100_000
+
+
+def test_profile_latency_model_interpolates() -> None:
+    model = LatencyModel.from_points([1, 4, 8], [2.0, 2.0, 4.0])
+    assert model.seconds(2) == pytest.approx(2e-3)
+    assert model.seconds(6) == pytest.approx(3e-3)
+    assert model.seconds(12) == pytest.approx(6e-3)  # the last slope beyond the profile
+
+
+def test_trace_file(tmp_path: object) -> None:
+    path = tmp_path / "trace.txt"  # type: ignore[operator]
+    path.write_text("# seconds\n10.002\n10.000\n\n10.001, extra\n")
+    assert read_trace(path) == pytest.approx([0, 0.001, 0.002])
+    path.write_text("1.0\nsoon\n")
+    with pytest.raises(ValueError, match="trace.txt:2"):
+        read_trace(path)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"rate": 0}, {"rate": -1.0}, {}, {"rate": 10, "policy": "fifo"}, {"arrivals": []}],
+)
+def test_bad_arguments_raise_value_error(kwargs: dict[str, object]) -> None:
+    with pytest.raises(ValueError):
+        simulate((1.0, 0.1), **kwargs)  # type: ignore[arg-type]

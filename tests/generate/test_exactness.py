@@ -1,0 +1,110 @@
+"""Each request's tokens equal its solo run, whatever else shares its steps.
+
+Hypothesis drives the pure scheduler core over the toy recurrence (``_toy.py``) with
+random prompts, lengths, arrival steps, cancellations (some during a step), row and
+token limits small enough to chunk every prompt, and KV pools small enough to preempt.
+"""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from batchkit.generate import Scheduler, Sequence
+from batchkit.kv import BlockAllocator, blocks_for
+from tests.generate._toy import VOCAB, PagedToy, SlottedToy, solo
+
+STOP = 5
+
+request = st.fixed_dictionaries(
+    {
+        "prompt": st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=20),
+        "shared_prefix": st.booleans(),  # starts with a common 8 tokens (prefix-cache hits)
+        "max_new": st.integers(1, 12),
+        "arrive": st.integers(0, 6),  # the step before which it is submitted
+        "cancel": st.none() | st.tuples(st.integers(0, 15), st.booleans()),  # (step, in-step?)
+        "priority": st.sampled_from([0, 0, 0, 1, -1]),
+    }
+)
+COMMON = [7, 1, 9, 4, 4, 2, 8, 6]
+
+
+@st.composite
+def scenarios(draw: st.DrawFn) -> dict:
+    reqs = draw(st.lists(request, min_size=1, max_size=8))
+    for r in reqs:
+        if r["shared_prefix"]:
+            r["prompt"] = COMMON + r["prompt"]
+    paged = draw(st.booleans())
+    block_size = draw(st.sampled_from([1, 2, 4, 8]))
+    longest = max(blocks_for(len(r["prompt"]) + r["max_new"] - 1, block_size) for r in reqs)
+    return {
+        "reqs": reqs,
+        "paged": paged,
+        "block_size": block_size,
+        "num_blocks": longest + draw(st.integers(0, 12)),  # tight pools force preemption
+        "prefix_caching": draw(st.booleans()),
+        "max_num_seqs": draw(st.integers(1, 5)),
+        "budget": draw(st.integers(1, 24)),
+    }
+
+
+def run(sc: dict) -> tuple[list[Sequence], Scheduler]:
+    alloc = None
+    if sc["paged"]:
+        alloc = BlockAllocator(
+            sc["num_blocks"], sc["block_size"], prefix_caching=sc["prefix_caching"]
+        )
+        step = PagedToy(sc["num_blocks"], sc["block_size"])
+    else:
+        step = SlottedToy()
+    sched = Scheduler(
+        max_num_seqs=sc["max_num_seqs"], max_num_batched_tokens=sc["budget"], allocator=alloc
+    )
+    seqs = [
+        Sequence(
+            i,
+            list(r["prompt"]),
+            max_new_tokens=r["max_new"],
+            stop_token_ids=frozenset({STOP}),
+            priority=r["priority"],
+        )
+        for i, r in enumerate(sc["reqs"])
+    ]
+    pending = sorted(range(len(seqs)), key=lambda i: sc["reqs"][i]["arrive"])
+    added: set[int] = set()
+    step_no = 0
+    while pending or sched.has_work:
+        while pending and sc["reqs"][pending[0]]["arrive"] <= step_no:
+            added.add(pending[0])
+            sched.add(seqs[pending.pop(0)])
+        for i in added:
+            if sc["reqs"][i]["cancel"] == (step_no, False):
+                sched.abort(seqs[i])
+        batch = sched.schedule()
+        for i in added:  # cancelled while the step runs
+            if sc["reqs"][i]["cancel"] == (step_no, True):
+                sched.abort(seqs[i])
+        sched.update(batch, step(batch))
+        step_no += 1
+        assert step_no < 2000, "no progress"
+    return seqs, sched
+
+
+@given(scenarios())
+@settings(max_examples=150)
+def test_tokens_equal_solo_run(sc: dict) -> None:
+    seqs, sched = run(sc)
+    for seq, r in zip(seqs, sc["reqs"]):
+        want = solo(r["prompt"], r["max_new"], frozenset({STOP}))
+        if seq.finish_reason == "cancelled":
+            assert seq.generated_ids == want[: len(seq.generated_ids)]
+        else:
+            assert seq.generated_ids == want
+            assert seq.finish_reason == ("stop" if want[-1] == STOP else "length")
+    alloc = sched.allocator
+    if alloc is not None:  # everything returned to the pool
+        assert alloc.num_free == alloc.num_blocks
+        assert all(c == 0 for c in alloc.refcounts)
+        assert alloc.tokens_stored == 0
+    assert sorted(sched._free_slots) == list(range(sc["max_num_seqs"]))
