@@ -254,7 +254,12 @@ class Runtime(BlockingAdmission):
             reason=batch.reason.value,
             queue_waits=tuple(batch.dispatched_at - r.enqueued_at for r in batch.requests),
             latency=now - batch.dispatched_at,
-            failed=sum(1 for _, error in outcomes if error is not None),
+            # Requests a timed-out close already answered with BatcherClosed failed too.
+            failed=sum(
+                1
+                for req, (_, error) in zip(batch.requests, outcomes)
+                if error is not None or req.state is not State.RUNNING
+            ),
             tokens=float(sum(keys)),
             padded_tokens=float(batch.padded_size * max(keys, default=0.0)),
         )

@@ -490,3 +490,30 @@ def test_listeners_see_batches_and_drops_and_cannot_break_the_runtime() -> None:
     assert sum(b.tokens for b in batches) == 6.0
     assert all(b.padded_tokens >= b.tokens and b.latency >= 0 for b in batches)
     assert drops == [batchkit.serve.DropEvent(f.__qualname__, "rejected", 5)]
+
+
+def test_batch_event_counts_requests_a_timed_out_close_answered() -> None:
+    events = []
+
+    class Spy:
+        def on_batch(self, event):
+            events.append(event)
+
+        def on_drop(self, event):
+            pass
+
+    gate = threading.Event()
+    f = batchkit.batched(max_batch_size=1, max_wait_ms=0)(lambda xs: (gate.wait(5), xs)[1])
+    f.add_listener(Spy())
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(f, "x")
+        while f.stats().in_flight == 0:
+            time.sleep(0.001)
+        f.close(timeout=0.05)
+        with pytest.raises(BatcherClosed):
+            fut.result(5)
+        gate.set()
+        deadline = time.monotonic() + 5
+        while not events and time.monotonic() < deadline:
+            time.sleep(0.001)
+    assert events and events[0].failed == 1

@@ -1,0 +1,313 @@
+"""Prometheus metrics for ``@batched`` functions (``pip install "batchkit[metrics]"``).
+
+```python
+from prometheus_client import start_http_server
+import batchkit
+from batchkit.metrics import PrometheusMetrics
+
+@batchkit.batched(max_batch_size=32, max_wait_ms=5)
+def embed(texts: list[str]) -> list[int]:
+    return [len(t) for t in texts]
+
+metrics = PrometheusMetrics()           # the default registry
+metrics.track(embed)                    # label batcher="embed" (the qualname)
+start_http_server(9100, addr="127.0.0.1")    # or serve metrics.generate_latest()
+```
+
+Everything is recorded from the runtime's events (:mod:`batchkit.serve.events`) as
+it happens; only the queue-depth and in-flight gauges are read at scrape time from
+``f.stats()``. Every series carries a ``batcher`` label. The names are listed in
+:data:`METRIC_NAMES` and documented in ``docs/metrics.md``.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, get_args
+
+try:
+    from prometheus_client import (
+        CONTENT_TYPE_LATEST,
+        REGISTRY,
+        CollectorRegistry,
+        Counter,
+        Histogram,
+    )
+    from prometheus_client import generate_latest as _generate_latest
+    from prometheus_client import make_asgi_app as _make_asgi_app
+    from prometheus_client.core import GaugeMetricFamily, Metric
+except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
+    raise ImportError(
+        "batchkit.metrics needs prometheus-client: pip install 'batchkit[metrics]'"
+    ) from exc
+
+from batchkit.serve.batched import BatchedFunction
+from batchkit.serve.events import BatchEvent, DropEvent, DropReason
+from batchkit.serve.stats import DispatchReason
+
+__all__ = [
+    "CONTENT_TYPE_LATEST",
+    "DEFAULT_LATENCY_BUCKETS",
+    "DEFAULT_SIZE_BUCKETS",
+    "METRIC_NAMES",
+    "PrometheusMetrics",
+]
+
+DEFAULT_LATENCY_BUCKETS: tuple[float, ...] = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+"""Seconds: batching waits are often below Prometheus' default 5 ms first bucket."""
+
+DEFAULT_SIZE_BUCKETS: tuple[float, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+"""Items per batch: powers of two, as batch sizes are usually configured."""
+
+METRIC_NAMES: dict[str, str] = {
+    "inference_batch_size": "histogram: real items per batch",
+    "inference_queue_wait_seconds": "histogram: per request, enqueue to dispatch",
+    "inference_batch_latency_seconds": "histogram: per batch, dispatch to results",
+    "inference_batches_total": "counter, label reason: batches by dispatch reason",
+    "inference_requests_total": "counter, label outcome: requests that ran (ok, error)",
+    "inference_dropped_requests_total": "counter, label reason: requests that never ran",
+    "inference_tokens_total": "counter: sum of the batched items' keys (lengths)",
+    "inference_padded_tokens_total": "counter: batch size x longest key, summed over batches",
+    "inference_padding_items_total": "counter: filler items added to reach a strict size",
+    "inference_queue_depth": "gauge (read at scrape): requests waiting",
+    "inference_in_flight_batches": "gauge (read at scrape): batches running",
+}
+"""Every metric family as exposed (counters with their ``_total``), without the
+namespace, and what it measures."""
+
+_DROP_REASONS: tuple[DropReason, ...] = get_args(DropReason)
+_OUTCOMES = ("ok", "error")
+
+
+class _Tracker:
+    """The listener attached to one function, holding its label's metric children
+    pre-bound (a ``.labels()`` lookup per event would take a lock and hash each time)."""
+
+    def __init__(self, owner: PrometheusMetrics, name: str) -> None:
+        self.name = name
+        self._owner = owner
+        self._children: list[tuple[Counter | Histogram, tuple[str, ...]]] = []
+        self.batch_size = self._child(owner._batch_size)
+        self.queue_wait = self._child(owner._queue_wait)
+        self.latency = self._child(owner._latency)
+        # Every reason and outcome starts at 0, so rate() and absent() work from the start.
+        self.batches = {r.value: self._child(owner._batches, r.value) for r in DispatchReason}
+        self.ok, self.error = (self._child(owner._requests, o) for o in _OUTCOMES)
+        self.dropped = {r: self._child(owner._dropped, r) for r in _DROP_REASONS}
+        self.tokens = self._child(owner._tokens)
+        self.padded_tokens = self._child(owner._padded_tokens)
+        self.padding_items = self._child(owner._padding_items)
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        values = (self.name, *labels)
+        self._children.append((metric, values))
+        return metric.labels(*values)
+
+    def remove(self) -> None:
+        """Remove every series this tracker created."""
+        for metric, values in self._children:
+            metric.remove(*values)
+        self._children.clear()
+
+    def on_batch(self, event: BatchEvent) -> None:
+        """Record one finished batch (called on the runtime's worker, under its lock)."""
+        self.batch_size.observe(event.size)
+        observe = self.queue_wait.observe
+        for wait in event.queue_waits:
+            observe(wait)
+        self.latency.observe(event.latency)
+        batches = self.batches.get(event.reason)
+        if batches is None:  # a dispatch reason newer than this module
+            batches = self.batches[event.reason] = self._child(self._owner._batches, event.reason)
+        batches.inc()
+        if event.size > event.failed:
+            self.ok.inc(event.size - event.failed)
+        if event.failed:
+            self.error.inc(event.failed)
+        if event.padded_tokens:  # 0 when the policy has no key: nothing to measure
+            self.tokens.inc(event.tokens)
+            self.padded_tokens.inc(event.padded_tokens)
+        if event.padded_size > event.size:
+            self.padding_items.inc(event.padded_size - event.size)
+
+    def on_drop(self, event: DropEvent) -> None:
+        """Count requests that ended without running."""
+        self.dropped[event.reason].inc(event.count)
+
+
+class PrometheusMetrics:
+    """A Prometheus exporter for any number of ``@batched`` functions.
+
+    ``registry``: where the metrics are registered (``None``: prometheus-client's
+    default ``REGISTRY``, which ``start_http_server`` and ``make_asgi_app`` serve;
+    one exporter per registry). ``namespace``: a prefix, e.g. ``"myapp"`` gives
+    ``myapp_inference_batch_size``. ``latency_buckets`` (seconds) apply to the queue
+    wait and batch latency histograms, ``size_buckets`` to the batch size histogram.
+    """
+
+    def __init__(
+        self,
+        registry: CollectorRegistry | None = None,
+        namespace: str = "",
+        *,
+        latency_buckets: Sequence[float] = DEFAULT_LATENCY_BUCKETS,
+        size_buckets: Sequence[float] = DEFAULT_SIZE_BUCKETS,
+    ) -> None:
+        self.registry = REGISTRY if registry is None else registry
+        self.namespace = namespace
+        self._lock = threading.Lock()
+        self._tracked: dict[str, tuple[weakref.ref[BatchedFunction[Any]], _Tracker]] = {}
+
+        def counter(name: str, doc: str, *extra: str) -> Counter:
+            return Counter(name, doc, ("batcher", *extra), namespace=namespace, registry=None)
+
+        def histogram(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
+            return Histogram(
+                name, doc, ("batcher",), namespace=namespace, registry=None, buckets=buckets
+            )
+
+        self._batch_size = histogram("inference_batch_size", "Real items per batch.", size_buckets)
+        self._queue_wait = histogram(
+            "inference_queue_wait_seconds",
+            "Seconds each request waited in the queue before its batch was dispatched.",
+            latency_buckets,
+        )
+        self._latency = histogram(
+            "inference_batch_latency_seconds",
+            "Seconds from a batch's dispatch to its results (the batch function's run).",
+            latency_buckets,
+        )
+        self._batches = counter(
+            "inference_batches", "Batches run, by why they left the queue.", "reason"
+        )
+        self._requests = counter(
+            "inference_requests", "Requests that ran in a batch, by outcome.", "outcome"
+        )
+        self._dropped = counter(
+            "inference_dropped_requests",
+            "Requests that ended without running: rejected (queue full), timeout, "
+            "cancelled, closed.",
+            "reason",
+        )
+        self._tokens = counter(
+            "inference_tokens", "Sum of the batched items' keys (their lengths, in tokens)."
+        )
+        self._padded_tokens = counter(
+            "inference_padded_tokens",
+            "Area of the padded batches: batch size times longest key, summed.",
+        )
+        self._padding_items = counter(
+            "inference_padding_items",
+            "Filler items added to batches to reach a strict (preferred) batch size.",
+        )
+        for metric in self._metrics():
+            self.registry.register(metric)
+        self.registry.register(_ScrapeTimeGauges(self))
+
+    def _metrics(self) -> Iterator[Counter | Histogram]:
+        yield from (self._batch_size, self._queue_wait, self._latency, self._batches)
+        yield from (self._requests, self._dropped, self._tokens, self._padded_tokens)
+        yield self._padding_items
+
+    # -- which functions ------------------------------------------------------
+    def track(self, f: BatchedFunction[Any], name: str | None = None) -> str:
+        """Export ``f``'s metrics under ``batcher=name`` (default: ``f``'s qualname).
+
+        Returns the label. Tracking the same function under the same name again does
+        nothing; a name already used by another function raises ``ValueError``.
+        """
+        if not isinstance(f, BatchedFunction):
+            raise TypeError(f"track() needs a @batched function, got {type(f).__name__}")
+        label = f.__qualname__ if name is None else name
+        if not isinstance(label, str) or not label:
+            raise ValueError(f"name must be a non-empty string, got {label!r}")
+        with self._lock:
+            known = self._tracked.get(label)
+            if known is not None:
+                if known[0]() is f:
+                    return label
+                raise ValueError(f"a function is already tracked as batcher={label!r}")
+            if any(ref() is f for ref, _ in self._tracked.values()):
+                raise ValueError(f"{f.__qualname__} is already tracked under another name")
+            tracker = _Tracker(self, label)
+            self._tracked[label] = (weakref.ref(f), tracker)
+        f.add_listener(tracker)
+        return label
+
+    def untrack(self, f: BatchedFunction[Any]) -> None:
+        """Stop exporting ``f``: detach the listener and remove its series."""
+        with self._lock:
+            found = [name for name, (ref, _) in self._tracked.items() if ref() is f]
+            if not found:
+                raise KeyError(f"{f.__qualname__} is not tracked")
+            _, tracker = self._tracked.pop(found[0])
+        f.remove_listener(tracker)
+        tracker.remove()
+
+    @property
+    def tracked(self) -> dict[str, BatchedFunction[Any]]:
+        """The tracked functions by label (those still alive)."""
+        with self._lock:
+            items = [(name, ref()) for name, (ref, _) in self._tracked.items()]
+        return {name: f for name, f in items if f is not None}
+
+    def _prune_dead(self) -> None:
+        """Forget functions that were garbage-collected (they were tracked weakly)."""
+        with self._lock:
+            dead = [name for name, (ref, _) in self._tracked.items() if ref() is None]
+            trackers = [self._tracked.pop(name)[1] for name in dead]
+        for tracker in trackers:
+            tracker.remove()
+
+    # -- exposition -------------------------------------------------------------
+    content_type: str = CONTENT_TYPE_LATEST
+    """The ``Content-Type`` of :meth:`generate_latest`'s text."""
+
+    def generate_latest(self) -> bytes:
+        """The registry in Prometheus text format (serve it at ``/metrics``)."""
+        return _generate_latest(self.registry)
+
+    def asgi_app(self) -> Callable[..., Any]:
+        """An ASGI app serving the registry (``app.mount("/metrics", ...)``)."""
+        return _make_asgi_app(self.registry)
+
+
+class _ScrapeTimeGauges:
+    """A custom collector: queue depth and in-flight batches, read when scraped.
+
+    A gauge set on every event would be stale between events and cost a lock per
+    arrival; reading ``f.stats()`` at scrape time is exact and costs nothing between
+    scrapes.
+    """
+
+    def __init__(self, owner: PrometheusMetrics) -> None:
+        self.owner = owner
+        ns = f"{owner.namespace}_" if owner.namespace else ""
+        self.depth_name = f"{ns}inference_queue_depth"
+        self.in_flight_name = f"{ns}inference_in_flight_batches"
+
+    def describe(self) -> Iterable[Metric]:
+        """Names for the registry's duplicate check (no samples)."""
+        return self._families({})
+
+    def collect(self) -> Iterable[Metric]:
+        """One sample per tracked function."""
+        self.owner._prune_dead()
+        return self._families(self.owner.tracked)
+
+    def _families(self, tracked: dict[str, BatchedFunction[Any]]) -> list[Metric]:
+        depth = GaugeMetricFamily(
+            self.depth_name, "Requests waiting in the queue.", labels=["batcher"]
+        )
+        in_flight = GaugeMetricFamily(
+            self.in_flight_name, "Batches running now.", labels=["batcher"]
+        )
+        for name, f in tracked.items():
+            stats = f.stats()
+            depth.add_metric([name], stats.queue_depth)
+            in_flight.add_metric([name], stats.in_flight)
+        return [depth, in_flight]
