@@ -1,14 +1,35 @@
-"""Sizing the KV cache: bytes per block, and blocks that fit in a memory budget."""
+"""Sizing the KV cache: bytes per token, per sequence, per block, and blocks that fit.
+
+One formula, checked by hand in the tests: a key and a value vector per layer, per
+KV head, per token: ``2 * layers * kv_heads * head_dim * tokens * bytes(dtype)``.
+"""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
 
+# Bytes per element; fp8/int8 store one byte, 4-bit formats half of one.
+DTYPE_BYTES: dict[str, float] = {
+    "fp64": 8, "float64": 8, "double": 8,
+    "fp32": 4, "float32": 4, "float": 4,
+    "fp16": 2, "float16": 2, "half": 2, "bf16": 2, "bfloat16": 2,
+    "fp8": 1, "float8": 1, "int8": 1,
+    "int4": 0.5, "fp4": 0.5, "nf4": 0.5,
+}  # fmt: skip
 
-def _itemsize(dtype: Any) -> int:
-    """Bytes per element of a numpy/torch dtype, a dtype name, or an int (bytes)."""
+
+def dtype_bytes(dtype: Any) -> float:
+    """Bytes per element: a name (``"fp16"``, ``"bfloat16"``, ``"fp8"``, ``"int4"``), a
+    numpy or torch dtype, or an int (bytes)."""
+    if isinstance(dtype, str):
+        try:
+            return DTYPE_BYTES[dtype.lower()]
+        except KeyError:
+            known = ", ".join(sorted(DTYPE_BYTES))
+            raise ValueError(f"unknown dtype {dtype!r} (known: {known})") from None
     if isinstance(dtype, int) and not isinstance(dtype, bool):
         if dtype < 1:
             raise ValueError(f"dtype bytes must be positive, got {dtype}")
@@ -19,19 +40,44 @@ def _itemsize(dtype: Any) -> int:
     return int(np.dtype(dtype).itemsize)
 
 
+def check_positive(**values: float) -> None:
+    """Raise a ValueError naming the first value that is not a positive finite number."""
+    for name, value in values.items():
+        if isinstance(value, bool) or not value > 0 or not math.isfinite(value):
+            raise ValueError(f"{name} must be a positive number, got {value!r}")
+
+
+def kv_cache_bytes(
+    *,
+    layers: int,
+    kv_heads: int,
+    head_dim: int,
+    seq_len: int,
+    batch_size: int = 1,
+    dtype: Any = "fp16",
+) -> int:
+    """Bytes of the KV cache for ``batch_size`` sequences of ``seq_len`` tokens.
+
+    A key and a value vector per layer, per KV head, per token:
+    ``2 * layers * kv_heads * head_dim * seq_len * batch_size * bytes(dtype)``.
+    Llama-2-7B (32 layers, 32 KV heads of 128, fp16) at 4096 tokens: 2 GiB per sequence.
+    """
+    check_positive(
+        layers=layers, kv_heads=kv_heads, head_dim=head_dim, seq_len=seq_len, batch_size=batch_size
+    )
+    elements = 2 * layers * kv_heads * head_dim * seq_len * batch_size
+    return math.ceil(elements * dtype_bytes(dtype))
+
+
 def kv_block_bytes(
     block_size: int, *, num_layers: int, num_kv_heads: int, head_dim: int, dtype: Any = "float16"
 ) -> int:
     """Bytes one block takes: keys and values, every layer, ``block_size`` tokens."""
-    for name, value in (
-        ("block_size", block_size),
-        ("num_layers", num_layers),
-        ("num_kv_heads", num_kv_heads),
-        ("head_dim", head_dim),
-    ):
-        if value < 1:
-            raise ValueError(f"{name} must be positive, got {value}")
-    return 2 * num_layers * num_kv_heads * head_dim * block_size * _itemsize(dtype)
+    check_positive(block_size=block_size)
+    return kv_cache_bytes(
+        layers=num_layers, kv_heads=num_kv_heads, head_dim=head_dim, seq_len=block_size,
+        dtype=dtype,
+    )  # fmt: skip
 
 
 def num_blocks_for(

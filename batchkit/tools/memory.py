@@ -10,13 +10,20 @@ import math
 import re
 from dataclasses import dataclass
 
-# Bytes per element; fp8/int8 store one byte, 4-bit formats half of one.
-DTYPE_BYTES: dict[str, float] = {
-    "fp32": 4, "float32": 4, "float": 4,
-    "fp16": 2, "float16": 2, "half": 2, "bf16": 2, "bfloat16": 2,
-    "fp8": 1, "float8": 1, "int8": 1,
-    "int4": 0.5, "fp4": 0.5, "nf4": 0.5,
-}  # fmt: skip
+# The KV-cache formula and dtype sizes live with the KV blocks; re-exported here.
+from batchkit.kv.memory import DTYPE_BYTES, check_positive, dtype_bytes, kv_cache_bytes
+
+__all__ = [
+    "DTYPE_BYTES",
+    "MemoryPlan",
+    "activation_bytes",
+    "dtype_bytes",
+    "format_bytes",
+    "kv_cache_bytes",
+    "memory_plan",
+    "parse_bytes",
+    "parse_count",
+]
 
 # Decimal suffixes (KB, MB, ...) are powers of 1000; binary ones (KiB, ...) and bare
 # letters (K, M, G, as nvidia-smi and free print them) are powers of 1024.
@@ -30,15 +37,6 @@ _COUNT_UNITS = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**
 _NUMBER = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 
 GiB = 2**30
-
-
-def dtype_bytes(dtype: str) -> float:
-    """Bytes per element of ``dtype`` (``"fp16"``, ``"bfloat16"``, ``"fp8"``, ...)."""
-    try:
-        return DTYPE_BYTES[dtype.lower()]
-    except KeyError:
-        known = ", ".join(sorted(DTYPE_BYTES))
-        raise ValueError(f"unknown dtype {dtype!r} (known: {known})") from None
 
 
 def _parse(text: str, units: dict[str, int], what: str) -> float:
@@ -70,34 +68,6 @@ def format_bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
-def _check_positive(**values: float) -> None:
-    for name, value in values.items():
-        if isinstance(value, bool) or not value > 0 or not math.isfinite(value):
-            raise ValueError(f"{name} must be a positive number, got {value!r}")
-
-
-def kv_cache_bytes(
-    *,
-    layers: int,
-    kv_heads: int,
-    head_dim: int,
-    seq_len: int,
-    batch_size: int = 1,
-    dtype: str = "fp16",
-) -> int:
-    """Bytes of the KV cache for ``batch_size`` sequences of ``seq_len`` tokens.
-
-    A key and a value vector per layer, per KV head, per token:
-    ``2 * layers * kv_heads * head_dim * seq_len * batch_size * bytes(dtype)``.
-    Llama-2-7B (32 layers, 32 KV heads of 128, fp16) at 4096 tokens: 2 GiB per sequence.
-    """
-    _check_positive(
-        layers=layers, kv_heads=kv_heads, head_dim=head_dim, seq_len=seq_len, batch_size=batch_size
-    )
-    elements = 2 * layers * kv_heads * head_dim * seq_len * batch_size
-    return math.ceil(elements * dtype_bytes(dtype))
-
-
 def activation_bytes(
     *,
     seq_len: int,
@@ -115,7 +85,7 @@ def activation_bytes(
     A planning estimate, not an allocator trace.
     """
     intermediate = 4 * hidden_size if intermediate_size is None else intermediate_size
-    _check_positive(
+    check_positive(
         seq_len=seq_len, hidden_size=hidden_size, intermediate_size=intermediate,
         batch_size=batch_size,
     )  # fmt: skip
@@ -180,12 +150,12 @@ def memory_plan(
     n_params = parse_count(params) if isinstance(params, str) else params
     weights = 0
     if n_params is not None:
-        _check_positive(params=n_params)
+        check_positive(params=n_params)
         weights = math.ceil(n_params * dtype_bytes(weight_dtype or dtype))
     gpu = parse_bytes(gpu_memory) if isinstance(gpu_memory, str) else gpu_memory
     if gpu is None:
         return MemoryPlan(kv_seq, kv_token, act_seq, weights, None, 0, None, None)
-    _check_positive(gpu_memory=gpu)
+    check_positive(gpu_memory=gpu)
     reserved = math.ceil(gpu * reserve)
     available = gpu - reserved - weights
     fits = max(available, 0) // (kv_seq + act_seq)
