@@ -12,7 +12,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from batchkit.serve.recovery import BatchRun, Stage
+from batchkit.serve.recovery import BatchRun
 from batchkit.serve.runtime import Options, Runtime, closed_error, deliver
 from batchkit.serve.scheduler import FormedBatch
 
@@ -87,21 +87,19 @@ class LoopRuntime(Runtime):
         self._pump()  # re-arm the max-wait timer; start batches that became ready
 
     async def _execute(self, batch: FormedBatch) -> BatchRun:
-        """Await the function (again on parts, if the batch is split); never raises."""
-        run = self.start_run(batch)
-        while (part := run.next_part()) is not None:
-            prepared = self.prepare(run, part)
-            if prepared is None:
-                continue
-            padded, argument = prepared
-            run.calls += 1
-            try:
-                output = await self.fn(argument)
-            except BaseException as exc:  # noqa: BLE001 - a failing batch must not kill the loop
-                run.failed(part, exc, Stage.CALL)
-                continue
-            self.settle(run, part, padded, output)
-        return run
+        """Await the function as :meth:`run_steps` asks (parts too, if split); never raises."""
+        steps = self.run_steps(batch)
+        try:
+            argument = next(steps)
+            while True:
+                try:
+                    reply: tuple[bool, Any] = (True, await self.fn(argument))
+                except BaseException as exc:  # noqa: BLE001 - a failing batch must not kill the loop
+                    reply = (False, exc)
+                argument = steps.send(reply)
+        except StopIteration as done:
+            run: BatchRun = done.value
+            return run
 
     def _check_drained_locked(self) -> None:
         if self.closed and self.sched.drained and self._drained is not None:

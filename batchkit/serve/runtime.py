@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -172,6 +172,27 @@ class Runtime(BlockingAdmission):
             oom_extra=oom or (),
             isolate_errors=self.options.isolate_errors,
         )
+
+    def run_steps(self, batch: FormedBatch) -> Generator[Any, tuple[bool, Any], BatchRun]:
+        """The one recipe for running a batch, for both runtimes.
+
+        Yields each argument to call the function with, and is sent back
+        ``(True, output)`` or ``(False, exception)``; returns the settled run once every
+        request has its outcome (after any split-and-retry).
+        """
+        run = self.start_run(batch)
+        while (part := run.next_part()) is not None:
+            prepared = self.prepare(run, part)
+            if prepared is None:
+                continue
+            padded, argument = prepared
+            run.calls += 1
+            ok, result = yield argument
+            if ok:
+                self.settle(run, part, padded, result)
+            else:
+                run.failed(part, result, Stage.CALL)
+        return run
 
     def prepare(self, run: BatchRun, part: Sequence[Request]) -> tuple[int, Any] | None:
         """(padded size, function argument) for ``part``; None if collate failed (recorded)."""

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from batchkit.serve.recovery import BatchRun, Stage
+from batchkit.serve.recovery import BatchRun
 from batchkit.serve.runtime import Options, Runtime, closed_error
 from batchkit.serve.scheduler import FormedBatch
 
@@ -66,21 +66,19 @@ class ThreadRuntime(Runtime):
                     cond.notify_all()
 
     def _run(self, batch: FormedBatch) -> BatchRun:
-        """Call the function (again on parts, if the batch is split); never raises."""
-        run = self.start_run(batch)
-        while (part := run.next_part()) is not None:
-            prepared = self.prepare(run, part)
-            if prepared is None:
-                continue
-            padded, argument = prepared
-            run.calls += 1
-            try:
-                output = self.fn(argument)
-            except BaseException as exc:  # noqa: BLE001 - the worker must survive anything
-                run.failed(part, exc, Stage.CALL)
-                continue
-            self.settle(run, part, padded, output)
-        return run
+        """Call the function as :meth:`run_steps` asks (parts too, if split); never raises."""
+        steps = self.run_steps(batch)
+        try:
+            argument = next(steps)
+            while True:
+                try:
+                    reply: tuple[bool, Any] = (True, self.fn(argument))
+                except BaseException as exc:  # noqa: BLE001 - the worker must survive anything
+                    reply = (False, exc)
+                argument = steps.send(reply)
+        except StopIteration as done:
+            run: BatchRun = done.value
+            return run
 
     # -- callers -----------------------------------------------------------
     def call(self, item: Any, priority: int, timeout: float | None) -> Any:
