@@ -9,6 +9,7 @@ from batchkit import batchers, collate, generate, kv, serve
 from batchkit.batchers import (
     Batch,
     Batcher,
+    BatchSampler,
     BucketedBatcher,
     DynamicBatcher,
     SortedBatcher,
@@ -45,6 +46,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Batch",
+    "BatchSampler",
     "BatchedFunction",
     "Batcher",
     "BatcherClosed",

@@ -2,12 +2,12 @@
 collator as the collate_fn.
 
 A dataset of tokenised texts (stdlib docstrings, hashed words) is read by a
-``DataLoader`` with ``num_workers=2``. Its ``batch_sampler`` groups texts of similar
-length (``BucketedBatcher``), reshuffled every epoch from a seed; its ``collate_fn``
-(``PadCollator``) pads each batch and builds the attention mask in the workers. The
-script checks that an epoch covers every example once, that the same seed and epoch
-give the same batches and another epoch different ones, and prints the padding
-waste against plain shuffled batches of the same size.
+``DataLoader`` with ``num_workers=2``. Its ``batch_sampler`` (``policy.sampler``)
+groups texts of similar length (``BucketedBatcher``), reshuffled every epoch from a
+seed; its ``collate_fn`` (``PadCollator``) pads each batch and builds the attention
+mask in the workers. The script checks that an epoch covers every example once, that
+the same seed and epoch give the same batches and another epoch different ones, and
+prints the padding waste against plain shuffled batches of the same size.
 
     python examples/dataloader_pipeline.py      # a few seconds on CPU
 """
@@ -16,17 +16,15 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import random
 import re
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset
 
 import batchkit
-from batchkit.batchers import Batcher
 
 VOCAB = 30_000
 MODULES = ["collections", "functools", "itertools", "json", "os", "pathlib", "re", "threading"]
@@ -69,42 +67,6 @@ class TextDataset(Dataset[dict[str, Any]]):
         return [len(e["input_ids"]) for e in self.examples]
 
 
-class PolicyBatchSampler:
-    """Batches of dataset indices from a batchkit policy, reshuffled every epoch.
-
-    Each epoch, the indices are shuffled (seed + epoch) before the policy groups them,
-    so items of equal length meet different neighbours, and the batch order is then
-    shuffled too; the policy still keeps each batch's lengths close. Batches are
-    formed in the main process; DataLoader workers only receive index lists, so any
-    ``num_workers`` works.
-
-    ``policy.sampler(lengths, rank=, world_size=, shuffle=, seed=, drop_last=)``
-    (planned) will replace this class, adding distributed sharding.
-    """
-
-    def __init__(self, policy: Batcher, lengths: Sequence[int], seed: int = 0) -> None:
-        self.policy, self.lengths, self.seed = policy, list(lengths), seed
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        """Choose the epoch whose order to produce (as ``DistributedSampler.set_epoch``)."""
-        self.epoch = epoch
-
-    def _batches(self) -> list[list[int]]:
-        rng = random.Random(self.seed * 1_000_003 + self.epoch)
-        order = list(range(len(self.lengths)))
-        rng.shuffle(order)  # ties in length are broken differently every epoch
-        batches = [list(b) for b in self.policy.batches(order)]
-        rng.shuffle(batches)  # lengths need not arrive in ascending order
-        return batches
-
-    def __iter__(self) -> Iterator[list[int]]:
-        return iter(self._batches())
-
-    def __len__(self) -> int:
-        return len(self._batches())  # token budgets make the count depend on the data
-
-
 def padding_waste(loader: DataLoader[Any]) -> tuple[float, int]:
     """(share of padded positions that hold no token, number of batches) over one epoch."""
     real = total = batches = 0
@@ -119,12 +81,11 @@ def main() -> None:
     lengths = dataset.lengths()
     collate = batchkit.PadCollator(pad_to_multiple_of=8)  # shapes friendly to kernels
 
-    # Batch dataset indices by the length they point at; at most 32 per batch and
-    # 4096 padded tokens, so a batch of long texts is smaller than one of short texts.
-    policy = batchkit.BucketedBatcher(
-        [16, 32, 64, 128, 256], key=lengths.__getitem__, max_batch_size=32, max_tokens=4096
-    )
-    sampler = PolicyBatchSampler(policy, lengths, seed=0)
+    # Batch dataset indices by their lengths; at most 32 per batch and 4096 padded
+    # tokens, so a batch of long texts is smaller than one of short texts. Under DDP,
+    # pass rank= and world_size= too: each process then gets its share of the batches.
+    policy = batchkit.BucketedBatcher([16, 32, 64, 128, 256], max_batch_size=32, max_tokens=4096)
+    sampler = policy.sampler(lengths, seed=0)
     loader = DataLoader(
         dataset, batch_sampler=sampler, collate_fn=collate, num_workers=2, persistent_workers=True
     )

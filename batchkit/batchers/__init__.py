@@ -3,11 +3,13 @@
 from batchkit.batchers.base import Batch, Batcher
 from batchkit.batchers.bucketed import BucketedBatcher
 from batchkit.batchers.dynamic import DynamicBatcher
+from batchkit.batchers.sampler import BatchSampler
 from batchkit.batchers.sorted import SortedBatcher
 from batchkit.batchers.static import StaticBatcher
 
 __all__ = [
     "Batch",
+    "BatchSampler",
     "Batcher",
     "BucketedBatcher",
     "DynamicBatcher",

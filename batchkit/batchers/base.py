@@ -10,7 +10,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
-from typing import Any, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from batchkit.batchers.sampler import BatchSampler
 
 T = TypeVar("T")
 
@@ -76,9 +81,15 @@ def cut(
     order: Sequence[int], keys: Sequence[float], max_batch_size: int, max_tokens: int | None
 ) -> Iterator[list[int]]:
     """Cut ``order`` (indices into ``keys``) into consecutive batches within the limits."""
+    if max_tokens is None:  # the size alone decides: plain chunks
+        for start in range(0, len(order), max_batch_size):
+            yield list(order[start : start + max_batch_size])
+        return
     start = 0
     while start < len(order):
-        n = take_within_budget((keys[i] for i in order[start:]), max_batch_size, max_tokens)
+        # a lazy view of the rest: slicing order[start:] would copy it for every batch
+        rest = (keys[order[j]] for j in range(start, len(order)))
+        n = take_within_budget(rest, max_batch_size, max_tokens)
         yield list(order[start : start + n])
         start += n
 
@@ -132,6 +143,13 @@ class Batcher:
         """Groups of item indices, each in the order batches are cut from it."""
         return [list(range(len(keys)))]
 
+    def sampler_order(self, keys: Sequence[float]) -> list[list[int]]:
+        """Like :meth:`offline_order`, for ``keys`` that come in a random order.
+
+        A shuffling sampler uses this hook; by default it is :meth:`offline_order`.
+        """
+        return self.offline_order(keys)
+
     def select(self, candidates: Sequence[C]) -> list[C]:
         """Pick a batch from one bucket's waiting requests (given in service order)."""
         if self.max_tokens is None:
@@ -154,13 +172,49 @@ class Batcher:
         return self.max_wait_s is not None
 
     # -- offline ----------------------------------------------------------
+    def index_batches(self, keys: Sequence[float], *, shuffled: bool = False) -> list[list[int]]:
+        """Batches of positions in ``keys``, cut by this policy's rules.
+
+        ``shuffled=True`` says the keys come in a random order (a training sampler),
+        so the groups come from :meth:`sampler_order` instead of :meth:`offline_order`.
+        """
+        groups = self.sampler_order(keys) if shuffled else self.offline_order(keys)
+        return [b for g in groups for b in cut(g, keys, self.max_batch_size, self.max_tokens)]
+
     def batches(self, items: Sequence[T]) -> Iterator[Batch[T]]:
         """Group a finite sequence of items into batches; indices cover every item once."""
         items = list(items)
         keys = [self.key_of(it) for it in items]
-        for group in self.offline_order(keys):
-            for idx in cut(group, keys, self.max_batch_size, self.max_tokens):
-                yield Batch((items[i] for i in idx), idx)
+        for idx in self.index_batches(keys):
+            yield Batch((items[i] for i in idx), idx)
+
+    def sampler(
+        self,
+        lengths: Sequence[int] | np.ndarray,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+    ) -> BatchSampler:
+        """A batch sampler for ``DataLoader(batch_sampler=...)`` over a dataset's lengths.
+
+        ``lengths[i]`` is example ``i``'s key (its token count). See
+        :class:`~batchkit.batchers.sampler.BatchSampler` for shuffling, epochs,
+        sharding across ``world_size`` ranks and resuming.
+        """
+        from batchkit.batchers.sampler import BatchSampler  # sampler imports this module
+
+        return BatchSampler(
+            self,
+            lengths,
+            rank=rank,
+            world_size=world_size,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+        )
 
     def __repr__(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))

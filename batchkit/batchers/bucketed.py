@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Hashable, Iterable, Sequence
+from typing import Any
 
-from batchkit.batchers.base import Batcher, KeyFn
+import numpy as np
+from typing_extensions import Self
+
+from batchkit.batchers.base import Batcher, KeyFn, check_positive_int
+from batchkit.batchers.sampler import check_lengths
 
 
 class BucketedBatcher(Batcher):
@@ -15,7 +20,8 @@ class BucketedBatcher(Batcher):
     the last boundary form a bucket of their own. Online, each bucket batches like
     :class:`~batchkit.DynamicBatcher` (full, waited ``max_wait_ms``, or idle).
     Offline, a bucket's items are batched in key order (least padding), buckets in
-    ascending order; shuffling for training belongs to samplers.
+    ascending order; for training, :meth:`sampler` shuffles within buckets.
+    :meth:`from_lengths` estimates boundaries from a sample of lengths.
     """
 
     def __init__(
@@ -37,13 +43,60 @@ class BucketedBatcher(Batcher):
         )
         self.boundaries = tuple(bounds)
 
+    @classmethod
+    def from_lengths(
+        cls, lengths: Sequence[int] | np.ndarray, *, num_buckets: int, **options: Any
+    ) -> Self:
+        """A policy whose ``num_buckets`` boundaries split a sample's tokens equally.
+
+        Each bucket holds about the same total of ``lengths`` (tokens), so the dense
+        short lengths get narrow buckets and the long tail wide ones; the last
+        boundary is the sample's maximum. ``options`` go to the constructor.
+        """
+        check_positive_int("num_buckets", num_buckets)
+        return cls(equal_token_boundaries(lengths, num_buckets), **options)
+
     def bucket_of(self, key: float) -> Hashable:
         """Index of the first boundary >= ``key`` (``len(boundaries)`` above the last)."""
         return bisect.bisect_left(self.boundaries, key)
 
     def offline_order(self, keys: Sequence[float]) -> list[list[int]]:
         """One group per non-empty bucket, ascending; each in stable key order."""
+        return [sorted(group, key=keys.__getitem__) for group in self.sampler_order(keys)]
+
+    def sampler_order(self, keys: Sequence[float]) -> list[list[int]]:
+        """One group per non-empty bucket, ascending; each in the given (random) order."""
         buckets: dict[int, list[int]] = {}
         for i, k in enumerate(keys):
             buckets.setdefault(bisect.bisect_left(self.boundaries, k), []).append(i)
-        return [sorted(buckets[b], key=keys.__getitem__) for b in sorted(buckets)]
+        return [buckets[b] for b in sorted(buckets)]
+
+
+def equal_token_boundaries(lengths: Sequence[int] | np.ndarray, num_buckets: int) -> list[int]:
+    """``num_buckets`` strictly increasing boundaries, each bucket about equal in tokens.
+
+    Boundary ``j`` is the smallest length at which the running token total of the
+    sorted sample reaches ``j / num_buckets`` of the whole, moved up or down only as
+    far as needed to keep the boundaries distinct; the last is the maximum.
+    """
+    check_positive_int("num_buckets", num_buckets)
+    values, counts = np.unique(
+        np.asarray(check_lengths(lengths), dtype=np.int64), return_counts=True
+    )
+    if len(values) < num_buckets:
+        raise ValueError(
+            f"num_buckets={num_buckets} needs at least that many distinct lengths; "
+            f"the sample has {len(values)}"
+        )
+    cumulative = np.cumsum(values * counts)
+    targets = cumulative[-1] * np.arange(1, num_buckets) / num_buckets
+    picks = np.searchsorted(cumulative, targets, side="left").tolist()
+    # keep the k-1 inner boundaries distinct and below the maximum: each at least one
+    # past the previous, and leaving room for the ones still to come
+    chosen: list[int] = []
+    for j, pick in enumerate(picks):
+        lowest = chosen[-1] + 1 if chosen else 0
+        highest = len(values) - num_buckets + j
+        chosen.append(min(max(pick, lowest), highest))
+    chosen.append(len(values) - 1)
+    return [int(values[i]) for i in chosen]

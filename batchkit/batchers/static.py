@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import TypeVar
+from collections.abc import Sequence
 
-from batchkit.batchers.base import Batch, Batcher
-
-T = TypeVar("T")
+from batchkit.batchers.base import Batcher
 
 
 class StaticBatcher(Batcher):
@@ -28,9 +25,9 @@ class StaticBatcher(Batcher):
         """The fixed batch size."""
         return self.max_batch_size
 
-    def batches(self, items: Sequence[T]) -> Iterator[Batch[T]]:
+    def index_batches(self, keys: Sequence[float], *, shuffled: bool = False) -> list[list[int]]:
         """Consecutive batches of ``batch_size`` (the short tail dropped if ``drop_last``)."""
-        for batch in super().batches(items):
-            if self.drop_last and len(batch) < self.batch_size:
-                return
-            yield batch
+        batches = super().index_batches(keys, shuffled=shuffled)
+        if self.drop_last and batches and len(batches[-1]) < self.batch_size:
+            batches.pop()
+        return batches

@@ -1,0 +1,213 @@
+"""Batch samplers: a policy's batches of dataset indices, per epoch and per rank.
+
+``policy.sampler(lengths, ...)`` returns a :class:`BatchSampler` for
+``DataLoader(batch_sampler=...)``. Every rank builds the same global batch list
+from ``lengths``, ``seed`` and the epoch, then takes every ``world_size``-th batch,
+so the ranks agree without talking to each other and all yield the same number of
+batches (no rank waits on a collective the others never reach).
+
+torch is not imported: a ``DataLoader`` only needs an iterable of index lists with
+``__len__``. Batches are formed in the main process, so any ``num_workers`` works.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from batchkit.batchers.base import check_positive_int
+
+if TYPE_CHECKING:
+    from batchkit.batchers.base import Batcher
+
+
+def check_lengths(lengths: Sequence[int] | np.ndarray) -> list[int]:
+    """``lengths`` as a list of python ints; ValueError/TypeError unless all are ints >= 0."""
+    if isinstance(lengths, np.ndarray):
+        if lengths.ndim != 1 or not np.issubdtype(lengths.dtype, np.integer):
+            raise TypeError(
+                f"lengths must be a 1-d array of ints, got shape {lengths.shape} "
+                f"dtype {lengths.dtype}"
+            )
+        if lengths.size and int(lengths.min()) < 0:
+            i = int(np.argmin(lengths))
+            raise ValueError(f"lengths must be >= 0, got lengths[{i}] = {int(lengths[i])}")
+        return [int(n) for n in lengths.tolist()]
+    if isinstance(lengths, (str, bytes)) or not isinstance(lengths, Sequence):
+        raise TypeError(f"lengths must be a sequence of ints, got {type(lengths).__name__}")
+    out = []
+    for i, n in enumerate(lengths):
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+            raise TypeError(f"lengths must be ints, got lengths[{i}] = {n!r}")
+        if n < 0:
+            raise ValueError(f"lengths must be >= 0, got lengths[{i}] = {n}")
+        out.append(int(n))
+    return out
+
+
+def _check_non_negative_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    return int(value)
+
+
+class BatchSampler:
+    """Batches of dataset indices cut by a policy, reshuffled per epoch, split across ranks.
+
+    Each epoch (see :meth:`set_epoch`) the sampler:
+
+    1. with ``shuffle``, permutes the indices from ``seed`` and the epoch, so the
+       policy meets them in a new random order (``BucketedBatcher`` keeps that order
+       within each bucket, ``SortedBatcher`` sorts it, so equal lengths are tied
+       randomly, ``StaticBatcher`` cuts it as it is);
+    2. cuts batches by the policy's own rules (``max_batch_size`` / ``batch_size``,
+       ``max_tokens`` over ``lengths``, bucket boundaries; ``lengths[i]`` is the
+       key of index ``i``, the policy's ``key`` function is not used);
+    3. with ``shuffle``, shuffles the batch order;
+    4. makes the batch count a multiple of ``world_size``, by repeating batches from
+       the start (``drop_last=False``: every index at least once, fewer than
+       ``world_size`` batches repeated) or dropping the last ones (``drop_last=True``:
+       no index twice across ranks), and gives batch ``i`` to rank ``i % world_size``.
+
+    Every rank must be given the same ``lengths``, policy, ``seed`` and epoch.
+    """
+
+    def __init__(
+        self,
+        policy: Batcher,
+        lengths: Sequence[int] | np.ndarray,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+    ) -> None:
+        check_positive_int("world_size", world_size)
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise ValueError(f"rank must be an int in [0, world_size={world_size}), got {rank!r}")
+        self.policy = policy
+        self.lengths = check_lengths(lengths)
+        self.rank = rank
+        self.world_size = world_size
+        self.shuffle = bool(shuffle)
+        self.seed = _check_non_negative_int("seed", seed)
+        self.drop_last = bool(drop_last)
+        self.epoch = 0
+        self._resume_at = 0  # batches to skip on the next __iter__ (set by load_state_dict)
+        self._yielded = 0
+        self._cache: tuple[int, list[list[int]]] | None = None
+
+    # -- epochs -----------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        """Choose the epoch to produce (as ``DistributedSampler.set_epoch``).
+
+        Another epoch than the current one starts from its first batch; the same
+        epoch keeps a position loaded by :meth:`load_state_dict`.
+        """
+        epoch = _check_non_negative_int("epoch", epoch)
+        if epoch != self.epoch:
+            self.epoch, self._resume_at, self._yielded = epoch, 0, 0
+
+    def global_batches(self, epoch: int | None = None) -> list[list[int]]:
+        """Every rank's batches of an epoch (the current one by default), in order.
+
+        Batch ``i`` goes to rank ``i % world_size``; the list is already padded or
+        truncated to a multiple of ``world_size``.
+        """
+        epoch = self.epoch if epoch is None else _check_non_negative_int("epoch", epoch)
+        n = len(self.lengths)
+        rng = np.random.default_rng([self.seed, epoch])
+        perm = rng.permutation(n).tolist() if self.shuffle else list(range(n))
+        keys = [self.lengths[i] for i in perm]
+        batches = [
+            [perm[p] for p in batch]
+            for batch in self.policy.index_batches(keys, shuffled=self.shuffle)
+        ]
+        if self.shuffle:
+            batches = [batches[i] for i in rng.permutation(len(batches)).tolist()]
+        return self._even_out(batches)
+
+    def _even_out(self, batches: list[list[int]]) -> list[list[int]]:
+        """The batch list cut or padded to a multiple of ``world_size``."""
+        extra = len(batches) % self.world_size
+        if extra == 0:
+            return batches
+        if self.drop_last:
+            return batches[: len(batches) - extra]
+        missing = self.world_size - extra
+        # fewer batches than ranks: cycle through them again (each rank needs one)
+        return batches + [batches[i % len(batches)] for i in range(missing)]
+
+    def _rank_batches(self) -> list[list[int]]:
+        if self._cache is None or self._cache[0] != self.epoch:
+            mine = self.global_batches()[self.rank :: self.world_size]
+            self._cache = (self.epoch, mine)
+        return self._cache[1]
+
+    # -- the DataLoader protocol -----------------------------------------
+    def __iter__(self) -> Iterator[list[int]]:
+        """This rank's batches of the current epoch (from a loaded position, if any)."""
+        batches = self._rank_batches()
+        # set eagerly, not in the generator: state_dict() between iter() and the
+        # first next() must already see the resumed position
+        self._yielded, self._resume_at = self._resume_at, 0
+        return self._iterate(batches, self._yielded)
+
+    def _iterate(self, batches: list[list[int]], start: int) -> Iterator[list[int]]:
+        for batch in batches[start:]:
+            self._yielded += 1  # counted before the caller holds the batch
+            yield list(batch)  # a copy: the caller may mutate it, the cache stays intact
+
+    def __len__(self) -> int:
+        """Batches this rank yields in the current epoch (the same on every rank)."""
+        return len(self._rank_batches())
+
+    # -- checkpoints ------------------------------------------------------
+    def state_dict(self) -> dict[str, int]:
+        """The position to resume from: epoch and batches this rank has yielded.
+
+        All ranks yield in lockstep, so one rank's state can be loaded on every rank.
+        With DataLoader workers prefetching, the sampler runs ahead of the batches
+        the training loop has received: store your step count as
+        ``batches_yielded`` instead to resume at the next batch not yet trained on.
+        """
+        return {
+            "epoch": self.epoch,
+            "batches_yielded": self._yielded,
+            "seed": self.seed,
+            "world_size": self.world_size,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume from :meth:`state_dict`: the next iteration skips the batches yielded."""
+        if not isinstance(state, Mapping):
+            raise TypeError(f"state must be a mapping, got {type(state).__name__}")
+        missing = {"epoch", "batches_yielded"} - set(state)
+        if missing:
+            raise ValueError(f"state lacks {sorted(missing)}")
+        for name in ("seed", "world_size"):
+            if name in state and state[name] != getattr(self, name):
+                raise ValueError(
+                    f"state was saved with {name}={state[name]!r}, this sampler has "
+                    f"{name}={getattr(self, name)!r}: the remaining batches would differ"
+                )
+        epoch = _check_non_negative_int("epoch", state["epoch"])
+        done = _check_non_negative_int("batches_yielded", state["batches_yielded"])
+        self.epoch = epoch
+        total = len(self)
+        if done > total:
+            raise ValueError(
+                f"state has batches_yielded={done} but epoch {epoch} has only {total} "
+                "batches for this rank (another dataset or policy?)"
+            )
+        self._resume_at = self._yielded = done
+
+    def __repr__(self) -> str:
+        return (
+            f"BatchSampler({self.policy!r}, {len(self.lengths)} lengths, rank={self.rank}, "
+            f"world_size={self.world_size}, shuffle={self.shuffle}, seed={self.seed}, "
+            f"drop_last={self.drop_last}, epoch={self.epoch})"
+        )
