@@ -14,7 +14,12 @@ EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "script",
+    # Examples that start a local Ray carry the ray marker (pytest -m ray selects them).
+    [pytest.param(p, marks=pytest.mark.ray) if p.name.startswith("ray_") else p for p in EXAMPLES],
+    ids=lambda p: p.name,
+)
 def test_example_runs(script: Path) -> None:
     done = subprocess.run(
         [sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=300
