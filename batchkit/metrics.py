@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, get_args
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 try:
     from prometheus_client import (
@@ -44,8 +44,15 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
     ) from exc
 
 from batchkit.serve.batched import BatchedFunction
-from batchkit.serve.events import BatchEvent, DropEvent, DropReason
-from batchkit.serve.stats import DispatchReason
+from batchkit.serve.events import BatchEvent, DropEvent
+from batchkit.serve.observe import (
+    DEFAULT_LATENCY_BUCKETS,
+    DEFAULT_SIZE_BUCKETS,
+    LABEL_VALUES,
+    METRICS,
+    batch_observations,
+    drop_observations,
+)
 
 __all__ = [
     "CONTENT_TYPE_LATEST",
@@ -54,14 +61,6 @@ __all__ = [
     "METRIC_NAMES",
     "PrometheusMetrics",
 ]
-
-DEFAULT_LATENCY_BUCKETS: tuple[float, ...] = (
-    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
-)  # fmt: skip
-"""Seconds: batching waits are often below Prometheus' default 5 ms first bucket."""
-
-DEFAULT_SIZE_BUCKETS: tuple[float, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
-"""Items per batch: powers of two, as batch sizes are usually configured."""
 
 METRIC_NAMES: dict[str, str] = {
     "inference_batch_size": "histogram: real items per batch",
@@ -79,9 +78,6 @@ METRIC_NAMES: dict[str, str] = {
 """Every metric family as exposed (counters with their ``_total``), without the
 namespace, and what it measures."""
 
-_DROP_REASONS: tuple[DropReason, ...] = get_args(DropReason)
-_OUTCOMES = ("ok", "error")
-
 
 class _Tracker:
     """The listener attached to one function, holding its label's metric children
@@ -91,52 +87,38 @@ class _Tracker:
         self.name = name
         self._owner = owner
         self._children: list[tuple[Counter | Histogram, tuple[str, ...]]] = []
-        self.batch_size = self._child(owner._batch_size)
-        self.queue_wait = self._child(owner._queue_wait)
-        self.latency = self._child(owner._latency)
-        # Every reason and outcome starts at 0, so rate() and absent() work from the start.
-        self.batches = {r.value: self._child(owner._batches, r.value) for r in DispatchReason}
-        self.ok, self.error = (self._child(owner._requests, o) for o in _OUTCOMES)
-        self.dropped = {r: self._child(owner._dropped, r) for r in _DROP_REASONS}
-        self.tokens = self._child(owner._tokens)
-        self.padded_tokens = self._child(owner._padded_tokens)
-        self.padding_items = self._child(owner._padding_items)
+        self._record: dict[tuple[str, str | None], Callable[[float], None]] = {}
+        for spec in METRICS:  # every known label value starts at 0
+            for value in LABEL_VALUES.get(spec.name, (None,)):
+                self._recorder(spec.name, value)
 
-    def _child(self, metric: Any, *labels: str) -> Any:
-        values = (self.name, *labels)
-        self._children.append((metric, values))
-        return metric.labels(*values)
+    def _recorder(self, metric: str, value: str | None) -> Callable[[float], None]:
+        record = self._record.get((metric, value))
+        if record is None:  # first sight (or a label value newer than the table)
+            family = self._owner._families[metric]
+            labels = (self.name,) if value is None else (self.name, value)
+            self._children.append((family, labels))
+            child: Any = family.labels(*labels)
+            record = child.observe if isinstance(family, Histogram) else child.inc
+            self._record[(metric, value)] = record
+        return record
 
     def remove(self) -> None:
         """Remove every series this tracker created."""
         for metric, values in self._children:
             metric.remove(*values)
         self._children.clear()
+        self._record.clear()
 
     def on_batch(self, event: BatchEvent) -> None:
         """Record one finished batch (called on the runtime's worker, under its lock)."""
-        self.batch_size.observe(event.size)
-        observe = self.queue_wait.observe
-        for wait in event.queue_waits:
-            observe(wait)
-        self.latency.observe(event.latency)
-        batches = self.batches.get(event.reason)
-        if batches is None:  # a dispatch reason newer than this module
-            batches = self.batches[event.reason] = self._child(self._owner._batches, event.reason)
-        batches.inc()
-        if event.size > event.failed:
-            self.ok.inc(event.size - event.failed)
-        if event.failed:
-            self.error.inc(event.failed)
-        if event.padded_tokens:  # 0 when the policy has no key: nothing to measure
-            self.tokens.inc(event.tokens)
-            self.padded_tokens.inc(event.padded_tokens)
-        if event.padded_size > event.size:
-            self.padding_items.inc(event.padded_size - event.size)
+        for metric, value, amount in batch_observations(event):
+            self._recorder(metric, value)(amount)
 
     def on_drop(self, event: DropEvent) -> None:
         """Count requests that ended without running."""
-        self.dropped[event.reason].inc(event.count)
+        for metric, value, amount in drop_observations(event):
+            self._recorder(metric, value)(amount)
 
 
 class PrometheusMetrics:
@@ -162,56 +144,20 @@ class PrometheusMetrics:
         self._lock = threading.Lock()
         self._tracked: dict[str, tuple[weakref.ref[BatchedFunction[Any]], _Tracker]] = {}
 
-        def counter(name: str, doc: str, *extra: str) -> Counter:
-            return Counter(name, doc, ("batcher", *extra), namespace=namespace, registry=None)
-
-        def histogram(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
-            return Histogram(
-                name, doc, ("batcher",), namespace=namespace, registry=None, buckets=buckets
-            )
-
-        self._batch_size = histogram("inference_batch_size", "Real items per batch.", size_buckets)
-        self._queue_wait = histogram(
-            "inference_queue_wait_seconds",
-            "Seconds each request waited in the queue before its batch was dispatched.",
-            latency_buckets,
-        )
-        self._latency = histogram(
-            "inference_batch_latency_seconds",
-            "Seconds from a batch's dispatch to its results (the batch function's run).",
-            latency_buckets,
-        )
-        self._batches = counter(
-            "inference_batches", "Batches run, by why they left the queue.", "reason"
-        )
-        self._requests = counter(
-            "inference_requests", "Requests that ran in a batch, by outcome.", "outcome"
-        )
-        self._dropped = counter(
-            "inference_dropped_requests",
-            "Requests that ended without running: rejected (queue full), timeout, "
-            "cancelled, closed.",
-            "reason",
-        )
-        self._tokens = counter(
-            "inference_tokens", "Sum of the batched items' keys (their lengths, in tokens)."
-        )
-        self._padded_tokens = counter(
-            "inference_padded_tokens",
-            "Area of the padded batches: batch size times longest key, summed.",
-        )
-        self._padding_items = counter(
-            "inference_padding_items",
-            "Filler items added to batches to reach a strict (preferred) batch size.",
-        )
-        for metric in self._metrics():
-            self.registry.register(metric)
+        self._families: dict[str, Counter | Histogram] = {}
+        for spec in METRICS:
+            labels = ("batcher",) if spec.label is None else ("batcher", spec.label)
+            family: Counter | Histogram
+            if spec.kind == "histogram":
+                buckets = size_buckets if spec.buckets == "size" else latency_buckets
+                family = Histogram(
+                    spec.name, spec.doc, labels, namespace=namespace, registry=None, buckets=buckets
+                )
+            else:
+                family = Counter(spec.name, spec.doc, labels, namespace=namespace, registry=None)
+            self._families[spec.name] = family
+            self.registry.register(family)
         self.registry.register(_ScrapeTimeGauges(self))
-
-    def _metrics(self) -> Iterator[Counter | Histogram]:
-        yield from (self._batch_size, self._queue_wait, self._latency, self._batches)
-        yield from (self._requests, self._dropped, self._tokens, self._padded_tokens)
-        yield self._padding_items
 
     # -- which functions ------------------------------------------------------
     def track(self, f: BatchedFunction[Any], name: str | None = None) -> str:

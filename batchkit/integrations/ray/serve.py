@@ -15,19 +15,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchkit.serve.batched import BatchedFunction
-from batchkit.serve.events import BatchEvent, DropEvent, DropReason
-from batchkit.serve.stats import DispatchReason, Stats
-
-# As batchkit.metrics (which needs prometheus-client; Ray's own exporter does not).
-DEFAULT_LATENCY_BUCKETS: tuple[float, ...] = (
-    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
-)  # fmt: skip
-"""Seconds, for the queue-wait and batch-latency histograms."""
-
-DEFAULT_SIZE_BUCKETS: tuple[float, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
-"""Items per batch."""
-
-_DROP_REASONS: tuple[DropReason, ...] = ("rejected", "timeout", "cancelled", "closed")
+from batchkit.serve.events import BatchEvent, DropEvent
+from batchkit.serve.observe import (
+    DEFAULT_LATENCY_BUCKETS,
+    DEFAULT_SIZE_BUCKETS,
+    METRICS,
+    batch_observations,
+    drop_observations,
+)
+from batchkit.serve.stats import Stats
 
 
 def _require_ray_serve() -> Any:
@@ -63,47 +59,32 @@ def replica_stats(f: BatchedFunction[Any]) -> ReplicaStats:
 
 
 class _RayTracker:
-    """The listener for one function: Ray metric objects plus its ``batcher`` tag."""
+    """The listener for one function: its ``batcher`` tag and each series' tag dict."""
 
     def __init__(self, owner: RayMetrics, name: str) -> None:
         self.owner = owner
-        self.tags = {"batcher": name}
-        self._tagged = {
-            (kind, value): {"batcher": name, kind: value}
-            for kind, values in (
-                ("reason", [r.value for r in DispatchReason] + list(_DROP_REASONS)),
-                ("outcome", ["ok", "error"]),
-            )
-            for value in values
-        }
+        self.name = name
+        self._tags: dict[tuple[str, str | None], dict[str, str]] = {}
 
-    def _tags(self, kind: str, value: str) -> dict[str, str]:
-        tags = self._tagged.get((kind, value))
-        if tags is None:  # a dispatch reason newer than this module
-            tags = self._tagged[(kind, value)] = {"batcher": self.tags["batcher"], kind: value}
+    def _tags_for(self, metric: str, value: str | None) -> dict[str, str]:
+        tags = self._tags.get((metric, value))
+        if tags is None:
+            label = self.owner.labels[metric]
+            tags = {"batcher": self.name}
+            if label is not None and value is not None:
+                tags[label] = value
+            self._tags[(metric, value)] = tags
         return tags
 
     def on_batch(self, event: BatchEvent) -> None:
         """Record one finished batch (on the runtime's worker, under its lock)."""
-        m, tags = self.owner, self.tags
-        m.batch_size.observe(event.size, tags)
-        for wait in event.queue_waits:
-            m.queue_wait.observe(wait, tags)
-        m.batch_latency.observe(event.latency, tags)
-        m.batches.inc(1, self._tags("reason", event.reason))
-        if event.size > event.failed:
-            m.requests.inc(event.size - event.failed, self._tags("outcome", "ok"))
-        if event.failed:
-            m.requests.inc(event.failed, self._tags("outcome", "error"))
-        if event.padded_tokens:
-            m.tokens.inc(event.tokens, tags)
-            m.padded_tokens.inc(event.padded_tokens, tags)
-        if event.padded_size > event.size:
-            m.padding_items.inc(event.padded_size - event.size, tags)
+        for metric, value, amount in batch_observations(event):
+            self.owner.record(metric, amount, self._tags_for(metric, value))
 
     def on_drop(self, event: DropEvent) -> None:
         """Count requests that ended without running."""
-        self.owner.dropped.inc(event.count, self._tags("reason", event.reason))
+        for metric, value, amount in drop_observations(event):
+            self.owner.record(metric, amount, self._tags_for(metric, value))
 
 
 class RayMetrics:
@@ -128,39 +109,30 @@ class RayMetrics:
     ) -> None:
         metrics = _require_ray_serve()
         ns = f"{namespace}_" if namespace else ""
-
-        def counter(name: str, doc: str, *extra: str) -> Any:
-            return metrics.Counter(f"{ns}{name}", doc, tag_keys=("batcher", *extra))
-
-        def histogram(name: str, doc: str, buckets: Sequence[float]) -> Any:
-            return metrics.Histogram(
-                f"{ns}{name}", doc, boundaries=list(buckets), tag_keys=("batcher",)
-            )
-
-        self.batch_size = histogram("inference_batch_size", "Real items per batch.", size_buckets)
-        self.queue_wait = histogram(
-            "inference_queue_wait_seconds",
-            "Seconds each request waited before its batch was dispatched.",
-            latency_buckets,
-        )
-        self.batch_latency = histogram(
-            "inference_batch_latency_seconds",
-            "Seconds from a batch's dispatch to its results.",
-            latency_buckets,
-        )
-        self.batches = counter("inference_batches", "Batches run, by dispatch reason.", "reason")
-        self.requests = counter("inference_requests", "Requests that ran, by outcome.", "outcome")
-        self.dropped = counter(
-            "inference_dropped_requests", "Requests that ended without running.", "reason"
-        )
-        self.tokens = counter("inference_tokens", "Sum of the batched items' keys (lengths).")
-        self.padded_tokens = counter(
-            "inference_padded_tokens", "Batch size times longest key, summed over batches."
-        )
-        self.padding_items = counter(
-            "inference_padding_items", "Filler items added to reach a strict batch size."
-        )
+        self._families: dict[str, Any] = {}
+        self._histograms: set[str] = set()
+        self.labels: dict[str, str | None] = {}
+        for spec in METRICS:
+            tag_keys = ("batcher",) if spec.label is None else ("batcher", spec.label)
+            if spec.kind == "histogram":
+                buckets = size_buckets if spec.buckets == "size" else latency_buckets
+                family = metrics.Histogram(
+                    f"{ns}{spec.name}", spec.doc, boundaries=list(buckets), tag_keys=tag_keys
+                )
+                self._histograms.add(spec.name)
+            else:
+                family = metrics.Counter(f"{ns}{spec.name}", spec.doc, tag_keys=tag_keys)
+            self._families[spec.name] = family
+            self.labels[spec.name] = spec.label
         self._tracked: dict[str, _RayTracker] = {}
+
+    def record(self, metric: str, amount: float, tags: dict[str, str]) -> None:
+        """Observe (histograms) or add (counters) ``amount`` to one series."""
+        family = self._families[metric]
+        if metric in self._histograms:
+            family.observe(amount, tags)
+        else:
+            family.inc(amount, tags)
 
     def track(self, f: BatchedFunction[Any], name: str | None = None) -> str:
         """Record ``f``'s events under ``batcher=name`` (default: its qualname); returns it."""
