@@ -129,6 +129,8 @@ def _batch_size(batch: Any, path: str) -> int | None:
     leaf_fns = _LEAF_TYPES.get(type(batch))
     if leaf_fns is not None:
         return len(leaf_fns[1](batch))
+    if isinstance(batch, list) and not batch:
+        return None  # items that each held an empty list: says nothing about the size
     if isinstance(batch, Mapping):
         sizes = [(k, _batch_size(v, f"{path}[{k!r}]")) for k, v in batch.items()]
     elif isinstance(batch, tuple) or (isinstance(batch, list) and _is_container_list(batch)):
@@ -160,6 +162,8 @@ def _unstack(batch: Any, n: int) -> list[Any]:
         cols = {k: _unstack(v, n) for k, v in batch.items()}
         make = type(batch) if type(batch) is not dict else dict
         return [make({k: cols[k][i] for k in batch}) for i in range(n)]  # type: ignore[call-arg]
+    if isinstance(batch, list) and not batch:
+        return [[] for _ in range(n)]  # stack() of items that each held an empty list
     if isinstance(batch, tuple) or (isinstance(batch, list) and _is_container_list(batch)):
         cols_seq = [_unstack(v, n) for v in batch]
         if _is_namedtuple(batch):

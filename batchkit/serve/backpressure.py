@@ -82,7 +82,7 @@ class BlockingAdmission:
     callers wait for queue room (within their timeout) instead of getting ``QueueFull``."""
 
     # Provided by Runtime:
-    lock: threading.Lock
+    lock: threading.RLock
     closed: bool
     room: RoomWaiters
     sched: Scheduler

@@ -119,13 +119,13 @@ class BatchedFunction(Generic[R]):
         runtime = self.runtime
         assert isinstance(runtime, ThreadRuntime)
         reqs = [runtime.make_request(x, priority, None) for x in items]
+        # Every item's timeout runs from this call, as if each were called alone now (a
+        # blocked enqueue included): at the deadline, items not yet started are withdrawn.
+        deadline = None if timeout is None else time.monotonic() + timeout
         if runtime.room_mode_block:
             runtime.submit_all_blocking(reqs, timeout)
         else:
             runtime.submit_many(reqs)
-        # Every item's timeout runs from this call, as if each were called alone now: at
-        # the deadline, all items not yet started are withdrawn together.
-        deadline = None if timeout is None else time.monotonic() + timeout
         for i, req in enumerate(reqs):
             left = None if deadline is None else deadline - time.monotonic()
             if not req.wait(left):
@@ -144,11 +144,13 @@ class BatchedFunction(Generic[R]):
         loop = asyncio.get_running_loop()
         runtime.bind(loop)
         reqs = [runtime.make_request(x, priority, loop) for x in items]
+        started = time.monotonic()
         if runtime.room_mode_block:
             await runtime.asubmit_all_blocking(reqs, timeout)
         else:
             runtime.submit_many(reqs)
-        waits = [asyncio.ensure_future(await_request(runtime, r, timeout)) for r in reqs]
+        left = None if timeout is None else max(timeout - (time.monotonic() - started), 0.0)
+        waits = [asyncio.ensure_future(await_request(runtime, r, left)) for r in reqs]
         outcomes = await asyncio.gather(*waits, return_exceptions=True)
         for out in outcomes:
             if isinstance(out, BaseException):

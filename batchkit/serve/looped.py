@@ -33,6 +33,11 @@ class LoopRuntime(Runtime):
         if self.loop is loop:
             return
         with self.lock:
+            if self.loop is not None and self.loop.is_closed() and not self.sched.drained:
+                # Its batches will never finish: answer their callers, free their slots.
+                self.fail_all_locked(closed_error(self.name))
+                for batch in list(self.sched.running.values()):
+                    self.sched.finish(batch, self.clock())
             if self.loop is not None and not self.loop.is_closed() and not self.sched.drained:
                 raise RuntimeError(
                     f"{self.name} is busy on another event loop; an async batched function "
@@ -110,18 +115,20 @@ class LoopRuntime(Runtime):
         """Stop accepting, serve what is queued and running; after ``timeout``, fail the rest."""
         loop = asyncio.get_running_loop()
         with self.lock:
+            if self.loop is not None and self.loop is not loop and not self.loop.is_closed():
+                raise RuntimeError(f"{self.name}: aclose() must run on the loop it serves")
+            self.bind(loop)  # a closed previous loop's leftovers are answered here
             self.closed = self.sched.closing = True
             self.room.wake_all()  # blocked callers see BatcherClosed
+            if self._drained is None:  # shared by concurrent aclose() calls
+                self._drained = asyncio.Event()
+            drained = self._drained
             if self.sched.drained:
-                self._check_drained_locked()
+                drained.set()
                 return
-            if self.loop is not None and self.loop is not loop:
-                raise RuntimeError(f"{self.name}: aclose() must run on the loop it serves")
-            self.loop = loop
-            self._drained = asyncio.Event()
             self._wake_locked()
         try:
-            await asyncio.wait_for(self._drained.wait(), timeout)
+            await asyncio.wait_for(drained.wait(), timeout)
         except asyncio.TimeoutError:
             with self.lock:
                 self.fail_all_locked(closed_error(self.name))

@@ -76,15 +76,15 @@ class BatchRun:
         self.calls = 0
         self.oom_splits = 0  # parts split because they ran out of memory
         self.isolated = 0  # items that failed alone after a split
-        self.largest_ok = 0  # the largest part the function completed
+        self.largest_ok = 0  # the largest call (padded size) the function completed
 
     def next_part(self) -> Sequence[Request] | None:
         """The next part to run (left halves first), or None when all are settled."""
         return self._todo.pop() if self._todo else None
 
-    def succeeded(self, part: Sequence[Request], outcomes: list[Outcome]) -> None:
-        """The function returned one outcome per item of ``part``."""
-        self.largest_ok = max(self.largest_ok, len(part))
+    def succeeded(self, part: Sequence[Request], outcomes: list[Outcome], padded: int) -> None:
+        """The function, called with ``padded`` items, returned an outcome per item of ``part``."""
+        self.largest_ok = max(self.largest_ok, padded)  # caps count what the function saw
         for req, outcome in zip(part, outcomes):
             self._results[id(req)] = outcome
 

@@ -56,7 +56,8 @@ class Runtime(BlockingAdmission):
             max_queue_size=options.max_queue_size,
             max_concurrent_batches=options.max_concurrent_batches,
         )
-        self.lock = threading.Lock()
+        # Re-entrant: listeners run under it and may call f.stats() or remove themselves.
+        self.lock = threading.RLock()
         self.closed = False
         self.listeners: list[Listener] = []
         self.room = RoomWaiters()  # callers blocked on a full queue (when_full="block")
@@ -210,7 +211,7 @@ class Runtime(BlockingAdmission):
     def settle(self, run: BatchRun, part: Sequence[Request], padded: int, output: Any) -> None:
         """Record the function's output for ``part`` (split, length-checked, per slot)."""
         try:
-            run.succeeded(part, self._outcomes(len(part), padded, output))
+            run.succeeded(part, self._outcomes(len(part), padded, output), padded)
         except BaseException as exc:  # noqa: BLE001 - e.g. a bug in split()
             run.failed(part, exc, Stage.OUTPUT)
 
@@ -249,7 +250,7 @@ class Runtime(BlockingAdmission):
             stats.oom_splits += run.oom_splits
             sched.learn_cap(batch.requests[0].bucket, max(run.largest_ok, 1))
         elif sched.caps:
-            sched.note_success(batch.requests[0].bucket, len(batch.requests))
+            sched.note_success(batch.requests[0].bucket, batch.padded_size)
         stats.isolated += run.isolated
         if self.listeners:
             self._report_batch(batch, outcomes, now)
@@ -303,6 +304,7 @@ class Runtime(BlockingAdmission):
             for req in batch.requests:
                 if req.state is State.RUNNING:
                     req.state = State.DONE
+                    self.sched.stats.failed += 1
                     failed.append(req)
         for req in failed:
             req.error = error

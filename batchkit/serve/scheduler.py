@@ -176,7 +176,8 @@ class Scheduler:
             return
         self._cap_successes[bucket] = done = self._cap_successes.get(bucket, 0) + 1
         if done >= PROBE_AFTER:
-            raised = cap + max(1, cap // 4)
+            # A quarter more, or the next size the policy allows (strict sizes pad up).
+            raised = max(cap + max(1, cap // 4), self.policy.padded_size(cap + 1))
             self._cap_successes[bucket] = 0
             if raised >= self.policy.max_batch_size:
                 del self.caps[bucket]
