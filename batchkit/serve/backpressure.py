@@ -7,7 +7,6 @@ waiter that is woken retries its enqueue (and waits again if it lost a race).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import threading
 import time
 from collections import deque
@@ -54,22 +53,26 @@ class RoomWaiters:
         return True
 
     def wake(self, count: int) -> None:
-        """Wake up to ``count`` waiters, oldest first."""
-        for _ in range(min(count, len(self._waiters))):
-            _wake(self._waiters.popleft())
+        """Wake up to ``count`` waiters, oldest first (skipping any whose loop is gone)."""
+        while count > 0 and self._waiters:
+            if _wake(self._waiters.popleft()):
+                count -= 1
 
     def wake_all(self) -> None:
         """Wake everyone (on close: they will see ``BatcherClosed``)."""
         self.wake(len(self._waiters))
 
 
-def _wake(waiter: Waiter) -> None:
+def _wake(waiter: Waiter) -> bool:
+    """Wake one waiter; False if nobody can be woken (its event loop is closed)."""
     if isinstance(waiter, asyncio.Future):
-        loop = waiter.get_loop()
-        with contextlib.suppress(RuntimeError):  # a closed loop: nobody is waiting there
-            loop.call_soon_threadsafe(_resolve, waiter)
-    else:
-        waiter.release()
+        try:
+            waiter.get_loop().call_soon_threadsafe(_resolve, waiter)
+        except RuntimeError:  # a closed loop: nobody is waiting there any more
+            return False
+        return True
+    waiter.release()
+    return True
 
 
 def _resolve(fut: asyncio.Future[None]) -> None:

@@ -141,3 +141,16 @@ def test_stats_count_running_requests_a_timed_out_close_failed() -> None:
             fut.result(5)
     assert f.stats().failed == 1
     gate.set()
+
+
+def test_room_wake_skips_waiters_whose_loop_is_closed() -> None:
+    from batchkit.serve.backpressure import RoomWaiters
+
+    room = RoomWaiters()
+    dead = asyncio.new_event_loop()
+    room.add_async(dead)
+    dead.close()
+    alive = room.add_thread()
+    room.wake(1)  # the closed loop's waiter cannot be woken: the next one must be
+    assert alive.acquire(timeout=1)
+    assert len(room) == 0
