@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Timing", "fmt_time", "measure", "print_table", "speedup"]
+__all__ = ["Timing", "fmt_time", "measure", "print_table", "report_target", "speedup"]
 
 
 @dataclass(frozen=True)
@@ -137,3 +137,29 @@ def print_table(title: str, timings: Mapping[str, Timing], baseline: str | None 
         if baseline is not None:
             row += f"  {timings[baseline].median / t.median:>8.2f}x"
         print(row)
+
+
+def report_target(
+    label: str,
+    ratio: float,
+    q: tuple[float, float],
+    *,
+    goal: float,
+    band: float = 0.0,
+    strict: bool = False,
+) -> bool:
+    """Print a PASS/MISS line for ``ratio`` against ``goal`` and return whether it passed.
+
+    ``band`` forgives that much noise (``ratio >= goal * (1 - band)``); ``strict``
+    asks for ``ratio > goal`` ("faster", not "as fast"). ``q`` is the per-round IQR.
+    """
+    if strict:
+        ok, need = ratio > goal, f"> {goal:g}x"
+    else:
+        ok = ratio >= goal * (1.0 - band)
+        need = f">= {goal:g}x" + (f" (noise band {band:.0%})" if band else "")
+    print(
+        f"{'PASS' if ok else 'MISS'}  {label}: {ratio:.2f}x "
+        f"(per-round IQR {q[0]:.2f}-{q[1]:.2f}), target {need}"
+    )
+    return ok

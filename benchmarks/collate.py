@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import Timing, measure, print_table, speedup  # noqa: E402
+from _timing import Timing, measure, print_table, report_target, speedup  # noqa: E402
 
 import batchkit  # noqa: E402
 from batchkit.collate.pad import real_token_mask  # noqa: E402
@@ -276,18 +276,6 @@ def check_outputs(
 # --------------------------------------------------------------------------- main
 
 
-def target(
-    label: str, ratio: float, goal: float, q: tuple[float, float], band: float = 0.0
-) -> bool:
-    ok = ratio >= goal * (1.0 - band)
-    need = f">= {goal:g}x" + (f" (noise band {band:.0%})" if band else "")
-    print(
-        f"{'PASS' if ok else 'MISS'}  {label}: {ratio:.2f}x (per-round IQR {q[0]:.2f}-{q[1]:.2f}), "
-        f"target {need}"
-    )
-    return ok
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer, shorter repeats (~10 s)")
@@ -374,13 +362,17 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for name in ("batchkit.pad", "batchkit.PadCollator"):
         r, q1, q3 = speedup(pl[HF_PAD], pl[name])
-        results.append(target(f"pad from lists, {name} vs {HF_PAD}", r, 10.0, (q1, q3)))
+        results.append(report_target(f"pad from lists, {name} vs {HF_PAD}", r, (q1, q3), goal=10.0))
     for name in ("batchkit.pack_varlen", "batchkit.VarlenCollator"):
         r, q1, q3 = speedup(vl[HF_FLAT], vl[name])
-        results.append(target(f"varlen from lists, {name} vs {HF_FLAT}", r, 3.0, (q1, q3)))
+        results.append(
+            report_target(f"varlen from lists, {name} vs {HF_FLAT}", r, (q1, q3), goal=3.0)
+        )
     r, q1, q3 = speedup(pt[PADSEQ], pt["batchkit.pad"])
     results.append(
-        target(f"pad from tensors, batchkit.pad vs {PADSEQ}", r, 1.0, (q1, q3), NOISE_BAND)
+        report_target(
+            f"pad from tensors, batchkit.pad vs {PADSEQ}", r, (q1, q3), goal=1.0, band=NOISE_BAND
+        )
     )
     if args.prototype:
         r, q1, q3 = speedup(pt[PADSEQ], pt["prototype pad (this file)"])

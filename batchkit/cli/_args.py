@@ -62,24 +62,22 @@ def fraction(text: str) -> float:
     return value
 
 
-def int_list(text: str) -> list[int]:
-    """``"1,2,4,8"`` -> positive ints (separated by commas or spaces)."""
+def _items(text: str, what: str) -> list[str]:
+    """The comma- or space-separated parts of ``text``; an error naming ``what`` if none."""
     parts = [p for p in re.split(r"[,\s]+", text.strip()) if p]
     if not parts:
-        raise argparse.ArgumentTypeError(
-            f"expected a comma-separated list of integers, got {text!r}"
-        )
-    return [positive_int(p) for p in parts]
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of {what}, got {text!r}")
+    return parts
+
+
+def int_list(text: str) -> list[int]:
+    """``"1,2,4,8"`` -> positive ints (separated by commas or spaces)."""
+    return [positive_int(p) for p in _items(text, "integers")]
 
 
 def float_list(text: str) -> list[float]:
     """``"0,2.5,5"`` -> numbers >= 0."""
-    parts = [p for p in re.split(r"[,\s]+", text.strip()) if p]
-    if not parts:
-        raise argparse.ArgumentTypeError(
-            f"expected a comma-separated list of numbers, got {text!r}"
-        )
-    return [non_negative_float(p) for p in parts]
+    return [non_negative_float(p) for p in _items(text, "numbers")]
 
 
 def shape(text: str) -> tuple[int, ...]:
