@@ -206,7 +206,13 @@ class Scheduler:
             batch.block_tables = self._rows[slots, :width]  # type: ignore[index]
         self._released = []
         self._in_flight = batch
-        self._record_step(batch, self.max_num_batched_tokens - budget)
+        self.stats.record_step(
+            seq_util=len(batch.seqs) / self.max_num_seqs,
+            token_util=(self.max_num_batched_tokens - budget) / self.max_num_batched_tokens,
+            tokens=self.max_num_batched_tokens - budget,
+            requests_waiting=bool(self.waiting),
+            allocator=self.allocator,
+        )
         return batch
 
     def _admit_blocks(self, seq: Sequence, budget: int) -> bool:
@@ -258,24 +264,6 @@ class Scheduler:
             heapq.heappush(self._free_slots, seq.slot)
             seq.slot = None
         self._released.append(seq.request_id)
-
-    def _record_step(self, batch: StepBatch, tokens: int) -> None:
-        st = self.stats
-        st.steps += 1
-        util = len(batch.seqs) / self.max_num_seqs
-        st.seqs_sum += util
-        if self.waiting:
-            st.waiting_steps += 1
-            st.seqs_sum_waiting += util
-        st.tokens_sum += tokens / self.max_num_batched_tokens
-        st.tokens_computed += tokens
-        alloc = self.allocator
-        if alloc is not None:
-            used = alloc.num_used
-            st.kv_steps += 1
-            st.kv_usage_sum += used / alloc.num_blocks
-            if used:
-                st.kv_waste_sum += 1.0 - alloc.tokens_stored / (used * alloc.block_size)
 
     # -- results --------------------------------------------------------------
     def update(

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from batchkit.serve.stats import SAMPLE_WINDOW, Percentiles
+
+if TYPE_CHECKING:
+    from batchkit.kv.allocator import BlockAllocator
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,30 @@ class GenerationStatsRecorder:
     kv_waste_sum: float = 0.0
     ttft: deque[float] = field(default_factory=lambda: deque(maxlen=SAMPLE_WINDOW))
     itl: deque[float] = field(default_factory=lambda: deque(maxlen=SAMPLE_WINDOW))
+
+    def record_step(
+        self,
+        *,
+        seq_util: float,
+        token_util: float,
+        tokens: int,
+        requests_waiting: bool,
+        allocator: BlockAllocator | None,
+    ) -> None:
+        """Account one scheduled step: slot and token-budget use, KV use and waste."""
+        self.steps += 1
+        self.seqs_sum += seq_util
+        if requests_waiting:
+            self.waiting_steps += 1
+            self.seqs_sum_waiting += seq_util
+        self.tokens_sum += token_util
+        self.tokens_computed += tokens
+        if allocator is not None:
+            used = allocator.num_used
+            self.kv_steps += 1
+            self.kv_usage_sum += used / allocator.num_blocks
+            if used:
+                self.kv_waste_sum += 1.0 - allocator.tokens_stored / (used * allocator.block_size)
 
     def snapshot(
         self, *, running: int, waiting: int, kv_usage: float, prefix_hit_rate: float
