@@ -40,26 +40,21 @@ class BatchedFunction(Generic[R]):
         self.__qualname__ = getattr(fn, "__qualname__", self.__name__)
         self.__doc__ = getattr(fn, "__doc__", None)
         self.__wrapped__ = fn
-        self._runtime: Runtime | None = None
         self._runtime_lock = threading.RLock()
         self._bound_by_instance: weakref.WeakKeyDictionary[Any, BatchedFunction[R]] = (
             weakref.WeakKeyDictionary()
         )
+        # Created now (cheap: no thread starts before the first call), so that
+        # ``f.acall`` is the runtime's own ``async def acall`` (same signature) even when
+        # a caller keeps the bound method: one coroutine per call instead of two.
+        kind = LoopRuntime if self.is_async else ThreadRuntime
+        self._runtime: Runtime = kind(fn, options, self.__qualname__)
+        self.acall = self._runtime.acall  # type: ignore[method-assign]
 
     @property
     def runtime(self) -> Runtime:
-        """The queue and workers behind this function (created on first use)."""
-        runtime = self._runtime
-        if runtime is None:
-            with self._runtime_lock:
-                if self._runtime is None:
-                    kind = LoopRuntime if self.is_async else ThreadRuntime
-                    self._runtime = kind(self.fn, self.options, self.__qualname__)
-                    # The runtime's own ``async def acall`` (same signature) answers
-                    # ``f.acall`` from now on: one coroutine per call instead of two.
-                    self.acall = self._runtime.acall  # type: ignore[method-assign]
-                runtime = self._runtime
-        return runtime
+        """The queue and workers behind this function."""
+        return self._runtime
 
     # -- methods: one queue per instance --------------------------------------
     def __set_name__(self, owner: type, name: str) -> None:

@@ -13,7 +13,8 @@ from collections.abc import Callable
 from typing import Any
 
 from batchkit.serve.recovery import BatchRun
-from batchkit.serve.runtime import Options, Runtime, closed_error, deliver
+from batchkit.serve.request import resolve_futures
+from batchkit.serve.runtime import Options, Runtime, closed_error
 from batchkit.serve.scheduler import FormedBatch
 
 
@@ -22,7 +23,6 @@ class LoopRuntime(Runtime):
 
     def __init__(self, fn: Callable[[Any], Any], options: Options, name: str) -> None:
         super().__init__(fn, options, name)
-        self.loop: asyncio.AbstractEventLoop | None = None
         self._pump_scheduled = False
         self._timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -88,7 +88,7 @@ class LoopRuntime(Runtime):
             with self.lock:
                 answered = self.finish_locked(batch, run, deliver_now=False)
                 batch, _ = self.sched.poll(self.clock())
-            deliver(answered)
+            resolve_futures(answered)  # every request here awaits on this loop
         self._pump()  # re-arm the max-wait timer; start batches that became ready
 
     async def _execute(self, batch: FormedBatch) -> BatchRun:

@@ -16,14 +16,13 @@ whole part, which is the whole batch unless an out-of-memory split happened.
 
 from __future__ import annotations
 
+import itertools
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from enum import Enum
 from typing import Any
 
 from batchkit.serve.request import Request
-
-Outcome = tuple[Any, BaseException | None]
 
 
 class Stage(Enum):
@@ -43,8 +42,15 @@ def is_oom(exc: BaseException, extra: tuple[type[BaseException], ...]) -> bool:
     return isinstance(oom_type, type) and isinstance(exc, oom_type)
 
 
+Part = tuple[int, int]  # [start, stop) positions in the batch
+
+
 class BatchRun:
-    """The parts of one batch still to run, and the outcomes settled so far."""
+    """The parts of one batch still to run, and the outcomes settled so far.
+
+    Outcomes are kept by position: ``values[i]`` is the result for
+    ``requests[i]`` unless ``errors`` holds an exception for ``i``.
+    """
 
     __slots__ = (
         "requests",
@@ -52,7 +58,8 @@ class BatchRun:
         "oom_extra",
         "isolate_errors",
         "_todo",
-        "_results",
+        "values",
+        "errors",
         "calls",
         "oom_splits",
         "isolated",
@@ -71,43 +78,50 @@ class BatchRun:
         self.oom_enabled = oom_enabled
         self.oom_extra = oom_extra
         self.isolate_errors = isolate_errors
-        self._todo: list[Sequence[Request]] = [requests]
-        self._results: dict[int, Outcome] = {}
+        self._todo: list[Part] = [(0, len(requests))]
+        self.values: list[Any] = [None] * len(requests)
+        self.errors: dict[int, BaseException] = {}  # position -> that request's error
         self.calls = 0
         self.oom_splits = 0  # parts split because they ran out of memory
         self.isolated = 0  # items that failed alone after a split
         self.largest_ok = 0  # the largest call (padded size) the function completed
 
-    def next_part(self) -> Sequence[Request] | None:
+    def next_part(self) -> Part | None:
         """The next part to run (left halves first), or None when all are settled."""
         return self._todo.pop() if self._todo else None
 
-    def succeeded(self, part: Sequence[Request], outcomes: list[Outcome], padded: int) -> None:
-        """The function, called with ``padded`` items, returned an outcome per item of ``part``."""
+    def succeeded(self, part: Part, results: Iterable[Any], padded: int) -> None:
+        """The function, called with ``padded`` items, returned ``results``: one per item
+        of ``part`` first (the padding's results after them are ignored). A result that
+        is an exception instance is that item's error."""
         self.largest_ok = max(self.largest_ok, padded)  # caps count what the function saw
-        for req, outcome in zip(part, outcomes):
-            self._results[id(req)] = outcome
+        start, stop = part
+        values = self.values
+        values[start:stop] = itertools.islice(results, stop - start)
+        # One C-level scan; the Python loop runs only when some slot holds an exception.
+        if any(map(isinstance, values[start:stop], itertools.repeat(BaseException))):
+            for i in range(start, stop):
+                if isinstance(values[i], BaseException):
+                    self.errors[i] = values[i]
 
-    def failed(self, part: Sequence[Request], exc: BaseException, stage: Stage) -> None:
+    def failed(self, part: Part, exc: BaseException, stage: Stage) -> None:
         """``part`` raised ``exc`` at ``stage``: split it and retry, or settle it with ``exc``."""
+        start, stop = part
+        size = stop - start
         oom = self.oom_enabled and stage is Stage.CALL and is_oom(exc, self.oom_extra)
         retry = oom or stage is Stage.COLLATE or (stage is Stage.CALL and self.isolate_errors)
-        if retry and len(part) > 1:
+        if retry and size > 1:
             self.oom_splits += oom
-            half = (len(part) + 1) // 2
-            self._todo.append(part[half:])
-            self._todo.append(part[:half])  # popped first: keeps the input order
+            middle = start + (size + 1) // 2
+            self._todo.append((middle, stop))
+            self._todo.append((start, middle))  # popped first: keeps the input order
             return
-        if len(part) < len(self.requests):
-            self.isolated += len(part)
-        for req in part:
-            self._results[id(req)] = (None, exc)
+        if size < len(self.requests):
+            self.isolated += size
+        for i in range(start, stop):
+            self.errors[i] = exc
 
     @property
     def hit_oom(self) -> bool:
         """Whether any part ran out of memory."""
         return self.oom_splits > 0
-
-    def outcomes(self) -> list[Outcome]:
-        """One outcome per request, in the batch's order."""
-        return [self._results[id(req)] for req in self.requests]

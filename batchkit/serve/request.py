@@ -51,8 +51,8 @@ class Request:
         self.key = key
         self.bucket = bucket
         self.priority = priority
-        self.seq = 0  # set when enqueued: ties between equal priorities go first-come
-        self.enqueued_at = 0.0
+        # ``seq`` (arrival order: ties between equal priorities go first-come) and
+        # ``enqueued_at`` are set at admission; nothing reads them before.
         self.state = State.WAITING
         self.value: Any = None
         self.error: BaseException | None = None

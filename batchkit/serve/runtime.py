@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import operator
 import threading
 import time
 from collections.abc import Callable, Generator, Sequence
@@ -20,12 +21,14 @@ from batchkit.batchers.base import Batcher
 from batchkit.serve.backpressure import BlockingAdmission, RoomWaiters
 from batchkit.serve.errors import BatcherClosed, QueueFull, RequestTimeout
 from batchkit.serve.events import BatchEvent, DropEvent, DropReason, Listener, notify
-from batchkit.serve.recovery import BatchRun, Outcome, Stage
+from batchkit.serve.recovery import BatchRun, Part, Stage
 from batchkit.serve.request import Request, State, resolve_futures
 from batchkit.serve.scheduler import FormedBatch, Scheduler
 from batchkit.serve.stats import Stats
 
 Clock = Callable[[], float]
+DONE, RUNNING = State.DONE, State.RUNNING
+_item_of = operator.attrgetter("item")
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,8 @@ class Runtime(BlockingAdmission):
         self.listeners: list[Listener] = []
         self.room = RoomWaiters()  # callers blocked on a full queue (when_full="block")
         self.room_mode_block = options.when_full == "block"
+        self.keyless = options.policy.key is None  # one bucket, no key to compute
+        self.loop: asyncio.AbstractEventLoop | None = None  # the loop asyncio callers use
         if self.room_mode_block:
             self.sched.on_room = self._room_freed
 
@@ -72,16 +77,21 @@ class Runtime(BlockingAdmission):
         """A request for ``item``; the policy's key runs here, so its errors reach this caller."""
         if priority.__class__ is not int:  # bool and other look-alikes are refused too
             raise TypeError(f"priority must be an int, got {type(priority).__name__}")
-        policy = self.options.policy
-        if policy.key is None:  # the common case: no key, one bucket
+        if self.keyless:
             return Request(item, 0.0, None, priority, loop)
+        policy = self.options.policy
         key = policy.key_of(item)
         return Request(item, key, policy.bucket_of(key), priority, loop)
 
     def submit(self, req: Request) -> None:
         """Enqueue, or raise ``BatcherClosed``/``QueueFull`` without enqueuing."""
-        with self.lock:
+        # acquire/release instead of ``with``: about half the cost, on every call.
+        lock = self.lock
+        lock.acquire()
+        try:
             self._admit_locked(req)
+        finally:
+            lock.release()
 
     def _admit_locked(self, req: Request) -> None:
         if self.closed:
@@ -124,8 +134,9 @@ class Runtime(BlockingAdmission):
     async def acall(self, item: Any, *, priority: int = 0, timeout: float | None = None) -> Any:
         """One item from asyncio: await its result, honouring timeout and cancellation."""
         loop = asyncio.get_running_loop()
-        self.bind(loop)
-        if self.options.policy.key is None and priority.__class__ is int:
+        if loop is not self.loop:
+            self.bind(loop)
+        if self.keyless and priority.__class__ is int:
             req = Request(item, 0.0, None, priority, loop)  # the common case, inlined
         else:
             req = self.make_request(item, priority, loop)
@@ -135,7 +146,12 @@ class Runtime(BlockingAdmission):
             if timeout is not None:
                 timeout = max(timeout - (time.monotonic() - started), 0.0)
         else:
-            self.submit(req)
+            lock = self.lock  # submit(), inlined: this is every asyncio call's path
+            lock.acquire()
+            try:
+                self._admit_locked(req)
+            finally:
+                lock.release()
         if timeout is None:  # the hot path: no timer, a single await
             try:
                 return await req.future  # type: ignore[misc]
@@ -195,10 +211,11 @@ class Runtime(BlockingAdmission):
                 run.failed(part, result, Stage.CALL)
         return run
 
-    def prepare(self, run: BatchRun, part: Sequence[Request]) -> tuple[int, Any] | None:
+    def prepare(self, run: BatchRun, part: Part) -> tuple[int, Any] | None:
         """(padded size, function argument) for ``part``; None if collate failed (recorded)."""
-        padded = self.options.policy.padded_size(len(part))
-        items = [r.item for r in part]
+        start, stop = part
+        padded = self.options.policy.padded_size(stop - start)
+        items = list(map(_item_of, run.requests[start:stop]))
         if padded > len(items):  # strict sizes: repeat the last item; its results are dropped
             items.extend([items[-1]] * (padded - len(items)))
         collate = self.options.collate
@@ -208,14 +225,15 @@ class Runtime(BlockingAdmission):
             run.failed(part, exc, Stage.COLLATE)
             return None
 
-    def settle(self, run: BatchRun, part: Sequence[Request], padded: int, output: Any) -> None:
+    def settle(self, run: BatchRun, part: Part, padded: int, output: Any) -> None:
         """Record the function's output for ``part`` (split, length-checked, per slot)."""
         try:
-            run.succeeded(part, self._outcomes(len(part), padded, output), padded)
+            run.succeeded(part, self._results(padded, output), padded)
         except BaseException as exc:  # noqa: BLE001 - e.g. a bug in split()
             run.failed(part, exc, Stage.OUTPUT)
 
-    def _outcomes(self, size: int, padded: int, output: Any) -> list[Outcome]:
+    def _results(self, padded: int, output: Any) -> Sequence[Any]:
+        """The per-item results in ``output``, checked to be ``padded`` of them."""
         split = self.options.split
         results = split(output) if split is not None else output
         try:
@@ -227,10 +245,7 @@ class Runtime(BlockingAdmission):
             ) from None
         if count != padded:
             raise ValueError(f"{self.name} returned {count} results for a batch of {padded} items")
-        return [
-            (None, result) if isinstance(result, BaseException) else (result, None)
-            for _, result in zip(range(size), results)
-        ]
+        return results  # type: ignore[no-any-return]
 
     def finish_locked(
         self, batch: FormedBatch, run: BatchRun, *, deliver_now: bool = True
@@ -243,7 +258,6 @@ class Runtime(BlockingAdmission):
         now = self.clock()
         sched = self.sched
         sched.finish(batch, now)
-        outcomes = run.outcomes()
         stats = sched.stats
         stats.calls += run.calls
         if run.hit_oom:
@@ -253,21 +267,31 @@ class Runtime(BlockingAdmission):
             sched.note_success(batch.requests[0].bucket, batch.padded_size)
         stats.isolated += run.isolated
         if self.listeners:
-            self._report_batch(batch, outcomes, now)
-        done: list[Request] = []
-        for req, (value, error) in zip(batch.requests, outcomes):
-            if req.state is not State.RUNNING:
-                continue  # already answered (a close that timed out)
-            req.state = State.DONE
-            req.value, req.error = value, error
-            if error is not None:
-                stats.failed += 1
-            done.append(req)
+            self._report_batch(batch, run, now)
+        requests, values, errors = batch.requests, run.values, run.errors
+        if not errors and not batch.answered:  # the hot path: every item succeeded
+            for req, value in zip(requests, values):
+                req.state = DONE
+                req.value = value
+            done = requests
+        else:
+            done = []
+            for i, req in enumerate(requests):
+                if req.state is not RUNNING:
+                    continue  # already answered (a close that timed out)
+                req.state = DONE
+                error = errors.get(i)
+                if error is None:
+                    req.value = values[i]
+                else:
+                    req.error = error
+                    stats.failed += 1
+                done.append(req)
         if deliver_now:
             deliver(done)
         return done
 
-    def _report_batch(self, batch: FormedBatch, outcomes: list[Outcome], now: float) -> None:
+    def _report_batch(self, batch: FormedBatch, run: BatchRun, now: float) -> None:
         keys = [r.key for r in batch.requests]
         event = BatchEvent(
             name=self.name,
@@ -279,8 +303,8 @@ class Runtime(BlockingAdmission):
             # Requests a timed-out close already answered with BatcherClosed failed too.
             failed=sum(
                 1
-                for req, (_, error) in zip(batch.requests, outcomes)
-                if error is not None or req.state is not State.RUNNING
+                for i, req in enumerate(batch.requests)
+                if i in run.errors or req.state is not RUNNING
             ),
             tokens=float(sum(keys)),
             padded_tokens=float(batch.padded_size * max(keys, default=0.0)),
@@ -301,6 +325,7 @@ class Runtime(BlockingAdmission):
         self.sched.stats.closed += len(failed)
         self._dropped("closed", len(failed))
         for batch in self.sched.running.values():
+            batch.answered = True  # its end must not answer these requests again
             for req in batch.requests:
                 if req.state is State.RUNNING:
                     req.state = State.DONE

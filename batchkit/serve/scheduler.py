@@ -5,7 +5,6 @@ caller, so its behaviour is tested deterministically with a fake clock.
 
 from __future__ import annotations
 
-import heapq
 import itertools
 from collections import deque
 from collections.abc import Callable, Hashable, Iterator
@@ -27,10 +26,21 @@ class FormedBatch:
     reason: DispatchReason
     padded_size: int
     dispatched_at: float
+    answered: bool = False  # a timed-out close already answered its requests
+
+
+WAITING = State.WAITING  # module constants: the per-item loops below read them often
+RUNNING = State.RUNNING
 
 
 class Bucket:
-    """One bucket's waiting requests, FIFO per priority; dead entries removed lazily."""
+    """One bucket's waiting requests, FIFO per priority; dead entries removed lazily.
+
+    ``live`` counts the waiting requests; the deques may also hold requests that
+    left (dropped, or taken by a selection that was not a prefix) until they reach
+    the front. When a single deque holds exactly ``live`` entries it *is* the
+    service order, and the hot paths use it directly.
+    """
 
     __slots__ = ("queues", "live", "max_key", "track_max_key")
 
@@ -40,10 +50,18 @@ class Bucket:
         self.max_key = 0.0  # an upper bound, exact after each take (token budgets only)
         self.track_max_key = track_max_key
 
+    def _clean_queue(self) -> deque[Request] | None:
+        """The one deque, if it holds only waiting requests (the common case)."""
+        if len(self.queues) == 1:
+            for queue in self.queues.values():
+                if len(queue) == self.live:
+                    return queue
+        return None
+
     def _fronts(self) -> Iterator[tuple[int, deque[Request]]]:
         for priority in sorted(self.queues):
             queue = self.queues[priority]
-            while queue and queue[0].state is not State.WAITING:
+            while queue and queue[0].state is not WAITING:
                 queue.popleft()
             if queue:
                 yield priority, queue
@@ -52,6 +70,9 @@ class Bucket:
 
     def head(self) -> Request | None:
         """The request served next: best priority, then oldest."""
+        queue = self._clean_queue()
+        if queue is not None:
+            return queue[0] if queue else None
         for _, queue in self._fronts():
             return queue[0]
         return None
@@ -62,10 +83,13 @@ class Bucket:
 
     def candidates(self, limit: int | None) -> list[Request]:
         """Waiting requests in service order (the first ``limit`` of them)."""
+        queue = self._clean_queue()
+        if queue is not None:
+            return list(queue if limit is None else itertools.islice(queue, limit))
         out: list[Request] = []
         for _, queue in self._fronts():
             for req in queue:
-                if req.state is State.WAITING:
+                if req.state is WAITING:
                     out.append(req)
                     if limit is not None and len(out) == limit:
                         return out
@@ -74,9 +98,15 @@ class Bucket:
     def taken(self, count: int) -> None:
         """Bookkeeping after ``count`` requests left: compact, refresh the key maximum."""
         self.live -= count
+        if len(self.queues) == 1:
+            # Usually the batch was the queue's front: pop it now, so the queue stays clean.
+            for queue in self.queues.values():
+                popleft = queue.popleft
+                while queue and queue[0].state is not WAITING:
+                    popleft()
         for priority, queue in self.queues.items():
             if len(queue) > 2 * self.live + 64:
-                self.queues[priority] = deque(r for r in queue if r.state is State.WAITING)
+                self.queues[priority] = deque(r for r in queue if r.state is WAITING)
         if self.live == 0:
             self.max_key = 0.0
         elif count and self.track_max_key:
@@ -111,7 +141,6 @@ class Scheduler:
         self.on_room: Callable[[], None] | None = None  # called when requests leave the queue
         self._cap_successes: dict[Hashable, int] = {}
         self.stats = StatsRecorder()
-        self._seq = itertools.count(1)  # arrival order: breaks ties between equal priorities
 
     # -- requests in and out ----------------------------------------------
     def add(self, req: Request) -> None:
@@ -128,13 +157,12 @@ class Scheduler:
         queue = bucket.queues.get(req.priority)
         if queue is None:
             queue = bucket.queues[req.priority] = deque()
-        req.seq = next(self._seq)
+        self.stats.requests = req.seq = self.stats.requests + 1  # seq: arrival order
         queue.append(req)
         bucket.live += 1
         if req.key > bucket.max_key:
             bucket.max_key = req.key
         self.num_waiting += 1
-        self.stats.requests += 1
 
     def drop(self, req: Request) -> bool:
         """Withdraw a request that has not started; False if it already runs or ended."""
@@ -215,26 +243,31 @@ class Scheduler:
         """
         if self.num_waiting == 0 or self.in_flight >= self.max_concurrent_batches:
             return None, None
-        ready: list[tuple[int, int, Hashable, DispatchReason]] = []
+        best: tuple[int, int] | None = None  # (priority, seq) of the head served first
+        chosen: tuple[Hashable, Bucket, DispatchReason] | None = None
         wake_at: float | None = None
         for name, bucket in self.buckets.items():
             if bucket.live == 0:
                 continue
             reason = self._reason(name, bucket, now)
+            if reason is None:
+                if self.policy.max_wait_s is not None:
+                    due = bucket.oldest_enqueued_at() + self.policy.max_wait_s
+                    wake_at = due if wake_at is None or due < wake_at else wake_at
+                continue
+            if len(self.buckets) == 1:
+                return self._take(name, bucket, reason, now), None
             head = bucket.head()
             assert head is not None
-            if reason is not None:
-                heapq.heappush(ready, (head.priority, head.seq, name, reason))
-            elif self.policy.max_wait_s is not None:
-                due = bucket.oldest_enqueued_at() + self.policy.max_wait_s
-                wake_at = due if wake_at is None else min(wake_at, due)
-        if not ready:
+            if best is None or (head.priority, head.seq) < best:
+                best, chosen = (head.priority, head.seq), (name, bucket, reason)
+        if chosen is None:
             return None, wake_at
-        _, _, name, reason = ready[0]
-        return self._take(name, reason, now), None
+        return self._take(*chosen, now), None
 
-    def _take(self, name: Hashable, reason: DispatchReason, now: float) -> FormedBatch:
-        bucket = self.buckets[name]
+    def _take(
+        self, name: Hashable, bucket: Bucket, reason: DispatchReason, now: float
+    ) -> FormedBatch:
         chosen = self.policy.select(bucket.candidates(self.policy.candidate_limit))
         if self.caps and name in self.caps:
             cap = self.caps[name]
@@ -242,20 +275,14 @@ class Scheduler:
             while len(chosen) > 1 and self.policy.padded_size(len(chosen)) > cap:
                 chosen.pop()
         for req in chosen:
-            req.state = State.RUNNING
+            req.state = RUNNING
         bucket.taken(len(chosen))
         self.num_waiting -= len(chosen)
         self.in_flight += 1
         if self.on_room is not None:
             self.on_room()
         padded = self.policy.padded_size(len(chosen))
-        stats = self.stats
-        stats.batches += 1
-        stats.items_run += len(chosen)
-        stats.padded_slots += padded - len(chosen)
-        stats.batch_sizes[len(chosen)] += 1
-        stats.reasons[reason.value] += 1
-        stats.queue_wait.extend(now - r.enqueued_at for r in chosen)
+        self.stats.record_batch(chosen, reason, padded, now)
         batch = FormedBatch(chosen, reason, padded, now)
         self.running[id(batch)] = batch
         return batch

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
-from collections import Counter, deque
+import operator
+from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+if TYPE_CHECKING:
+    from batchkit.serve.request import Request
+
 SAMPLE_WINDOW = 4096  # latency percentiles cover the most recent samples
+_enqueued_at = operator.attrgetter("enqueued_at")
 
 
 class DispatchReason(str, Enum):
@@ -87,10 +93,23 @@ class StatsRecorder:
     failed: int = 0
     oom_splits: int = 0
     isolated: int = 0
-    batch_sizes: Counter[int] = field(default_factory=Counter)
-    reasons: Counter[str] = field(default_factory=Counter)
+    batch_sizes: dict[int, int] = field(default_factory=dict)
+    reasons: dict[DispatchReason, int] = field(default_factory=dict)
     queue_wait: deque[float] = field(default_factory=lambda: deque(maxlen=SAMPLE_WINDOW))
     batch_latency: deque[float] = field(default_factory=lambda: deque(maxlen=SAMPLE_WINDOW))
+
+    def record_batch(
+        self, requests: list[Request], reason: DispatchReason, padded: int, now: float
+    ) -> None:
+        """A batch of ``requests`` left the queue at ``now`` (called once per batch)."""
+        size = len(requests)
+        self.batches += 1
+        self.items_run += size
+        self.padded_slots += padded - size
+        self.batch_sizes[size] = self.batch_sizes.get(size, 0) + 1
+        self.reasons[reason] = self.reasons.get(reason, 0) + 1
+        # now - enqueued_at for each request, without a Python-level loop.
+        self.queue_wait.extend(map(now.__sub__, map(_enqueued_at, requests)))
 
     def snapshot(self, *, queue_depth: int, in_flight: int, caps: dict[str, int]) -> Stats:
         """Freeze the current values."""
@@ -111,7 +130,7 @@ class StatsRecorder:
             queue_depth=queue_depth,
             in_flight=in_flight,
             batch_sizes=dict(sorted(self.batch_sizes.items())),
-            dispatch_reasons=dict(self.reasons),
+            dispatch_reasons={r.value: n for r, n in self.reasons.items()},
             queue_wait=Percentiles.of(self.queue_wait),
             batch_latency=Percentiles.of(self.batch_latency),
         )

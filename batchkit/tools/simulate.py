@@ -346,7 +346,7 @@ def _summarise(
         batches=stats.batches,
         mean_batch_size=stats.items_run / stats.batches if stats.batches else 0.0,
         batch_sizes=dict(sorted(stats.batch_sizes.items())),
-        dispatch_reasons=dict(stats.reasons),
+        dispatch_reasons={r.value: n for r, n in stats.reasons.items()},
         batcher=describe_batcher(policy),
         latency_model=model.description,
         max_concurrent_batches=slots,
