@@ -38,6 +38,10 @@ class Request:
         "loop",
         "_done",
     )
+    # Set at admission (nothing reads them before): arrival order, which breaks ties
+    # between equal priorities, and the arrival time.
+    seq: int
+    enqueued_at: float
 
     def __init__(
         self,
@@ -51,8 +55,6 @@ class Request:
         self.key = key
         self.bucket = bucket
         self.priority = priority
-        # ``seq`` (arrival order: ties between equal priorities go first-come) and
-        # ``enqueued_at`` are set at admission; nothing reads them before.
         self.state = State.WAITING
         self.value: Any = None
         self.error: BaseException | None = None
