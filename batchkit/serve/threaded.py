@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from batchkit.serve.recovery import BatchRun
-from batchkit.serve.runtime import Options, Runtime, closed_error
+from batchkit.serve.runtime import Options, Runtime, closed_error, deliver
 from batchkit.serve.scheduler import FormedBatch
 
 
@@ -45,9 +45,11 @@ class ThreadRuntime(Runtime):
 
     def _work(self) -> None:
         sched, cond, clock = self.sched, self.cond, self.clock
+        batch: FormedBatch | None = None
         with cond:
             while True:
-                batch, wake_at = sched.poll(clock())
+                if batch is None:
+                    batch, wake_at = sched.poll(clock())
                 if batch is None:
                     if self.closed and sched.num_waiting == 0:
                         cond.notify_all()  # wake close() and the other workers
@@ -61,9 +63,17 @@ class ThreadRuntime(Runtime):
                     run = self._run(batch)
                 finally:
                     cond.acquire()
-                self.finish_locked(batch, run)
+                done = self.finish_locked(batch, run, deliver_now=False)
+                # Take the next batch before waking this one's callers, and wake them
+                # outside the lock: they call again at once and must not queue on it.
+                batch, wake_at = sched.poll(clock())
                 if sched.drained or (self.idle_workers and sched.num_waiting):
                     cond.notify_all()
+                cond.release()
+                try:
+                    deliver(done)
+                finally:
+                    cond.acquire()
 
     def _run(self, batch: FormedBatch) -> BatchRun:
         """Call the function as :meth:`run_steps` asks (parts too, if split); never raises."""
