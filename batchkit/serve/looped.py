@@ -23,6 +23,7 @@ class LoopRuntime(Runtime):
 
     def __init__(self, fn: Callable[[Any], Any], options: Options, name: str) -> None:
         super().__init__(fn, options, name)
+        self.serves_one_loop = True
         self._pump_scheduled = False
         self._timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -61,9 +62,10 @@ class LoopRuntime(Runtime):
 
     def _pump(self) -> None:
         """Start every batch that is ready; arm the timer for the next max-wait expiry."""
-        loop = self.loop
-        assert loop is not None
         with self.lock:
+            loop = self.loop
+            if loop is None or asyncio._get_running_loop() is not loop:
+                return  # a stale pump or timer of a loop this batcher no longer serves
             self._pump_scheduled = False
             while True:
                 batch, wake_at = self.sched.poll(self.clock())

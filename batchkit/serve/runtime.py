@@ -67,6 +67,10 @@ class Runtime(BlockingAdmission):
         self.room_mode_block = options.when_full == "block"
         self.keyless = options.policy.key is None  # one bucket, no key to compute
         self.loop: asyncio.AbstractEventLoop | None = None  # the loop asyncio callers use
+        # An async function runs on its callers' loop: one loop at a time. bind() is
+        # checked again under the lock at admission, so that two threads with two loops
+        # cannot both pass it while the batcher is idle and enqueue on both.
+        self.serves_one_loop = False
         if self.room_mode_block:
             self.sched.on_room = self._room_freed
 
@@ -96,6 +100,8 @@ class Runtime(BlockingAdmission):
     def _admit_locked(self, req: Request) -> None:
         if self.closed:
             raise BatcherClosed(f"{self.name} is closed")
+        if req.loop is not self.loop and self.serves_one_loop:
+            self.bind(req.loop)  # type: ignore[arg-type]  # bound and enqueued in one step
         req.enqueued_at = self.clock()
         try:
             self.sched.add(req)
@@ -109,6 +115,8 @@ class Runtime(BlockingAdmission):
         with self.lock:
             if self.closed:
                 raise BatcherClosed(f"{self.name} is closed")
+            if reqs and reqs[0].loop is not self.loop and self.serves_one_loop:
+                self.bind(reqs[0].loop)  # type: ignore[arg-type]
             limit = self.sched.max_queue_size
             if limit is not None and self.sched.num_waiting + len(reqs) > limit:
                 self.sched.stats.rejected += len(reqs)
