@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from enum import IntEnum
 from typing import Any
@@ -97,3 +98,27 @@ def resolve_futures(requests: list[Request]) -> None:
             fut.set_exception(req.error)
         else:
             fut.set_result(req.value)
+
+
+def deliver(requests: list[Request]) -> None:
+    """Wake thread callers now; resolve asyncio futures on their own loops (one hop per loop)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[Request]] = {}
+    for req in requests:
+        if req.loop is None:
+            req.notify_thread()
+        else:
+            by_loop.setdefault(req.loop, []).append(req)
+    for loop, reqs in by_loop.items():
+        if _running_loop() is loop:
+            resolve_futures(reqs)
+        else:
+            # A closed loop raises RuntimeError: nobody is left there to answer.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(resolve_futures, reqs)
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None

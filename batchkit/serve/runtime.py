@@ -9,7 +9,6 @@ and :class:`~batchkit.serve.looped.LoopRuntime` (async functions; one event loop
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import operator
 import threading
 import time
@@ -22,7 +21,7 @@ from batchkit.serve.backpressure import BlockingAdmission, RoomWaiters
 from batchkit.serve.errors import BatcherClosed, QueueFull, RequestTimeout
 from batchkit.serve.events import BatchEvent, DropEvent, DropReason, Listener, notify
 from batchkit.serve.recovery import BatchRun, Part, Stage
-from batchkit.serve.request import Request, State, resolve_futures
+from batchkit.serve.request import Request, State, deliver
 from batchkit.serve.scheduler import FormedBatch, Scheduler
 from batchkit.serve.stats import Stats
 
@@ -353,30 +352,6 @@ class Runtime(BlockingAdmission):
                     "default" if b is None else str(b): cap for b, cap in self.sched.caps.items()
                 },
             )
-
-
-def deliver(requests: list[Request]) -> None:
-    """Wake thread callers now; resolve asyncio futures on their own loops (one hop per loop)."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[Request]] = {}
-    for req in requests:
-        if req.loop is None:
-            req.notify_thread()
-        else:
-            by_loop.setdefault(req.loop, []).append(req)
-    for loop, reqs in by_loop.items():
-        if _running_loop() is loop:
-            resolve_futures(reqs)
-        else:
-            # A closed loop raises RuntimeError: nobody is left there to answer.
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(resolve_futures, reqs)
-
-
-def _running_loop() -> asyncio.AbstractEventLoop | None:
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        return None
 
 
 def closed_error(name: str) -> BatcherClosed:

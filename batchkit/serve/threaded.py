@@ -16,7 +16,8 @@ from collections.abc import Callable
 from typing import Any
 
 from batchkit.serve.recovery import BatchRun
-from batchkit.serve.runtime import Options, Runtime, closed_error, deliver
+from batchkit.serve.request import deliver
+from batchkit.serve.runtime import Options, Runtime, closed_error
 from batchkit.serve.scheduler import FormedBatch
 
 
