@@ -71,6 +71,10 @@ class ContinuousBatcher:
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)  # the driver waits here for requests
         self._progress = threading.Condition(self._lock)  # streaming threads wait here
+        # Under the lock: threads iterating a handle, asyncio events handles hold. While both
+        # are 0, a step wakes nobody and touches no handle but those of finished requests.
+        self._streamers = 0
+        self._subscribers = 0
         self._next_id = 0
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -206,13 +210,16 @@ class ContinuousBatcher:
                 if s.seq.finish_reason == "error":
                     self._finish_locked(s.seq, error)
         events: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+        watch, finished = self._subscribers > 0, SeqStatus.FINISHED
         for seq in produced:
-            if seq.status is SeqStatus.FINISHED:
+            if seq.status is finished:
                 self._finish_locked(seq, None)
-            elif seq.handle._events:
+            elif watch and seq.handle._events:
                 events.extend(seq.handle._events)
-        _set_events(events)
-        self._progress.notify_all()
+        if events:
+            _set_events(events)
+        if self._streamers:
+            self._progress.notify_all()
 
     def _finish_locked(self, seq: Sequence, error: BaseException | None) -> None:
         handle: GenerationHandle | None = seq.handle
@@ -220,7 +227,8 @@ class ContinuousBatcher:
             return
         handle._error = error
         handle._done.release()
-        _set_events(handle._events)
+        if handle._events:
+            _set_events(handle._events)
         if handle._streaming:
             self._progress.notify_all()
 

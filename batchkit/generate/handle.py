@@ -74,6 +74,7 @@ class GenerationHandle:
         pos = self._seq.num_prompt_tokens
         with cond:
             self._streaming += 1
+            self._batcher._streamers += 1
         try:
             while True:
                 with cond:
@@ -90,6 +91,7 @@ class GenerationHandle:
         finally:
             with cond:
                 self._streaming -= 1
+                self._batcher._streamers -= 1
 
     async def __aiter__(self) -> AsyncIterator[int]:
         """Stream the generated tokens in asyncio, as they are produced."""
@@ -130,11 +132,13 @@ class GenerationHandle:
         event = asyncio.Event()
         with self._batcher._lock:
             self._events.append((asyncio.get_running_loop(), event))
+            self._batcher._subscribers += 1
         return event
 
     def _unsubscribe(self, event: asyncio.Event) -> None:
         with self._batcher._lock:
             self._events = [(lp, e) for lp, e in self._events if e is not event]
+            self._batcher._subscribers -= 1
 
     def __repr__(self) -> str:
         state = self.finish_reason or "running"

@@ -18,12 +18,10 @@ from __future__ import annotations
 import heapq
 from collections import deque
 
-import numpy as np
-
 from batchkit.generate.sequence import ScheduledSeq, SeqStatus, Sequence, StepBatch
 from batchkit.generate.stats import GenerationStatsRecorder
 from batchkit.kv.allocator import BlockAllocator
-from batchkit.kv.block_table import BlockTable, blocks_for
+from batchkit.kv.block_table import BlockTable, BlockTableRows, blocks_for
 
 
 class Scheduler:
@@ -50,10 +48,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._free_slots = list(range(max_num_seqs))  # a heap: lowest free row first
-        # Paged mode: each row's block table as int32, kept up to date as blocks are added,
-        # so a step's block_tables is one fancy index instead of a rebuild.
-        self._rows = np.full((max_num_seqs, 8), -1, dtype=np.int32)
-        self._row_len = [0] * max_num_seqs
+        self._rows = BlockTableRows(max_num_seqs)  # paged mode: block tables by slot
         self._released: list[int] = []
         self._in_flight: StepBatch | None = None
         self._arrivals = 0
@@ -136,12 +131,14 @@ class Scheduler:
 
         # running sequences: one decode token each, or their next prefill chunk
         bs = 0 if alloc is None else alloc.block_size
-        row_len = self._row_len
+        rows = self._rows
         fill: list[int] = [] if alloc is None else alloc.fill
         fast_tokens = 0
-        i = 0
-        while i < len(running) and budget > 0:
-            seq = running[i]
+        # Preemption removes only this sequence (then the loop stops) or later ones: a plain
+        # for loop over the list stays correct.
+        for seq in running:
+            if budget <= 0:
+                break
             computed = seq.num_computed_tokens
             n = len(seq.token_ids) - computed
             if n > budget:
@@ -166,12 +163,10 @@ class Scheduler:
                     if seq.status is not SeqStatus.RUNNING:
                         break
                     table.grow(n)
-                    if len(table.block_ids) != row_len[seq.slot]:  # type: ignore[index]
-                        self._sync_row(seq)
+                    rows.sync(seq.slot, table.block_ids)  # type: ignore[arg-type]
             seq.in_step = True
             scheduled.append(ScheduledSeq(seq, computed, n))
             budget -= n
-            i += 1
 
         if fast_tokens:
             alloc.add_tokens_stored(fast_tokens)  # type: ignore[union-attr]
@@ -185,14 +180,13 @@ class Scheduler:
                 break
             waiting.popleft()
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if alloc is not None:
-                assert seq.block_table is not None
-                seq.block_table.grow(n)
+            table = seq.block_table
+            if table is not None:  # paged mode
+                table.grow(n)
             seq.status = SeqStatus.RUNNING
             seq.slot = heapq.heappop(self._free_slots)
-            if alloc is not None:
-                row_len[seq.slot] = 0
-                self._sync_row(seq)
+            if table is not None:
+                rows.assign(seq.slot, table.block_ids)
             running.append(seq)
             seq.in_step = seq.started = True
             scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
@@ -201,9 +195,7 @@ class Scheduler:
         batch = StepBatch(scheduled, self._released, self.stats.steps)
         if alloc is not None:
             batch.block_size = alloc.block_size
-            slots = [s.slot for s in scheduled]
-            width = max(max((row_len[r] for r in slots), default=1), 1)  # type: ignore[index]
-            batch.block_tables = self._rows[slots, :width]  # type: ignore[index]
+            batch.block_tables = rows.gather([s.slot for s in scheduled])  # type: ignore[misc]
         self._released = []
         self._in_flight = batch
         self.stats.record_step(
@@ -231,20 +223,6 @@ class Scheduler:
         seq.num_computed_tokens = table.num_tokens
         seq.num_cached_tokens += table.num_tokens
         return True
-
-    def _sync_row(self, seq: Sequence) -> None:
-        """Copy the blocks ``seq`` gained since its row was last written."""
-        table, slot = seq.block_table, seq.slot
-        assert table is not None and slot is not None
-        blocks = table.block_ids
-        if len(blocks) > self._rows.shape[1]:  # widen (doubling): rare
-            wider = np.full((self._rows.shape[0], 2 * len(blocks)), -1, dtype=np.int32)
-            wider[:, : self._rows.shape[1]] = self._rows
-            self._rows = wider
-        old = self._row_len[slot]
-        self._rows[slot, old : len(blocks)] = blocks[old:]
-        self._rows[slot, len(blocks) :] = -1  # a shorter table than the row's last owner
-        self._row_len[slot] = len(blocks)
 
     def _preempt(self, seq: Sequence) -> None:
         """Back to waiting, first in line; its blocks are freed and recomputed later."""

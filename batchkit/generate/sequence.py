@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from batchkit.kv.block_table import BlockTable
-from batchkit.kv.layout import StepLayout, build_layout
+from batchkit.kv.layout import StepLayout, build_decode_layout, build_layout
 
 
 class SeqStatus(IntEnum):
@@ -167,15 +167,25 @@ class StepBatch:
         if self._layout is None:
             if self.block_size is None:
                 raise ValueError("no layout in slotted mode: pass allocator= for paged mode")
-            seqs = self.seqs
-            self._layout = build_layout(
-                [s.token_ids for s in seqs],
-                [s.start for s in seqs],
-                [s.num_tokens for s in seqs],
-                [s.block_ids or [] for s in seqs],
-                self.block_size,
-                block_tables=self.block_tables,
-            )
+            seqs, tables = self.seqs, self.block_tables
+            if tables is not None and [s.num_tokens for s in seqs].count(1) == len(seqs):
+                # decode-only, most steps: the cheaper layout
+                self._layout = build_decode_layout(
+                    [s.token_ids[s.start] for s in seqs],
+                    [s.start for s in seqs],
+                    [s.block_ids or [] for s in seqs],
+                    self.block_size,
+                    block_tables=tables,
+                )
+            else:
+                self._layout = build_layout(
+                    [s.token_ids for s in seqs],
+                    [s.start for s in seqs],
+                    [s.num_tokens for s in seqs],
+                    [s.block_ids or [] for s in seqs],
+                    self.block_size,
+                    block_tables=tables,
+                )
         return self._layout
 
     def __len__(self) -> int:

@@ -5,7 +5,7 @@ the per-step layout paged-attention kernels read, and a reference paged attentio
 from batchkit.kv.allocator import AllocatorStats, BlockAllocator, OutOfBlocks
 from batchkit.kv.attention import paged_attention, write_kv
 from batchkit.kv.block_table import BlockTable, blocks_for, slots_of
-from batchkit.kv.layout import StepLayout, build_layout
+from batchkit.kv.layout import StepLayout, build_decode_layout, build_layout
 from batchkit.kv.memory import kv_block_bytes, num_blocks_for
 from batchkit.kv.prefix import PrefixCache, block_digest
 
@@ -18,6 +18,7 @@ __all__ = [
     "StepLayout",
     "block_digest",
     "blocks_for",
+    "build_decode_layout",
     "build_layout",
     "kv_block_bytes",
     "num_blocks_for",

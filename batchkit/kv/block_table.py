@@ -130,3 +130,44 @@ def slots_of(block_ids: Sequence[int], block_size: int, start: int, end: int) ->
     pos = np.arange(start, end, dtype=np.int64)
     table = np.asarray(block_ids, dtype=np.int64)
     return table[pos // block_size] * block_size + pos % block_size
+
+
+class BlockTableRows:
+    """The block tables of up to ``num_rows`` running sequences as one int32 array.
+
+    Row ``r`` holds the blocks of the sequence in row (slot) ``r``, ``-1`` padded. It is
+    kept up to date as sequences gain blocks (only new blocks are copied), so a step's
+    ``block_tables`` is one gather (:meth:`gather`) instead of a rebuild from lists.
+    """
+
+    __slots__ = ("array", "lengths")
+
+    def __init__(self, num_rows: int, width: int = 8) -> None:
+        self.array = np.full((num_rows, max(width, 1)), -1, dtype=np.int32)
+        self.lengths = [0] * num_rows  # blocks written in each row
+
+    def assign(self, row: int, block_ids: Sequence[int]) -> None:
+        """Row ``row`` now belongs to a sequence holding ``block_ids``."""
+        self.lengths[row] = 0
+        self.sync(row, block_ids)
+        self.array[row, len(block_ids) :] = -1  # the row's last owner may have held more
+
+    def sync(self, row: int, block_ids: Sequence[int]) -> None:
+        """Copy the blocks appended to ``block_ids`` since row ``row`` was last written."""
+        old, new = self.lengths[row], len(block_ids)
+        if new == old:
+            return
+        if new > self.array.shape[1]:  # widen (doubling): rare
+            wider = np.full((self.array.shape[0], 2 * new), -1, dtype=np.int32)
+            wider[:, : self.array.shape[1]] = self.array
+            self.array = wider
+        if new == old + 1:  # one block more, the common case: a scalar store
+            self.array[row, old] = block_ids[old]
+        else:
+            self.array[row, old:new] = block_ids[old:]
+        self.lengths[row] = new
+
+    def gather(self, rows: list[int]) -> np.ndarray:
+        """``[len(rows), most blocks among them]`` int32 (a copy): a step's ``block_tables``."""
+        width = max(max(map(self.lengths.__getitem__, rows), default=1), 1)
+        return self.array[:, :width].take(rows, axis=0)  # take: a cheaper path than a[rows, :w]

@@ -8,6 +8,7 @@ first ``seq_lens[b]`` tokens (earlier chunks, read from the cache through
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
@@ -91,24 +92,35 @@ def build_layout(
     tokens). Work is per sequence, never per token. A caller that keeps its block
     tables as an int32 array already (the scheduler does) passes it as
     ``block_tables`` (``[B, >= max blocks]``, ``-1`` padded); ``block_ids`` is then unused.
+    See :func:`build_decode_layout` for the cheaper decode-only case.
     """
     nseq = len(starts)
     if not (len(token_ids) == len(num_tokens) == len(block_ids) == nseq):
         raise ValueError(
             "token_ids, starts, num_tokens and block_ids must have one entry per sequence"
         )
+    # Per-sequence checks and sums on the Python values: at tens of sequences, cheaper
+    # than array reductions (each a ufunc call).
+    if nseq and (min(num_tokens) < 1 or min(starts) < 0):
+        raise ValueError("every sequence computes at least one token from a start >= 0")
     n = np.asarray(num_tokens, dtype=np.int64).reshape(nseq)
     s = np.asarray(starts, dtype=np.int64).reshape(nseq)
-    if nseq and (n.min() < 1 or s.min() < 0):
-        raise ValueError("every sequence computes at least one token from a start >= 0")
-    total = int(n.sum())
+    total = int(sum(num_tokens))
     seq_lens = s + n
-    cu_k = np.zeros(nseq + 1, dtype=np.int64)
-    np.cumsum(seq_lens, out=cu_k[1:])
-    if total == nseq:  # all decode, the common step: one token each, fewer array ops
+    longest = int(max(map(operator.add, starts, num_tokens), default=0))
+    if block_tables is not None:
+        tables = block_tables
+        if tables.shape[0] != nseq or tables.shape[1] * block_size < longest:
+            raise ValueError(f"block_tables of shape {tables.shape} is too small for this step")
+    else:
+        tables, held = _table_array(block_ids)
+        if (held * block_size < seq_lens).any():
+            raise ValueError("a sequence has fewer blocks than its tokens need")
+    cu_q = np.zeros(nseq + 1, dtype=np.int32)
+    if total == nseq:  # all decode: one token each, fewer array ops
         ids = np.fromiter((t[st] for t, st in zip(token_ids, starts)), dtype=np.int64, count=nseq)
-        cu_q = np.arange(nseq + 1, dtype=np.int64)
-        row_seq = cu_q[:-1]
+        cu_q[1:] = np.arange(1, nseq + 1)
+        row_seq = np.arange(nseq)
         positions = s
     else:
         # input ids: one pass over the chunks (list slices are C-level copies)
@@ -117,37 +129,91 @@ def build_layout(
             dtype=np.int64,
             count=total,
         )
-        cu_q = np.zeros(nseq + 1, dtype=np.int64)
-        np.cumsum(n, out=cu_q[1:])
+        np.add.accumulate(n, out=cu_q[1:])
         # positions: start + 0, 1, ... restarting per sequence
         row_seq = np.repeat(np.arange(nseq), n)
-        positions = np.arange(total, dtype=np.int64) - cu_q[row_seq] + s[row_seq]
-
-    if block_tables is not None:
-        tables = block_tables
-        if tables.shape[0] != nseq or tables.shape[1] * block_size < int(seq_lens.max(initial=0)):
-            raise ValueError(f"block_tables of shape {tables.shape} is too small for this step")
-    else:
-        held = np.fromiter(map(len, block_ids), dtype=np.int64, count=nseq)
-        if (held * block_size < seq_lens).any():
-            raise ValueError("a sequence has fewer blocks than its tokens need")
-        max_blocks = max(int(held.max(initial=0)), 1)
-        tables = np.full((nseq, max_blocks), -1, dtype=np.int32)
-        flat = np.fromiter(chain.from_iterable(block_ids), dtype=np.int32, count=int(held.sum()))
-        tables[np.arange(max_blocks)[None, :] < held[:, None]] = flat  # row-major = concat order
-    token_blocks = tables[row_seq, positions // block_size].astype(np.int64)
-    if total and token_blocks.min() < 0:
+        positions = np.arange(total, dtype=np.int64)
+        positions += (s - cu_q[:-1])[row_seq]
+    cu_k = np.zeros(nseq + 1, dtype=np.int32)
+    np.add.accumulate(seq_lens, out=cu_k[1:])
+    slot_mapping = tables[row_seq, positions // block_size].astype(np.int64)
+    if total and np.minimum.reduce(slot_mapping) < 0:
         raise ValueError("a sequence has fewer blocks than its tokens need")
-    slot_mapping = token_blocks * block_size + positions % block_size
+    slot_mapping *= block_size
+    slot_mapping += positions % block_size
+    logits_indices = cu_q[1:].astype(np.int64)
+    logits_indices -= 1
     return StepLayout(
         input_ids=ids,
         positions=positions,
         slot_mapping=slot_mapping,
-        cu_seqlens_q=cu_q.astype(np.int32),
-        cu_seqlens_k=cu_k.astype(np.int32),
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k,
         seq_lens=seq_lens.astype(np.int32),
         block_tables=tables,
-        max_seqlen_q=int(n.max(initial=0)),
-        max_seqlen_k=int(seq_lens.max(initial=0)),
-        logits_indices=cu_q[1:] - 1,
+        max_seqlen_q=int(max(num_tokens, default=0)),
+        max_seqlen_k=longest,
+        logits_indices=logits_indices,
     )
+
+
+def build_decode_layout(
+    input_ids: Sequence[int],
+    positions: Sequence[int],
+    block_ids: Sequence[Sequence[int]],
+    block_size: int,
+    *,
+    block_tables: np.ndarray | None = None,
+) -> StepLayout:
+    """The layout of a decode-only step: sequence ``b`` computes one token, ``input_ids[b]``
+    at position ``positions[b]``, with blocks ``block_ids[b]``.
+
+    Equal to :func:`build_layout` with every ``num_tokens`` 1 and ``token_ids[b][starts[b]]
+    == input_ids[b]``, for less: decode steps are most steps, and their layout sits between
+    two kernel launches. Per-sequence values are computed on Python ints (at tens of
+    sequences, cheaper than array operations), then nine array calls make the fields.
+    ``block_tables``, if given, must hold the same blocks as ``block_ids`` (``[B, >= max
+    blocks]`` int32, ``-1`` padded); else it is built from them.
+    """
+    nseq = len(positions)
+    if not len(input_ids) == len(block_ids) == nseq:
+        raise ValueError("input_ids, positions and block_ids must have one entry per sequence")
+    if nseq and min(positions) < 0:
+        raise ValueError("every sequence computes at least one token from a start >= 0")
+    longest = max(positions, default=-1) + 1
+    if block_tables is None:
+        block_tables = _table_array(block_ids)[0]
+    elif block_tables.shape[0] != nseq or block_tables.shape[1] * block_size < longest:
+        raise ValueError(f"block_tables of shape {block_tables.shape} is too small for this step")
+    try:
+        slots = [
+            b[p // block_size] * block_size + p % block_size for b, p in zip(block_ids, positions)
+        ]
+    except IndexError:
+        raise ValueError("a sequence has fewer blocks than its tokens need") from None
+    seq_lens = np.array(positions, dtype=np.int32)
+    seq_lens += 1
+    cu_k = np.zeros(nseq + 1, dtype=np.int32)
+    np.add.accumulate(seq_lens, out=cu_k[1:])  # the ufunc: np.cumsum's wrapper costs more
+    return StepLayout(
+        input_ids=np.array(input_ids, dtype=np.int64),
+        positions=np.array(positions, dtype=np.int64),
+        slot_mapping=np.array(slots, dtype=np.int64),
+        cu_seqlens_q=np.arange(nseq + 1, dtype=np.int32),
+        cu_seqlens_k=cu_k,
+        seq_lens=seq_lens,
+        block_tables=block_tables,
+        max_seqlen_q=min(nseq, 1),
+        max_seqlen_k=int(longest),
+        logits_indices=np.arange(nseq, dtype=np.int64),
+    )
+
+
+def _table_array(block_ids: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """``block_ids`` as int32 ``[B, max(1, most blocks)]``, ``-1`` padded; and blocks held."""
+    nseq = len(block_ids)
+    held = np.fromiter(map(len, block_ids), dtype=np.int64, count=nseq)
+    tables = np.full((nseq, max(int(held.max(initial=0)), 1)), -1, dtype=np.int32)
+    flat = np.fromiter(chain.from_iterable(block_ids), dtype=np.int32, count=int(held.sum()))
+    tables[np.arange(tables.shape[1])[None, :] < held[:, None]] = flat  # row-major = concat order
+    return tables, held

@@ -3,15 +3,17 @@
 Hypothesis drives the pure scheduler core over the toy recurrence (``_toy.py``) with
 random prompts, lengths, arrival steps, cancellations (some during a step), row and
 token limits small enough to chunk every prompt, and KV pools small enough to preempt.
+In paged mode every step's layout is also checked against the general one.
 """
 
 from __future__ import annotations
 
+import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchkit.generate import Scheduler, Sequence
-from batchkit.kv import BlockAllocator, blocks_for
+from batchkit.generate import Scheduler, Sequence, StepBatch
+from batchkit.kv import BlockAllocator, blocks_for, build_layout
 from tests.generate._toy import VOCAB, PagedToy, SlottedToy, solo
 
 STOP = 5
@@ -82,6 +84,8 @@ def run(sc: dict) -> tuple[list[Sequence], Scheduler]:
             if sc["reqs"][i]["cancel"] == (step_no, False):
                 sched.abort(seqs[i])
         batch = sched.schedule()
+        if alloc is not None:
+            check_layout(batch)
         for i in added:  # cancelled while the step runs
             if sc["reqs"][i]["cancel"] == (step_no, True):
                 sched.abort(seqs[i])
@@ -89,6 +93,25 @@ def run(sc: dict) -> tuple[list[Sequence], Scheduler]:
         step_no += 1
         assert step_no < 2000, "no progress"
     return seqs, sched
+
+
+def check_layout(batch: StepBatch) -> None:
+    """The batch's layout (decode-only steps take a faster path, block tables come from the
+    scheduler's incrementally kept rows) equals the general one, rebuilt from lists."""
+    seqs = batch.seqs
+    assert batch.block_size is not None
+    want = build_layout(
+        [s.token_ids for s in seqs],
+        [s.start for s in seqs],
+        [s.num_tokens for s in seqs],
+        [s.block_ids or [] for s in seqs],
+        batch.block_size,
+    )
+    got = batch.layout
+    for name in want.__dataclass_fields__:
+        a, b = getattr(got, name), getattr(want, name)
+        assert type(a) is type(b) and np.array_equal(a, b), name
+        assert getattr(a, "dtype", None) == getattr(b, "dtype", None), name
 
 
 @given(scenarios())

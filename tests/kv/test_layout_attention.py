@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from batchkit.kv import (
     BlockAllocator,
     BlockTable,
+    build_decode_layout,
     build_layout,
     kv_block_bytes,
     num_blocks_for,
@@ -42,6 +43,49 @@ def test_layout_fields() -> None:
     assert t.max_seqlen_k == 5
     with pytest.raises(ValueError, match="fewer blocks"):
         build_layout([[1, 2, 3]], [0], [3], [[0]], block_size=2)
+
+
+@given(
+    st.lists(st.integers(0, 40), min_size=0, max_size=6),  # each sequence's position
+    st.sampled_from([1, 2, 3, 16]),
+    st.integers(0, 3),  # extra table columns (tables kept wider than the step needs)
+    st.booleans(),  # pass block_tables, or let it be built from block_ids
+    st.randoms(use_true_random=False),
+)
+@settings(max_examples=100)
+def test_decode_layout_equals_general(
+    positions: list, block_size: int, extra: int, pass_tables: bool, rnd: object
+) -> None:
+    """Every sequence computing one token: the decode layout equals the general one."""
+    pool = list(range(200))
+    rnd.shuffle(pool)  # type: ignore[attr-defined]
+    block_ids, tokens = [], []
+    for p in positions:
+        n = -(-(p + 1) // block_size)
+        block_ids.append([pool.pop() for _ in range(n)])
+        tokens.append([rnd.randrange(1000) for _ in range(p + 1)])  # type: ignore[attr-defined]
+    width = max([len(b) for b in block_ids] + [1]) + extra
+    tables = np.full((len(positions), width), -1, dtype=np.int32)
+    for row, blocks in zip(tables, block_ids):
+        row[: len(blocks)] = blocks
+    kw = {"block_tables": tables} if pass_tables else {}
+    want = build_layout(tokens, positions, [1] * len(positions), block_ids, block_size, **kw)
+    got = build_decode_layout([t[-1] for t in tokens], positions, block_ids, block_size, **kw)
+    for name in want.__dataclass_fields__:
+        a, b = getattr(got, name), getattr(want, name)
+        assert type(a) is type(b) and np.array_equal(a, b), name
+        assert getattr(a, "dtype", None) == getattr(b, "dtype", None), name
+
+
+def test_decode_layout_errors() -> None:
+    with pytest.raises(ValueError, match="fewer blocks"):
+        build_decode_layout([1], [4], [[0, 1]], block_size=2)
+    with pytest.raises(ValueError, match="start >= 0"):
+        build_decode_layout([1], [-1], [[0]], block_size=2)
+    with pytest.raises(ValueError, match="one entry per sequence"):
+        build_decode_layout([1, 2], [0], [[0]], block_size=2)
+    with pytest.raises(ValueError, match="too small"):
+        build_decode_layout([1], [3], [[0, 1]], 2, block_tables=np.zeros((1, 1), np.int32))
 
 
 def _dense(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
