@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -43,6 +44,8 @@ def test_doc_snippets_run(page: Path) -> None:
     """Each page's python blocks run in order in one namespace (a later block may use an
     earlier one's names); a block that starts with ``# not run`` is illustration only."""
     namespace: dict[str, object] = {"__name__": "__docs__"}
+    # Fences may be indented (inside a list item): their code is dedented.
     for block in re.findall(r"```python\n(.*?)```", page.read_text(), re.S):
+        block = textwrap.dedent(block)
         if not block.startswith("# not run"):
             exec(compile(block, str(page), "exec"), namespace)
