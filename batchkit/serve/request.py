@@ -18,6 +18,9 @@ class State(IntEnum):
     DROPPED = 3  # timed out, cancelled or failed by close before it ran
 
 
+WAITING = State.WAITING  # a module constant: ``State.WAITING`` is a slower, metaclass lookup
+
+
 class Request:
     """A queued item. Thread callers wait on a lock; asyncio callers on a future.
 
@@ -56,7 +59,7 @@ class Request:
         self.key = key
         self.bucket = bucket
         self.priority = priority
-        self.state = State.WAITING
+        self.state = WAITING
         self.value: Any = None
         self.error: BaseException | None = None
         self.loop = loop

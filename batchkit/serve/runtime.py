@@ -334,8 +334,8 @@ class Runtime(BlockingAdmission):
         for batch in self.sched.running.values():
             batch.answered = True  # its end must not answer these requests again
             for req in batch.requests:
-                if req.state is State.RUNNING:
-                    req.state = State.DONE
+                if req.state is RUNNING:
+                    req.state = DONE
                     self.sched.stats.failed += 1
                     failed.append(req)
         for req in failed:
