@@ -202,3 +202,73 @@ def test_everything_served_once_within_limits(
         finish_oldest()
     assert sorted(r.seq for r in served) == list(range(1, len(arrivals) + 1))
     assert sched.drained
+
+
+prefix_policies = st.sampled_from(
+    [
+        DynamicBatcher(4, max_wait_ms=1),
+        DynamicBatcher(8, max_wait_ms=0, max_tokens=20),
+        BucketedBatcher([3, 6], max_batch_size=3, max_wait_ms=2),
+    ]
+)
+
+
+@given(
+    prefix_policies,
+    st.lists(
+        st.tuples(
+            st.sampled_from(["add", "add", "add", "drop", "poll", "finish"]),
+            st.integers(0, 9),  # length, or which request to drop
+            st.integers(0, 2),  # priority
+        ),
+        max_size=80,
+    ),
+)
+def test_batches_are_the_service_order_heads_with_drops(
+    policy: Batcher, ops: list[tuple[str, int, int]]
+) -> None:
+    """Against a reference model: every batch is the head of its bucket's waiting
+    requests in (priority, arrival) order, whatever was dropped in between; dropped
+    requests never run; everything else runs exactly once."""
+    sched = Scheduler(policy, max_concurrent_batches=2)
+    now, running, added, served = 0.0, [], [], []
+    waiting: list[Request] = []  # the model: requests not yet taken or dropped
+
+    def poll() -> None:
+        while (batch := sched.poll(now)[0]) is not None:
+            bucket = batch.requests[0].bucket
+            expected = sorted(
+                (r for r in waiting if r.bucket == bucket), key=lambda r: (r.priority, r.seq)
+            )[: len(batch.requests)]
+            assert batch.requests == expected
+            for r in batch.requests:
+                waiting.remove(r)
+            running.append(batch)
+
+    for op, n, priority in ops:
+        now += 0.0005
+        if op == "add":
+            waiting.append(add(sched, "x" * n, now, priority))
+            added.append(waiting[-1])
+        elif op == "drop" and added:
+            req = added[n % len(added)]
+            assert sched.drop(req) == (req in waiting)
+            if req in waiting:
+                waiting.remove(req)
+        elif op == "poll":
+            poll()
+        elif op == "finish" and running:
+            batch = running.pop(0)
+            sched.finish(batch, now)
+            served.extend(batch.requests)
+    sched.closing = True
+    while running or sched.num_waiting:
+        poll()
+        batch = running.pop(0)
+        sched.finish(batch, now)
+        served.extend(batch.requests)
+    assert not waiting
+    assert sorted(r.seq for r in served) == sorted(
+        r.seq for r in added if r.state is not State.DROPPED
+    )
+    assert len(served) == len({r.seq for r in served})
