@@ -94,10 +94,16 @@ class BatchRun:
         """The function, called with ``padded`` items, returned ``results``: one per item
         of ``part`` first (the padding's results after them are ignored). A result that
         is an exception instance is that item's error."""
-        self.largest_ok = max(self.largest_ok, padded)  # caps count what the function saw
         start, stop = part
+        chunk = list(itertools.islice(results, stop - start))
+        if len(chunk) != stop - start:  # len() said otherwise: e.g. a table iterating columns
+            raise ValueError(
+                f"the output's len() promised at least {stop - start} results but iterating "
+                f"it yielded {len(chunk)}"
+            )
+        self.largest_ok = max(self.largest_ok, padded)  # caps count what the function saw
         values = self.values
-        values[start:stop] = itertools.islice(results, stop - start)
+        values[start:stop] = chunk
         # One C-level scan; the Python loop runs only when some slot holds an exception.
         if any(map(isinstance, values[start:stop], itertools.repeat(BaseException))):
             for i in range(start, stop):

@@ -42,10 +42,8 @@ class Request:
         "loop",
         "_done",
     )
-    # Set at admission (nothing reads them before): arrival order, which breaks ties
-    # between equal priorities, and the arrival time.
+    # Set by Scheduler.add: arrival order, which breaks ties between equal priorities.
     seq: int
-    enqueued_at: float
 
     def __init__(
         self,
@@ -59,6 +57,7 @@ class Request:
         self.key = key
         self.bucket = bucket
         self.priority = priority
+        self.enqueued_at = 0.0  # the arrival time: set at admission
         self.state = WAITING
         self.value: Any = None
         self.error: BaseException | None = None

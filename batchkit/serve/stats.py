@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import operator
 from collections import deque
 from dataclasses import dataclass, field
@@ -108,8 +109,11 @@ class StatsRecorder:
         self.padded_slots += padded - size
         self.batch_sizes[size] = self.batch_sizes.get(size, 0) + 1
         self.reasons[reason] = self.reasons.get(reason, 0) + 1
-        # now - enqueued_at for each request, without a Python-level loop.
-        self.queue_wait.extend(map(now.__sub__, map(_enqueued_at, requests)))
+        # now - enqueued_at for each request, without a Python-level loop (operator.sub
+        # keeps the full ``-`` semantics: an int clock reading minus a float works).
+        self.queue_wait.extend(
+            map(operator.sub, itertools.repeat(now), map(_enqueued_at, requests))
+        )
 
     def snapshot(self, *, queue_depth: int, in_flight: int, caps: dict[str, int]) -> Stats:
         """Freeze the current values."""

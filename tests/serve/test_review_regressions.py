@@ -154,3 +154,55 @@ def test_room_wake_skips_waiters_whose_loop_is_closed() -> None:
     room.wake(1)  # the closed loop's waiter cannot be woken: the next one must be
     assert alive.acquire(timeout=1)
     assert len(room) == 0
+
+
+def test_an_int_clock_reading_after_a_float_keeps_stats_working() -> None:
+    """Queue waits are ``now - enqueued_at`` with full ``-`` semantics (int - float)."""
+    times = iter([0.5] + [2] * 100)
+
+    @batchkit.batched(max_batch_size=4, max_wait_ms=1, clock=lambda: next(times))
+    def f(xs: list[int]) -> list[int]:
+        return [x * 2 for x in xs]
+
+    assert f(3) == 6
+    stats = f.stats()
+    assert stats.queue_wait.count == 1 and stats.queue_wait.max == 1.5
+    f.close()
+
+
+def test_the_public_scheduler_accepts_a_request_without_an_arrival_time() -> None:
+    from batchkit.serve.request import Request
+    from batchkit.serve.scheduler import Scheduler
+
+    sched = Scheduler(DynamicBatcher(4, max_wait_ms=10))
+    sched.add(Request("x", 0.0, None, 0))
+    batch, _ = sched.poll(0.0)
+    assert batch is not None and [r.item for r in batch.requests] == ["x"]
+
+
+class _LenLies:
+    """A sequence whose len() is the batch size but which iterates fewer items (as a
+    DataFrame iterates its columns)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(["only-one"])
+
+
+def test_an_output_that_iterates_fewer_results_than_its_len_fails_its_callers() -> None:
+    """Not a silent shift of results between callers: every caller of the batch fails."""
+
+    @batchkit.batched(max_batch_size=3, max_wait_ms=50)
+    def f(xs: list[int]) -> _LenLies:
+        return _LenLies(len(xs))
+
+    with pytest.raises(ValueError, match="yielded 1"):
+        f.map([0, 1, 2])  # one batch of three
+    stats = f.stats()
+    assert stats.batches == 1 and stats.failed == 3
+    f.close()
