@@ -21,6 +21,7 @@ from batchkit import (
     SortedBatcher,
     StaticBatcher,
 )
+from tests.serve._wait import wait_until
 
 
 def model(xs: list[str]) -> list[str]:
@@ -209,11 +210,9 @@ def test_queue_full_is_immediate() -> None:
     f = batchkit.batched(max_batch_size=1, max_queue_size=2)(lambda xs: (gate.wait(5), xs)[1])
     with ThreadPoolExecutor(4) as pool:
         running = pool.submit(f, "r")
-        while f.stats().in_flight == 0:
-            time.sleep(0.001)
+        wait_until(lambda: f.stats().in_flight > 0)
         queued = [pool.submit(f, x) for x in "ab"]
-        while f.stats().queue_depth < 2:
-            time.sleep(0.001)
+        wait_until(lambda: f.stats().queue_depth >= 2)
         start = time.monotonic()
         with pytest.raises(QueueFull):
             f("c")
@@ -229,8 +228,7 @@ def test_timeout_fires_while_all_batches_busy_and_item_never_runs() -> None:
     f = batchkit.batched(max_batch_size=1)(rec)
     with ThreadPoolExecutor(2) as pool:
         running = pool.submit(f, "r")
-        while f.stats().in_flight == 0:
-            time.sleep(0.001)
+        wait_until(lambda: f.stats().in_flight > 0)
         with pytest.raises(RequestTimeout) as info:
             f("late", timeout=0.05)
         assert isinstance(info.value, TimeoutError)
@@ -272,14 +270,11 @@ def test_priority_lower_served_first() -> None:
     f = batchkit.batched(max_batch_size=1)(rec)
     with ThreadPoolExecutor(4) as pool:
         first = pool.submit(f, "first")
-        while f.stats().in_flight == 0:
-            time.sleep(0.001)
+        wait_until(lambda: f.stats().in_flight > 0)
         low = pool.submit(f, "low", priority=5)
-        while f.stats().queue_depth < 1:
-            time.sleep(0.001)
+        wait_until(lambda: f.stats().queue_depth >= 1)
         high = pool.submit(f, "high", priority=-1)
-        while f.stats().queue_depth < 2:
-            time.sleep(0.001)
+        wait_until(lambda: f.stats().queue_depth >= 2)
         gate.set()
         for fut in (first, low, high):
             fut.result(5)
@@ -290,8 +285,7 @@ def test_close_drains_then_rejects() -> None:
     f = batchkit.batched(batcher=StaticBatcher(4))(model)
     with ThreadPoolExecutor(2) as pool:
         futs = [pool.submit(f, x) for x in "ab"]
-        while f.stats().queue_depth < 2:
-            time.sleep(0.001)
+        wait_until(lambda: f.stats().queue_depth >= 2)
         f.close()  # the partial static batch is served, not dropped
         assert [fu.result(5) for fu in futs] == ["A1", "B1"]
     with pytest.raises(BatcherClosed):
@@ -304,8 +298,7 @@ def test_close_timeout_answers_everyone_even_if_function_hangs() -> None:
     f = batchkit.batched(max_batch_size=1)(lambda xs: (gate.wait(10), xs)[1])
     with ThreadPoolExecutor(3) as pool:
         futs = [pool.submit(f, x) for x in "abc"]
-        while f.stats().in_flight == 0 or f.stats().queue_depth < 2:
-            time.sleep(0.001)
+        wait_until(lambda: f.stats().in_flight > 0 and f.stats().queue_depth >= 2)
         start = time.monotonic()
         f.close(timeout=0.05)
         assert time.monotonic() - start < 2
@@ -507,8 +500,7 @@ def test_batch_event_counts_requests_a_timed_out_close_answered() -> None:
     f.add_listener(Spy())
     with ThreadPoolExecutor(1) as pool:
         fut = pool.submit(f, "x")
-        while f.stats().in_flight == 0:
-            time.sleep(0.001)
+        wait_until(lambda: f.stats().in_flight > 0)
         f.close(timeout=0.05)
         with pytest.raises(BatcherClosed):
             fut.result(5)

@@ -15,6 +15,7 @@ import pytest
 import batchkit
 from batchkit import BatcherClosed, BucketedBatcher, DynamicBatcher, RequestTimeout, StaticBatcher
 from batchkit.serve.scheduler import PROBE_AFTER, Scheduler
+from tests.serve._wait import wait_until
 
 
 class OOMAbove:
@@ -190,11 +191,9 @@ def test_block_mode_timeout_and_close_answer_blocked_callers() -> None:
     )
     with ThreadPoolExecutor(4) as pool:
         running = pool.submit(f, "r")
-        while f.stats().in_flight == 0:
-            time.sleep(0.001)
+        wait_until(lambda: f.stats().in_flight > 0)
         queued = pool.submit(f, "q")
-        while f.stats().queue_depth == 0:
-            time.sleep(0.001)
+        wait_until(lambda: f.stats().queue_depth > 0)
         with pytest.raises(RequestTimeout):
             f("blocked", timeout=0.05)
         blocked = pool.submit(f, "late")
@@ -230,8 +229,7 @@ def test_deadlines_fire_while_the_function_hangs() -> None:
     f = batchkit.batched(max_batch_size=1)(lambda xs: (release.wait(10), xs)[1])
     with ThreadPoolExecutor(8) as pool:
         hung = pool.submit(f, "hang")
-        while f.stats().in_flight == 0:
-            time.sleep(0.001)
+        wait_until(lambda: f.stats().in_flight > 0)
         start = time.monotonic()
         late = [pool.submit(_catch_timeout, f, i) for i in range(5)]
         assert all(isinstance(x.result(5), RequestTimeout) for x in late)

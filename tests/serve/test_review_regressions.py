@@ -11,6 +11,7 @@ import pytest
 
 import batchkit
 from batchkit import BatcherClosed, DynamicBatcher, RequestTimeout
+from tests.serve._wait import wait_until
 
 
 def test_concurrent_acloses_both_return() -> None:
@@ -134,8 +135,7 @@ def test_stats_count_running_requests_a_timed_out_close_failed() -> None:
     f = batchkit.batched(max_batch_size=1)(lambda xs: (gate.wait(5), xs)[1])
     with ThreadPoolExecutor(1) as pool:
         fut = pool.submit(f, 1)
-        while f.stats().in_flight == 0:
-            time.sleep(0.001)
+        wait_until(lambda: f.stats().in_flight > 0)
         f.close(timeout=0.05)
         with pytest.raises(BatcherClosed):
             fut.result(5)
