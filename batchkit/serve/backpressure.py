@@ -10,7 +10,8 @@ import asyncio
 import threading
 import time
 from collections import deque
-from typing import TYPE_CHECKING, TypeAlias
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeAlias, TypeVar
 
 from batchkit.serve.errors import RequestTimeout
 from batchkit.serve.events import DropReason
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
     from batchkit.serve.scheduler import Scheduler
 
 Waiter: TypeAlias = "threading.Lock | asyncio.Future[None]"  # a string: Lock is a factory
+W = TypeVar("W", threading.Lock, "asyncio.Future[None]")
 
 
 class RoomWaiters:
@@ -118,15 +120,21 @@ class BlockingAdmission:
         self._dropped("timeout", 1)
         return self.timeout_error(timeout)
 
+    def _admit_or_wait_locked(self, req: Request, add_waiter: Callable[[], W]) -> W | None:
+        """Enqueue ``req`` if there is room (or raise, if closed); else a new room waiter."""
+        if self.closed or self._has_room_locked():
+            self._admit_locked(req)  # raises BatcherClosed when closed
+            return None
+        return add_waiter()
+
     def submit_blocking(self, req: Request, timeout: float | None) -> None:
         """A thread caller's enqueue with ``when_full="block"``: wait for room up to ``timeout``."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             with self.lock:
-                if self.closed or self._has_room_locked():
-                    self._admit_locked(req)
-                    return
-                waiter = self.room.add_thread()
+                waiter = self._admit_or_wait_locked(req, self.room.add_thread)
+            if waiter is None:
+                return
             left = -1.0 if deadline is None else max(deadline - time.monotonic(), 0.0)
             if not waiter.acquire(timeout=left):
                 with self.lock:
@@ -140,10 +148,9 @@ class BlockingAdmission:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             with self.lock:
-                if self.closed or self._has_room_locked():
-                    self._admit_locked(req)
-                    return
-                fut = self.room.add_async(loop)
+                fut = self._admit_or_wait_locked(req, lambda: self.room.add_async(loop))
+            if fut is None:
+                return
             left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
             try:
                 await asyncio.wait_for(fut, left)
