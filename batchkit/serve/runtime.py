@@ -99,8 +99,8 @@ class Runtime(BlockingAdmission):
     def _admit_locked(self, req: Request) -> None:
         if self.closed:
             raise BatcherClosed(f"{self.name} is closed")
-        if req.loop is not self.loop and self.serves_one_loop:
-            self.bind(req.loop)  # type: ignore[arg-type]  # bound and enqueued in one step
+        if req.loop is not self.loop:  # rare on a loop runtime: no call on the hot path
+            self._rebind_locked(req.loop)
         req.enqueued_at = self.clock()
         try:
             self.sched.add(req)
@@ -109,13 +109,19 @@ class Runtime(BlockingAdmission):
             raise
         self._wake_locked()
 
+    def _rebind_locked(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        """For a runtime that serves one loop: (re)bind to ``loop`` or raise if busy, in
+        the same locked step as the enqueue that follows."""
+        if self.serves_one_loop and loop is not self.loop:
+            self.bind(loop)  # type: ignore[arg-type]
+
     def submit_many(self, reqs: list[Request]) -> None:
         """Enqueue several requests atomically: all of them, or none (``QueueFull``)."""
         with self.lock:
             if self.closed:
                 raise BatcherClosed(f"{self.name} is closed")
-            if reqs and reqs[0].loop is not self.loop and self.serves_one_loop:
-                self.bind(reqs[0].loop)  # type: ignore[arg-type]
+            if reqs:
+                self._rebind_locked(reqs[0].loop)  # one call's requests share a loop
             limit = self.sched.max_queue_size
             if limit is not None and self.sched.num_waiting + len(reqs) > limit:
                 self.sched.stats.rejected += len(reqs)
@@ -153,12 +159,7 @@ class Runtime(BlockingAdmission):
             if timeout is not None:
                 timeout = max(timeout - (time.monotonic() - started), 0.0)
         else:
-            lock = self.lock  # submit(), inlined: this is every asyncio call's path
-            lock.acquire()
-            try:
-                self._admit_locked(req)
-            finally:
-                lock.release()
+            self.submit(req)
         if timeout is None:  # the hot path: no timer, a single await
             try:
                 return await req.future  # type: ignore[misc]
