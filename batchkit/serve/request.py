@@ -42,8 +42,8 @@ class Request:
         "loop",
         "_done",
     )
-    # Set by Scheduler.add: arrival order, which breaks ties between equal priorities.
-    seq: int
+    # seq: arrival order, set by Scheduler.add; it breaks ties between the heads of
+    # different buckets at equal priority (so a keyless policy's bulk arrivals keep 0).
 
     def __init__(
         self,
@@ -58,6 +58,7 @@ class Request:
         self.bucket = bucket
         self.priority = priority
         self.enqueued_at = 0.0  # the arrival time: set at admission
+        self.seq = 0
         self.state = WAITING
         self.value: Any = None
         self.error: BaseException | None = None

@@ -72,6 +72,12 @@ class Runtime(BlockingAdmission):
         self.serves_one_loop = False
         if self.room_mode_block:
             self.sched.on_room = self._room_freed
+        # A keyless policy's default-priority requests skip Scheduler.add: they are
+        # appended to its arrivals and placed in bulk at the next scheduling step. Not
+        # with a bounded queue, which must refuse at once (QueueFull).
+        self._arrive = (
+            self.sched.arrivals.append if self.keyless and options.max_queue_size is None else None
+        )
 
     # -- admission ---------------------------------------------------------
     def make_request(
@@ -102,11 +108,14 @@ class Runtime(BlockingAdmission):
         if req.loop is not self.loop:  # rare on a loop runtime: no call on the hot path
             self._rebind_locked(req.loop)
         req.enqueued_at = self.clock()
-        try:
-            self.sched.add(req)
-        except QueueFull:
-            self._dropped("rejected", 1)
-            raise
+        if self._arrive is not None and req.priority == 0:
+            self._arrive(req)
+        else:
+            try:
+                self.sched.add(req)
+            except QueueFull:
+                self._dropped("rejected", 1)
+                raise
         self._wake_locked()
 
     def _rebind_locked(self, loop: asyncio.AbstractEventLoop | None) -> None:
@@ -158,8 +167,13 @@ class Runtime(BlockingAdmission):
             await self.asubmit_blocking(req, timeout)
             if timeout is not None:
                 timeout = max(timeout - (time.monotonic() - started), 0.0)
-        else:
-            self.submit(req)
+        else:  # submit(), inlined: one Python call less on every request
+            lock = self.lock
+            lock.acquire()
+            try:
+                self._admit_locked(req)
+            finally:
+                lock.release()
         if timeout is None:  # the hot path: no timer, a single await
             try:
                 return await req.future  # type: ignore[misc]
@@ -346,6 +360,7 @@ class Runtime(BlockingAdmission):
     def stats(self) -> Stats:
         """A snapshot of the counters."""
         with self.lock:
+            self.sched.ingest()  # count arrivals not yet placed
             return self.sched.stats.snapshot(
                 queue_depth=self.sched.num_waiting,
                 in_flight=self.sched.in_flight,

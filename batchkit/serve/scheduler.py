@@ -49,7 +49,7 @@ class Bucket:
         self.max_key = 0.0  # an upper bound, exact after each take (token budgets only)
         self.track_max_key = track_max_key
 
-    def _clean_queue(self) -> deque[Request] | None:
+    def clean_queue(self) -> deque[Request] | None:
         """The one deque, if it holds only waiting requests (the common case)."""
         if len(self.queues) == 1:
             for queue in self.queues.values():
@@ -69,7 +69,7 @@ class Bucket:
 
     def head(self) -> Request | None:
         """The request served next: best priority, then oldest."""
-        queue = self._clean_queue()
+        queue = self.clean_queue()
         if queue is not None:
             return queue[0] if queue else None
         for _, queue in self._fronts():
@@ -82,7 +82,7 @@ class Bucket:
 
     def candidates(self, limit: int | None) -> list[Request]:
         """Waiting requests in service order (the first ``limit`` of them)."""
-        queue = self._clean_queue()
+        queue = self.clean_queue()
         if queue is not None:
             return list(queue if limit is None else itertools.islice(queue, limit))
         out: list[Request] = []
@@ -94,10 +94,17 @@ class Bucket:
                         return out
         return out
 
-    def taken(self, count: int) -> None:
-        """Bookkeeping after ``count`` requests left: compact, refresh the key maximum."""
+    def taken(self, count: int, *, front: bool = False) -> None:
+        """Bookkeeping after ``count`` requests left: compact, refresh the key maximum.
+
+        ``front``: they were the first ``count`` entries of the one deque, which is
+        then popped at C speed instead of checked entry by entry.
+        """
         self.live -= count
-        if len(self.queues) == 1:
+        if front:
+            for queue in self.queues.values():
+                deque(itertools.starmap(queue.popleft, itertools.repeat((), count)), 0)
+        elif len(self.queues) == 1:
             # Usually the batch was the queue's front: pop it now, so the queue stays clean.
             for queue in self.queues.values():
                 popleft = queue.popleft
@@ -130,7 +137,12 @@ class Scheduler:
         self._queue_limit = float("inf") if max_queue_size is None else max_queue_size
         self.max_concurrent_batches = max_concurrent_batches
         self.buckets: dict[Hashable, Bucket] = {}
-        self.num_waiting = 0
+        # Admitted requests not yet placed: only those of a keyless policy's default lane
+        # (key 0.0, bucket None, priority 0) may be appended here, while the queue is
+        # unbounded. The runtimes' hot path does so, one C-level call per request
+        # instead of add(); the next scheduling step places them all (see ingest()).
+        self.arrivals: deque[Request] = deque()
+        self._placed = 0  # waiting requests already in a bucket
         self.in_flight = 0
         self.closing = False
         self.running: dict[int, FormedBatch] = {}
@@ -142,41 +154,71 @@ class Scheduler:
         self.stats = StatsRecorder()
 
     # -- requests in and out ----------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting to run (placed in a bucket or not yet)."""
+        return self._placed + len(self.arrivals)
+
     def add(self, req: Request) -> None:
         """Enqueue a request, or raise ``QueueFull`` (counted) without enqueuing it."""
-        # The hot path of every call: kept flat (no helper calls) on purpose.
-        if self.num_waiting >= self._queue_limit:
+        if self.arrivals:
+            self.ingest()  # keep arrival order: earlier arrivals get earlier seqs
+        if self._placed >= self._queue_limit:
             self.stats.rejected += 1
             raise QueueFull(
-                f"{self.num_waiting} requests are waiting (max_queue_size={self.max_queue_size})"
+                f"{self._placed} requests are waiting (max_queue_size={self.max_queue_size})"
             )
+        self.stats.requests = req.seq = self.stats.requests + 1  # seq: arrival order
+        self._place(req)
+        self._placed += 1
+
+    def ingest(self) -> None:
+        """Place the requests in :attr:`arrivals` at once (one ``extend``).
+
+        They are all in the default lane of a keyless policy, whose one bucket makes
+        ``seq`` moot: it only orders the heads of different buckets.
+        """
+        arrivals = self.arrivals
+        if not arrivals:
+            return
+        count = len(arrivals)
+        self.stats.requests += count
+        self._place(arrivals.popleft())  # creates the lane's bucket and deque if needed
+        bucket = self.buckets[None]
+        bucket.queues[0].extend(arrivals)
+        bucket.live += count - 1
+        arrivals.clear()
+        self._placed += count
+
+    def _place(self, req: Request) -> None:
+        """Append ``req`` to its bucket's deque for its priority."""
         bucket = self.buckets.get(req.bucket)
         if bucket is None:
             bucket = self.buckets[req.bucket] = Bucket(self.policy.max_tokens is not None)
         queue = bucket.queues.get(req.priority)
         if queue is None:
             queue = bucket.queues[req.priority] = deque()
-        self.stats.requests = req.seq = self.stats.requests + 1  # seq: arrival order
         queue.append(req)
         bucket.live += 1
         if req.key > bucket.max_key:
             bucket.max_key = req.key
-        self.num_waiting += 1
 
     def drop(self, req: Request) -> bool:
         """Withdraw a request that has not started; False if it already runs or ended."""
         if req.state is not WAITING:
             return False
+        self.ingest()
         req.state = DROPPED
         bucket = self.buckets[req.bucket]
         bucket.taken(1)
-        self.num_waiting -= 1
+        self._placed -= 1
         if self.on_room is not None:
             self.on_room()
         return True
 
     def drop_all(self) -> list[Request]:
         """Withdraw every waiting request (used when a close times out)."""
+        self.ingest()
         dropped = []
         for bucket in self.buckets.values():
             for req in bucket.candidates(None):
@@ -184,7 +226,7 @@ class Scheduler:
                 dropped.append(req)
             bucket.queues.clear()
             bucket.live = 0
-        self.num_waiting = 0
+        self._placed = 0
         if self.on_room is not None:
             self.on_room()
         return dropped
@@ -240,7 +282,11 @@ class Scheduler:
         The returned wake-up time is None when only an event (an arrival, a batch
         finishing, close) can make a batch ready.
         """
-        if self.num_waiting == 0 or self.in_flight >= self.max_concurrent_batches:
+        if self.in_flight >= self.max_concurrent_batches:
+            return None, None
+        if self.arrivals:
+            self.ingest()
+        elif self._placed == 0:
             return None, None
         best: tuple[int, int] | None = None  # (priority, seq) of the head served first
         chosen: tuple[Hashable, Bucket, DispatchReason] | None = None
@@ -267,7 +313,9 @@ class Scheduler:
     def _take(
         self, name: Hashable, bucket: Bucket, reason: DispatchReason, now: float
     ) -> FormedBatch:
-        chosen = self.policy.select(bucket.candidates(self.policy.candidate_limit))
+        clean = bucket.clean_queue() is not None
+        candidates = bucket.candidates(self.policy.candidate_limit)
+        chosen = self.policy.select(candidates)
         if self.caps and name in self.caps:
             cap = self.caps[name]
             del chosen[cap:]
@@ -275,8 +323,9 @@ class Scheduler:
                 chosen.pop()
         for req in chosen:
             req.state = RUNNING
-        bucket.taken(len(chosen))
-        self.num_waiting -= len(chosen)
+        # The usual batch, the front of the one clean deque, leaves it at once.
+        bucket.taken(len(chosen), front=clean and chosen == candidates[: len(chosen)])
+        self._placed -= len(chosen)
         self.in_flight += 1
         if self.on_room is not None:
             self.on_room()
