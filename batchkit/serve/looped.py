@@ -24,7 +24,9 @@ class LoopRuntime(Runtime):
     def __init__(self, fn: Callable[[Any], Any], options: Options, name: str) -> None:
         super().__init__(fn, options, name)
         self.serves_one_loop = True
-        self._pump_scheduled = False
+        # A poll is due without being asked: a pump is scheduled, or every slot is busy
+        # (the batch that ends next polls). Arrivals then skip _wake_locked's work.
+        self._poll_due = False
         self._timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._drained: asyncio.Event | None = None
@@ -45,16 +47,16 @@ class LoopRuntime(Runtime):
                     "serves one loop at a time"
                 )
             self.loop = loop
-            self._pump_scheduled = False
+            self._poll_due = False
             self._timer = None
             self._drained = None
 
     def _wake_locked(self) -> None:
-        if self._pump_scheduled or self.loop is None:
+        if self._poll_due or self.loop is None:  # the common case: one attribute read
             return
         if self.sched.in_flight >= self.sched.max_concurrent_batches and not self.closed:
             return  # every slot is busy: the batch that ends next polls the scheduler
-        self._pump_scheduled = True
+        self._poll_due = True
         if asyncio._get_running_loop() is self.loop:
             self.loop.call_soon(self._pump)  # no self-pipe write from the loop's own thread
         else:
@@ -66,7 +68,6 @@ class LoopRuntime(Runtime):
             loop = self.loop
             if loop is None or asyncio._get_running_loop() is not loop:
                 return  # a stale pump or timer of a loop this batcher no longer serves
-            self._pump_scheduled = False
             while True:
                 batch, wake_at = self.sched.poll(self.clock())
                 if batch is None:
@@ -74,6 +75,9 @@ class LoopRuntime(Runtime):
                 task = loop.create_task(self._run(batch))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
+            # Busy slots stay busy until a batch ends, and its _run polls then; that
+            # holds at every await, since only the loop's own thread enqueues here.
+            self._poll_due = self.sched.in_flight >= self.sched.max_concurrent_batches
             if self._timer is not None:
                 self._timer.cancel()
                 self._timer = None
