@@ -183,21 +183,25 @@ class Scheduler:
             return
         count = len(arrivals)
         self.stats.requests += count
-        self._place(arrivals.popleft())  # creates the lane's bucket and deque if needed
-        bucket = self.buckets[None]
-        bucket.queues[0].extend(arrivals)
-        bucket.live += count - 1
+        bucket, queue = self._lane(None, 0)
+        queue.extend(arrivals)
+        bucket.live += count
         arrivals.clear()
         self._placed += count
 
+    def _lane(self, name: Hashable, priority: int) -> tuple[Bucket, deque[Request]]:
+        """The bucket ``name`` and its deque for ``priority``, created if needed."""
+        bucket = self.buckets.get(name)
+        if bucket is None:
+            bucket = self.buckets[name] = Bucket(self.policy.max_tokens is not None)
+        queue = bucket.queues.get(priority)
+        if queue is None:
+            queue = bucket.queues[priority] = deque()
+        return bucket, queue
+
     def _place(self, req: Request) -> None:
         """Append ``req`` to its bucket's deque for its priority."""
-        bucket = self.buckets.get(req.bucket)
-        if bucket is None:
-            bucket = self.buckets[req.bucket] = Bucket(self.policy.max_tokens is not None)
-        queue = bucket.queues.get(req.priority)
-        if queue is None:
-            queue = bucket.queues[req.priority] = deque()
+        bucket, queue = self._lane(req.bucket, req.priority)
         queue.append(req)
         bucket.live += 1
         if req.key > bucket.max_key:
