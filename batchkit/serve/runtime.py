@@ -167,13 +167,8 @@ class Runtime(BlockingAdmission):
             await self.asubmit_blocking(req, timeout)
             if timeout is not None:
                 timeout = max(timeout - (time.monotonic() - started), 0.0)
-        else:  # submit(), inlined: one Python call less on every request
-            lock = self.lock
-            lock.acquire()
-            try:
-                self._admit_locked(req)
-            finally:
-                lock.release()
+        else:
+            self.submit(req)
         if timeout is None:  # the hot path: no timer, a single await
             try:
                 return await req.future  # type: ignore[misc]
