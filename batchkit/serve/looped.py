@@ -24,9 +24,8 @@ class LoopRuntime(Runtime):
     def __init__(self, fn: Callable[[Any], Any], options: Options, name: str) -> None:
         super().__init__(fn, options, name)
         self.serves_one_loop = True
-        # A poll is due without being asked: a pump is scheduled, or every slot is busy
-        # (the batch that ends next polls). Arrivals then skip _wake_locked's work.
-        self._poll_due = False
+        # _poll_due (see Runtime) is set here while a pump is scheduled, or while every
+        # slot is busy (the batch that ends next polls): arrivals then skip _wake_locked.
         self._timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._drained: asyncio.Event | None = None

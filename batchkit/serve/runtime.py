@@ -70,6 +70,12 @@ class Runtime(BlockingAdmission):
         # checked again under the lock at admission, so that two threads with two loops
         # cannot both pass it while the batcher is idle and enqueue on both.
         self.serves_one_loop = False
+        # The loop of the last asyncio caller, already bound: acall checks it instead of
+        # calling bind() every time (a thread runtime's self.loop stays None).
+        self._caller_loop: asyncio.AbstractEventLoop | None = None
+        # True when a poll is due anyway (a runtime sets it when it knows): an
+        # admission then skips _wake_locked.
+        self._poll_due = False
         if self.room_mode_block:
             self.sched.on_room = self._room_freed
         # A keyless policy's default-priority requests skip Scheduler.add: they are
@@ -116,7 +122,8 @@ class Runtime(BlockingAdmission):
             except QueueFull:
                 self._dropped("rejected", 1)
                 raise
-        self._wake_locked()
+        if not self._poll_due:
+            self._wake_locked()
 
     def _rebind_locked(self, loop: asyncio.AbstractEventLoop | None) -> None:
         """For a runtime that serves one loop: (re)bind to ``loop`` or raise if busy, in
@@ -153,11 +160,16 @@ class Runtime(BlockingAdmission):
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
         """Prepare to serve asyncio callers on ``loop`` (nothing to do for threads)."""
 
+    def bind_caller(self, loop: asyncio.AbstractEventLoop) -> None:
+        """:meth:`bind` for an asyncio caller on ``loop``; skipped while it stays the same."""
+        self.bind(loop)
+        self._caller_loop = loop
+
     async def acall(self, item: Any, *, priority: int = 0, timeout: float | None = None) -> Any:
         """One item from asyncio: await its result, honouring timeout and cancellation."""
         loop = asyncio.get_running_loop()
-        if loop is not self.loop:
-            self.bind(loop)
+        if loop is not self._caller_loop:
+            self.bind_caller(loop)
         if self.keyless and priority.__class__ is int:
             req = Request(item, 0.0, None, priority, loop)  # the common case, inlined
         else:
