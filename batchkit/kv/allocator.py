@@ -13,7 +13,8 @@ freed first, so recently used prefixes survive longest.
 
 from __future__ import annotations
 
-from collections import deque
+import operator
+from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -67,10 +68,9 @@ class BlockAllocator:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.refcounts = [0] * num_blocks
-        # Free ids, least recently freed first. A block revived by a prefix hit stays in
-        # the deque as a stale entry (its refcount is > 0) and is skipped when popped.
-        self._free: deque[int] = deque(range(num_blocks))
-        self._num_free = num_blocks
+        # Free ids, least recently freed first (an ordered set: a block revived by a
+        # prefix hit leaves it at once, and goes to the back when it is freed again).
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         # Tokens each block holds, as its owners report (for the internal-waste statistic);
         # public so that BlockTable can count a decode token with one list update.
         self.fill = [0] * num_blocks
@@ -86,12 +86,12 @@ class BlockAllocator:
     @property
     def num_free(self) -> int:
         """Blocks with no reference (cached-but-free blocks included: they are reusable)."""
-        return self._num_free
+        return len(self._free)
 
     @property
     def num_used(self) -> int:
         """Blocks with at least one reference."""
-        return self.num_blocks - self._num_free
+        return self.num_blocks - len(self._free)
 
     @property
     def usage(self) -> float:
@@ -100,59 +100,74 @@ class BlockAllocator:
 
     def can_allocate(self, n: int) -> bool:
         """Whether :meth:`allocate` of ``n`` blocks would succeed now."""
-        return n <= self._num_free
+        return n <= len(self._free)
 
     def allocate(self, n: int) -> list[int]:
         """``n`` fresh blocks, each with one reference; :class:`OutOfBlocks` if fewer are free."""
-        if n > self._num_free:
-            raise OutOfBlocks(f"{n} blocks requested, {self._num_free} of {self.num_blocks} free")
+        if n.__class__ is not int:
+            n = operator.index(n)
+        if n > len(self._free):
+            raise OutOfBlocks(f"{n} blocks requested, {len(self._free)} of {self.num_blocks} free")
         if n < 0:
             raise ValueError(f"cannot allocate {n} blocks")
-        out: list[int] = []
-        free, refcounts, prefix = self._free, self.refcounts, self.prefix
-        while len(out) < n:
-            block = free.popleft()
-            if refcounts[block]:
-                continue  # stale entry: revived by a prefix hit since it was freed
+        popitem, refcounts, prefix = self._free.popitem, self.refcounts, self.prefix
+        out = [popitem(last=False)[0] for _ in range(n)]
+        for block in out:
             refcounts[block] = 1
             if prefix is not None:
                 prefix.forget(block)  # its old contents are about to be overwritten
-            out.append(block)
-        self._num_free -= n
         return out
 
     def retain(self, block_ids: Iterable[int]) -> None:
-        """Add one reference to each block; every block must be in use already."""
+        """Add one reference to each block; every block must be in use already.
+
+        All or nothing: on an error (a free block, an id outside the pool) no count changes.
+        """
+        ids = self._checked(block_ids, "retain")
         refcounts = self.refcounts
-        for block in block_ids:
+        for block in ids:
             if refcounts[block] <= 0:
-                raise ValueError(f"block {block} is free; retain only blocks in use")
+                raise ValueError(f"retain: block {block} is free; retain only blocks in use")
+        for block in ids:
             refcounts[block] += 1
 
     def release(self, block_ids: Iterable[int]) -> None:
-        """Drop one reference from each block; blocks left with none return to the pool."""
-        refcounts, free = self.refcounts, self._free
-        for block in block_ids:
+        """Drop one reference from each block; blocks left with none return to the pool.
+
+        All or nothing: releasing more references than a block holds (a double release),
+        or an id outside the pool, raises ``ValueError`` and changes no count.
+        """
+        ids = self._checked(block_ids, "release")
+        refcounts, free, fill = self.refcounts, self._free, self.fill
+        if len(set(ids)) == len(ids):
+            if 0 in map(refcounts.__getitem__, ids):
+                block = next(b for b in ids if refcounts[b] <= 0)
+                raise ValueError(f"release: block {block} is already free (double release)")
+        else:
+            for block, times in Counter(ids).items():
+                if refcounts[block] < times:
+                    raise ValueError(
+                        f"release: block {block} released {times} times but holds "
+                        f"{refcounts[block]} references (double release)"
+                    )
+        for block in ids:
             count = refcounts[block]
-            if count <= 0:
-                raise ValueError(f"block {block} is already free (double release)")
             refcounts[block] = count - 1
             if count == 1:
-                free.append(block)
-                self._num_free += 1
-                self._stored_total -= self.fill[block]
-                self.fill[block] = 0
-        if len(free) > 4 * self.num_blocks:  # stale entries pile up under heavy reuse
-            self._compact()
+                free[block] = None  # the back: freed most recently, reused last
+                self._stored_total -= fill[block]
+                fill[block] = 0
 
-    def _compact(self) -> None:
-        seen: set[int] = set()
-        live: deque[int] = deque()
-        for b in self._free:
-            if self.refcounts[b] == 0 and b not in seen:
-                seen.add(b)
-                live.append(b)
-        self._free = live
+    def _checked(self, block_ids: Iterable[int], what: str) -> list[int]:
+        """``block_ids`` as a list of ints in ``[0, num_blocks)`` (else a ``ValueError``).
+
+        A negative id must not index from the end: -1 pads block tables.
+        """
+        ids = list(map(operator.index, block_ids))  # TypeError for a non-integer id
+        if ids and (min(ids) < 0 or max(ids) >= self.num_blocks):
+            bad = next(b for b in ids if not 0 <= b < self.num_blocks)
+            raise ValueError(f"{what}: block {bad} is not in this pool (0..{self.num_blocks - 1})")
+        return ids
 
     def refcount(self, block_id: int) -> int:
         """The number of references to ``block_id`` (0 = free)."""
@@ -181,19 +196,38 @@ class BlockAllocator:
 
         Only full blocks are shared, and never the whole prompt: at least its last token
         is left to compute, so the step that computes it can sample. Empty without
-        prefix caching.
+        prefix caching. The same as :meth:`adopt_prefix` of :meth:`match_prefix`.
         """
+        return self.adopt_prefix(token_ids, self.match_prefix(token_ids))
+
+    def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
+        """The blocks :meth:`lookup_prefix` would return, neither retained nor counted
+        (to check first whether the rest of the sequence fits)."""
         prefix = self.prefix
         if prefix is None:
             return []
-        hits = prefix.match(token_ids, max_blocks=(len(token_ids) - 1) // self.block_size)
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        return prefix.match(token_ids, max_blocks=max_blocks, count=False)
+
+    def adopt_prefix(self, token_ids: Sequence[int], hits: list[int]) -> list[int]:
+        """Retain ``hits`` (from :meth:`match_prefix` of ``token_ids``, nothing changed
+        since) and count the lookup in the hit-rate statistics; returns ``hits``."""
+        prefix = self.prefix
+        if prefix is None:
+            return hits
+        prefix.count((len(token_ids) - 1) // self.block_size, len(hits))
         for block in hits:
             if self.refcounts[block] == 0:
-                self._num_free -= 1  # revived; its deque entry goes stale
+                del self._free[block]  # revived: in use again
                 self.fill[block] = self.block_size
                 self._stored_total += self.block_size
             self.refcounts[block] += 1
         return hits
+
+    def num_revived(self, hits: Sequence[int]) -> int:
+        """How many of ``hits`` are free now (adopting them takes them from the pool)."""
+        refcounts = self.refcounts
+        return sum(1 for block in hits if refcounts[block] == 0)
 
     def stats(self) -> AllocatorStats:
         """A snapshot of occupancy, waste and prefix-cache counters."""
@@ -203,7 +237,7 @@ class BlockAllocator:
         return AllocatorStats(
             num_blocks=self.num_blocks,
             block_size=self.block_size,
-            num_free=self._num_free,
+            num_free=len(self._free),
             num_used=used,
             usage=used / self.num_blocks,
             tokens_stored=self._stored_total,

@@ -29,13 +29,14 @@ def write_kv(k_cache: Any, v_cache: Any, key: Any, value: Any, slot_mapping: Any
     ``key``/``value`` are ``[T, num_kv_heads, head_dim]``; numpy arrays or torch
     tensors, matching the caches.
     """
-    nb, bs = k_cache.shape[0], k_cache.shape[1]
-    flat_k = k_cache.reshape(nb * bs, *k_cache.shape[2:])  # views of the same storage
-    flat_v = v_cache.reshape(nb * bs, *v_cache.shape[2:])
+    bs = k_cache.shape[1]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    flat_k[slots] = key[keep]
-    flat_v[slots] = value[keep]
+    # (block, offset) indexing writes through any strided view of a cache; a reshape to
+    # [num_blocks * block_size, ...] would silently copy a non-contiguous one.
+    blocks, offsets = slots // bs, slots % bs
+    k_cache[blocks, offsets] = key[keep]
+    v_cache[blocks, offsets] = value[keep]
 
 
 def paged_attention(

@@ -53,10 +53,12 @@ class PrefixCache:
         entry = self._by_block.get(block_id)
         return None if entry is None else entry.digest
 
-    def match(self, token_ids: Sequence[int], *, max_blocks: int) -> list[int]:
-        """Block ids holding the longest cached run of ``token_ids``' first full blocks."""
+    def match(self, token_ids: Sequence[int], *, max_blocks: int, count: bool = True) -> list[int]:
+        """Block ids holding the longest cached run of ``token_ids``' first full blocks.
+
+        ``count``: add this lookup to :attr:`queries` and :attr:`hits` (see :meth:`count`).
+        """
         bs = self.block_size
-        self.queries += max(max_blocks, 0)
         hits: list[int] = []
         parent, parent_block = ROOT, -1
         for i in range(max(max_blocks, 0)):
@@ -70,8 +72,14 @@ class PrefixCache:
                 break  # a hash collision or a stale chain: recompute rather than guess
             hits.append(block)
             parent, parent_block = digest, block
-        self.hits += len(hits)
+        if count:
+            self.count(max_blocks, len(hits))
         return hits
+
+    def count(self, queried: int, hit: int) -> None:
+        """Record a lookup of ``queried`` full blocks, ``hit`` of them found."""
+        self.queries += max(queried, 0)
+        self.hits += hit
 
     def insert(self, block_id: int, parent_block: int, tokens: Sequence[int]) -> None:
         """Record that ``block_id`` holds ``tokens`` (a full block) after ``parent_block``.
