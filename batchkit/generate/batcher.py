@@ -12,13 +12,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import operator
 import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from batchkit.generate.handle import GenerationHandle
-from batchkit.generate.scheduler import Scheduler
+from batchkit.generate.scheduler import MAX_TOKEN_ID, Scheduler
 from batchkit.generate.sequence import SeqStatus, Sequence, StepBatch
 from batchkit.generate.stats import GenerationStats
 from batchkit.kv.allocator import BlockAllocator
@@ -106,10 +107,15 @@ class ContinuousBatcher:
         """
         if priority.__class__ is not int:
             raise TypeError(f"priority must be an int, got {type(priority).__name__}")
-        stops = frozenset(int(t) for t in stop_token_ids)
+        if max_new_tokens.__class__ is not int and _is_index(max_new_tokens):
+            max_new_tokens = operator.index(max_new_tokens)  # numpy / torch integers
+        if timeout is not None and not (isinstance(timeout, (int, float)) and timeout >= 0):
+            # (NaN fails ">= 0" too: a NaN deadline would disable every later one)
+            raise ValueError(f"timeout must be None or a number of seconds >= 0, got {timeout!r}")
+        stops = frozenset(_token_ids(stop_token_ids, "stop_token_ids"))
         if self.eos_token_id is not None:
             stops |= {self.eos_token_id}
-        prompt = [int(t) for t in prompt_ids]
+        prompt = _token_ids(prompt_ids, "prompt_ids")
         with self._lock:
             if self._closed:
                 raise BatcherClosed(f"{self.name} is closed")
@@ -117,8 +123,9 @@ class ContinuousBatcher:
             if limit is not None and self.sched.num_waiting >= limit:
                 raise QueueFull(f"{self.name}: {limit} requests are already waiting")
             now = self.clock()
+            self._next_id += 1  # a refused request uses its id up too: errors name it
             seq = Sequence(
-                self._next_id,
+                self._next_id - 1,
                 prompt,
                 max_new_tokens=max_new_tokens,
                 stop_token_ids=stops,
@@ -127,7 +134,6 @@ class ContinuousBatcher:
                 deadline=None if timeout is None else now + timeout,
             )
             self.sched.add(seq)  # ValueError here if it can never fit
-            self._next_id += 1
             handle = GenerationHandle(self, seq)
             seq.handle = handle
             self._start_locked()
@@ -137,20 +143,38 @@ class ContinuousBatcher:
         """Offline: generate for every prompt; the generated ids per prompt, in order."""
         if self.is_async:
             raise RuntimeError(f"{self.name}: an async step function; use 'await agenerate()'")
-        handles = [self.submit(p, max_new_tokens=max_new_tokens) for p in prompts]
-        return [h.result() for h in handles]
+        return [h.result() for h in self._submit_all(prompts, max_new_tokens)]
 
     async def agenerate(
         self, prompts: Iterable[Iterable[int]], *, max_new_tokens: int
     ) -> list[list[int]]:
         """:meth:`generate` from asyncio."""
-        handles = [self.submit(p, max_new_tokens=max_new_tokens) for p in prompts]
-        return [await h for h in handles]
+        return [await h for h in self._submit_all(prompts, max_new_tokens)]
+
+    def _submit_all(
+        self, prompts: Iterable[Iterable[int]], max_new_tokens: int
+    ) -> list[GenerationHandle]:
+        """Submit every prompt, or none: a refused one cancels those submitted before it
+        (nobody would read them) and its error names the prompt's position."""
+        handles: list[GenerationHandle] = []
+        for i, prompt in enumerate(prompts):
+            try:
+                handles.append(self.submit(prompt, max_new_tokens=max_new_tokens))
+            except BaseException as exc:
+                for h in handles:
+                    h.cancel()
+                if isinstance(exc, (TypeError, ValueError)):
+                    raise type(exc)(f"prompt {i}: {exc}") from exc
+                raise
+        return handles
 
     def _start_locked(self) -> None:
         """Start the driver on first use, or wake it."""
         if self.is_async:
-            if self._task is None:
+            task, loop = self._task, self._loop
+            if task is None or task.done() or loop is None or loop.is_closed():
+                # No driver, or one that will never run again (its loop closed or it was
+                # cancelled): start one on this caller's loop.
                 try:
                     loop = asyncio.get_running_loop()
                 except RuntimeError:
@@ -158,6 +182,8 @@ class ContinuousBatcher:
                         f"{self.name}: an async step function runs on an event loop; "
                         "submit the first request from a coroutine"
                     ) from None
+                if self.sched._in_flight is not None:  # a step cut off with its old loop
+                    self._fail_step_locked(self.sched._in_flight, self._driver_gone())
                 self._loop, self._wakeup = loop, asyncio.Event()
                 self._task = loop.create_task(self._arun())
             self._wake_loop()
@@ -180,17 +206,29 @@ class ContinuousBatcher:
 
     # -- the driver ---------------------------------------------------------------
     def _next_batch_locked(self) -> StepBatch | None:
-        """Expire, then schedule; None when there is nothing to do."""
-        for seq in self.sched.expire(self.clock()):
-            self._finish_locked(
-                seq,
-                RequestTimeout(
-                    f"{self.name}: request {seq.request_id} did not start within its timeout"
-                ),
-            )
-        if not self.sched.has_work:
+        """Expire, then schedule; None when there is nothing to do.
+
+        Should scheduling itself fail (a bug), every request fails with that error
+        rather than wait for a driver that stopped.
+        """
+        try:
+            for seq in self.sched.expire(self.clock()):
+                self._finish_locked(
+                    seq,
+                    RequestTimeout(
+                        f"{self.name}: request {seq.request_id} did not start within its timeout"
+                    ),
+                )
+            if not self.sched.has_work:
+                return None
+            return self.sched.schedule()
+        except Exception as exc:  # noqa: BLE001 - the driver must answer, not die
+            self._abort_all_locked(exc)
             return None
-        return self.sched.schedule()
+
+    def _fail_step_locked(self, batch: StepBatch, error: BaseException) -> None:
+        """The step of ``batch`` will never report: fail its sequences with ``error``."""
+        self._apply_locked(batch, None, error)
 
     def _apply_locked(self, batch: StepBatch, output: Any, error: BaseException | None) -> None:
         """Apply a step's outcome and wake whoever waits on the sequences it moved."""
@@ -198,7 +236,7 @@ class ContinuousBatcher:
             try:
                 tokens = output if isinstance(output, list) else list(output)
                 produced = self.sched.update(batch, tokens, self.clock())
-            except (TypeError, ValueError) as exc:
+            except Exception as exc:  # noqa: BLE001 - a bad result fails its step, not the driver
                 error, produced = exc, []
                 if self.sched._in_flight is batch:
                     self.sched.fail_step(batch)
@@ -209,6 +247,11 @@ class ContinuousBatcher:
             for s in batch.seqs:
                 if s.seq.finish_reason == "error":
                     self._finish_locked(s.seq, error)
+        errored = self.sched.errored
+        if errored:  # bad results of single sequences: only their callers fail
+            for seq in errored:
+                self._finish_locked(seq, seq.error)
+            errored.clear()
         events: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
         watch, finished = self._subscribers > 0, SeqStatus.FINISHED
         for seq in produced:
@@ -256,28 +299,50 @@ class ContinuousBatcher:
                 self._apply_locked(batch, output, error)
 
     async def _arun(self) -> None:
-        """The event-loop task: the same cycle, awaiting the step function."""
-        assert self._wakeup is not None
-        while True:
-            with self._lock:
-                batch = self._next_batch_locked()
+        """The event-loop task: the same cycle, awaiting the step function.
+
+        Cancelled (its loop shutting down), it answers every request with
+        :class:`~batchkit.BatcherClosed` instead of leaving them waiting; a later
+        submit starts a new driver.
+        """
+        wakeup = self._wakeup
+        assert wakeup is not None
+        try:
+            while True:
+                with self._lock:
+                    batch = self._next_batch_locked()
+                    if batch is None:
+                        if self._closed:
+                            self._work.notify_all()
+                            return
+                        wakeup.clear()
                 if batch is None:
-                    if self._closed:
-                        self._work.notify_all()
-                        return
-                    self._wakeup.clear()
-            if batch is None:
-                await self._wakeup.wait()
-                continue
-            output: Any = None
-            error: BaseException | None = None
-            try:
-                output = await self.step_fn(batch)
-            except BaseException as exc:  # noqa: BLE001 - the loop task must survive anything
-                error = exc
+                    await wakeup.wait()
+                    continue
+                output: Any = None
+                error: BaseException | None = None
+                try:
+                    output = await self.step_fn(batch)
+                except asyncio.CancelledError:
+                    raise
+                except BaseException as exc:  # noqa: BLE001 - the loop task must survive anything
+                    error = exc
+                with self._lock:
+                    self._apply_locked(batch, output, error)
+                await asyncio.sleep(0)  # let callers and submitters on this loop run
+        except asyncio.CancelledError:
             with self._lock:
-                self._apply_locked(batch, output, error)
-            await asyncio.sleep(0)  # let callers and submitters on this loop run
+                gone = self._driver_gone()
+                if self.sched._in_flight is not None:
+                    self._fail_step_locked(self.sched._in_flight, gone)
+                self._abort_all_locked(gone)
+            raise
+
+    def _driver_gone(self) -> BatcherClosed:
+        return BatcherClosed(
+            f"{self.name}: the driver task was cancelled (its event loop shut down) before "
+            "this request finished"
+        )
 
     def _cancel(self, handle: GenerationHandle) -> bool:
         with self._lock:
@@ -302,9 +367,17 @@ class ContinuousBatcher:
 
     def close(self, timeout: float | None = None) -> None:
         """Stop accepting; finish every queued and running request. After ``timeout``
-        seconds, the unfinished ones fail with :class:`~batchkit.BatcherClosed`."""
+        seconds, the unfinished ones fail with :class:`~batchkit.BatcherClosed`.
+
+        Called from the step function itself, it returns at once (a driver cannot wait
+        for itself); the driver drains the rest after that step.
+        """
         if self.is_async and self._loop is not None and _running_loop() is self._loop:
             raise RuntimeError(f"{self.name}: use 'await aclose()' inside the event loop")
+        if self._thread is not None and self._thread is threading.current_thread():
+            with self._lock:  # from the step function: the driver drains after this step
+                self._closed = True
+            return
         with self._lock:
             self._closed = True
             if self.is_async:
@@ -326,14 +399,17 @@ class ContinuousBatcher:
         with self._lock:
             self._closed = True
             self._wake_loop()
+        if asyncio.current_task() is self._task:
+            return  # from the step function: the driver drains after this step
         try:
             await asyncio.wait_for(asyncio.shield(self._task), timeout)
         except asyncio.TimeoutError:
             with self._lock:
                 self._abort_all_locked()
 
-    def _abort_all_locked(self) -> None:
-        error = BatcherClosed(f"{self.name} closed before this request finished")
+    def _abort_all_locked(self, error: BaseException | None = None) -> None:
+        if error is None:
+            error = BatcherClosed(f"{self.name} closed before this request finished")
         for seq in self.sched.abort_all("error"):
             self._finish_locked(seq, error)
         self._work.notify_all()
@@ -367,3 +443,29 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
         return asyncio.get_running_loop()
     except RuntimeError:
         return None
+
+
+def _token_ids(ids: Iterable[Any], what: str) -> list[int]:
+    """``ids`` as a list of ints in ``[0, 2**63)`` (numpy and torch integers accepted);
+    anything else is refused here, naming its position, before it can reach a step."""
+    out = list(ids)
+    try:
+        if not set(map(type, out)) <= {int}:
+            out = list(map(operator.index, out))
+    except TypeError:
+        i, bad = next((i, t) for i, t in enumerate(out) if not _is_index(t))
+        raise TypeError(
+            f"{what}[{i}] is {bad!r} ({type(bad).__name__}), not an integer token id"
+        ) from None
+    if out and (min(out) < 0 or max(out) > MAX_TOKEN_ID):
+        i, bad = next((i, t) for i, t in enumerate(out) if not 0 <= t <= MAX_TOKEN_ID)
+        raise ValueError(f"{what}[{i}] is {bad}, outside the token ids [0, {MAX_TOKEN_ID}]")
+    return out
+
+
+def _is_index(value: Any) -> bool:
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True

@@ -16,12 +16,17 @@ adds threads, handles and time.
 from __future__ import annotations
 
 import heapq
+import operator
 from collections import deque
+from typing import Any
 
 from batchkit.generate.sequence import ScheduledSeq, SeqStatus, Sequence, StepBatch
 from batchkit.generate.stats import GenerationStatsRecorder
 from batchkit.kv.allocator import BlockAllocator
 from batchkit.kv.block_table import BlockTable, BlockTableRows, blocks_for
+
+MAX_TOKEN_ID = 2**63 - 1  # token ids are int64 in every layout
+_INT = {int}
 
 
 class Scheduler:
@@ -53,6 +58,9 @@ class Scheduler:
         self._in_flight: StepBatch | None = None
         self._arrivals = 0
         self._deadlines: list[tuple[float, int, Sequence]] = []
+        # Sequences a step's bad result failed alone (seq.error says why); the driver
+        # takes them after update() to answer their callers.
+        self.errored: list[Sequence] = []
         self.stats = GenerationStatsRecorder()
 
     # -- admission -----------------------------------------------------------
@@ -211,14 +219,17 @@ class Scheduler:
         """Give a waiting sequence its table (with any prefix hit); False if blocks are short."""
         alloc = self.allocator
         assert alloc is not None
-        table = BlockTable(alloc)
-        hits = alloc.lookup_prefix(seq.token_ids)
-        if hits:
-            table.adopt(hits, len(hits) * alloc.block_size)
-        n = min(seq.num_tokens - table.num_tokens, budget)
-        if table.blocks_needed(n) > alloc.num_free:
-            table.free()  # give the hit back: a waiting sequence holds no memory
+        # Check before taking anything: a sequence short of blocks holds no memory, and
+        # its lookups (repeated every step it waits) do not count as prefix queries.
+        hits = alloc.match_prefix(seq.token_ids)
+        cached = len(hits) * alloc.block_size
+        n = min(seq.num_tokens - cached, budget)
+        need = blocks_for(cached + n, alloc.block_size) - len(hits)
+        if need + (alloc.num_revived(hits) if hits else 0) > alloc.num_free:
             return False
+        table = BlockTable(alloc)
+        if alloc.adopt_prefix(seq.token_ids, hits):  # retained now; a miss is counted too
+            table.adopt(hits, cached)
         seq.block_table = table
         seq.num_computed_tokens = table.num_tokens
         seq.num_cached_tokens += table.num_tokens
@@ -249,7 +260,10 @@ class Scheduler:
     ) -> list[Sequence]:
         """Apply a step's results (one per ``batch.seqs``); returns the sequences that got a token.
 
-        A sequence cancelled while the step ran gets nothing (its token is dropped).
+        A sequence cancelled while the step ran gets nothing (its token is dropped). A
+        bad entry (not an integer token id, or None where the sequence must sample)
+        fails its own sequence only: see :attr:`errored`. A wrong number of results
+        fails the whole step (``ValueError``).
         """
         if batch is not self._in_flight:
             raise RuntimeError("update() expects the batch of the last schedule()")
@@ -259,14 +273,32 @@ class Scheduler:
             raise ValueError(
                 f"the step function returned {len(tokens)} results for {len(seqs)} sequences"
             )
-        if None in tokens:  # check before changing anything
-            for sched, token in zip(seqs, tokens):
+        # Check every entry before applying any. A bad one fails only its own sequence:
+        # it is aborted here (its token dropped, as for a cancel during the step), and
+        # listed in ``errored`` with the reason in ``seq.error``.
+        bad: dict[int, str] = {}
+        if None in tokens:
+            for i, (sched, token) in enumerate(zip(seqs, tokens)):
                 if token is None and sched.start + sched.num_tokens == len(sched.token_ids):
-                    self.fail_step(batch)
-                    raise ValueError(
-                        f"the step function returned None for request {sched.request_id}, "
-                        "which reached its last token and must sample"
-                    )
+                    bad[i] = "None, but it reached its last token and must sample"
+            sampled: list[Any] = [t for t in tokens if t is not None]
+        else:
+            sampled = tokens
+        if not set(map(type, sampled)) <= _INT:  # numpy / torch integers: converted once here
+            tokens = _as_token_ids(tokens, bad)
+            sampled = [t for t in tokens if t is not None]
+        if sampled and (min(sampled) < 0 or max(sampled) > MAX_TOKEN_ID):
+            for i, token in enumerate(tokens):
+                if token is not None and not 0 <= token <= MAX_TOKEN_ID:
+                    bad[i] = f"{token}, outside the token ids [0, {MAX_TOKEN_ID}]"
+        for i, what in bad.items():
+            seq = seqs[i].seq
+            if seq.status is not SeqStatus.FINISHED:  # not cancelled during the step
+                seq.error = ValueError(
+                    f"request {seq.request_id}: the step function returned {what}"
+                )
+                self.abort(seq, "error")  # in_step: its blocks are freed below
+                self.errored.append(seq)
         self._in_flight = None
         alloc = self.allocator
         prefix = None if alloc is None else alloc.prefix
@@ -290,7 +322,7 @@ class Scheduler:
             ids = seq.token_ids
             if computed < len(ids):
                 continue  # a prefill chunk: nothing sampled yet
-            tok = token if token.__class__ is int else int(token)  # type: ignore[arg-type]
+            tok: int = token  # type: ignore[assignment]  # an int: checked above
             ids.append(tok)
             generated = len(ids) - seq.num_prompt_tokens
             if generated == 1:
@@ -386,3 +418,16 @@ class Scheduler:
     def abort_all(self, reason: str) -> list[Sequence]:
         """Abort every waiting and running sequence."""
         return self.fail(list(self.waiting) + list(self.running), reason)
+
+
+def _as_token_ids(tokens: list[Any], bad: dict[int, str]) -> list[int | None]:
+    """``tokens`` with integer-likes (numpy, torch) as ints; any other entry is recorded
+    in ``bad`` (by position) and replaced by None."""
+    out: list[int | None] = []
+    for i, token in enumerate(tokens):
+        try:
+            out.append(None if token is None else operator.index(token))
+        except TypeError:
+            bad[i] = f"{token!r} ({type(token).__name__}), not an integer token id"
+            out.append(None)
+    return out

@@ -43,6 +43,7 @@ class Sequence:
         "last_token_time",
         "deadline",
         "handle",
+        "error",
     )
 
     def __init__(
@@ -75,6 +76,7 @@ class Sequence:
         self.last_token_time = 0.0
         self.deadline = deadline
         self.handle: Any = None  # the driver's GenerationHandle, if any
+        self.error: BaseException | None = None  # why it failed alone (a bad step result)
 
     @property
     def num_tokens(self) -> int:
