@@ -111,7 +111,13 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         self._enqueue(seq)
         if seq.deadline is not None:
-            heapq.heappush(self._deadlines, (seq.deadline, seq.order, seq))
+            deadlines = self._deadlines
+            heapq.heappush(deadlines, (seq.deadline, seq.order, seq))
+            if len(deadlines) > 2 * len(self.waiting) + 64:
+                # Entries of requests that started stay until their time passes: with
+                # long timeouts, drop them now rather than hold their tokens.
+                deadlines[:] = [d for d in deadlines if not d[2].started]
+                heapq.heapify(deadlines)
         self.stats.requests += 1
 
     def _enqueue(self, seq: Sequence) -> None:

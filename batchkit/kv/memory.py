@@ -7,6 +7,7 @@ KV head, per token: ``2 * layers * kv_heads * head_dim * tokens * bytes(dtype)``
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 import numpy as np
@@ -47,6 +48,14 @@ def check_positive(**values: float) -> None:
             raise ValueError(f"{name} must be a positive number, got {value!r}")
 
 
+def check_counts(**values: int) -> None:
+    """Raise a ValueError naming the first value that is not a positive integer
+    (layers, heads, tokens: a fractional one is a mistake, not a size)."""
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
 def kv_cache_bytes(
     *,
     layers: int,
@@ -62,7 +71,7 @@ def kv_cache_bytes(
     ``2 * layers * kv_heads * head_dim * seq_len * batch_size * bytes(dtype)``.
     Llama-2-7B (32 layers, 32 KV heads of 128, fp16) at 4096 tokens: 2 GiB per sequence.
     """
-    check_positive(
+    check_counts(
         layers=layers, kv_heads=kv_heads, head_dim=head_dim, seq_len=seq_len, batch_size=batch_size
     )
     elements = 2 * layers * kv_heads * head_dim * seq_len * batch_size
@@ -73,7 +82,7 @@ def kv_block_bytes(
     block_size: int, *, num_layers: int, num_kv_heads: int, head_dim: int, dtype: Any = "float16"
 ) -> int:
     """Bytes one block takes: keys and values, every layer, ``block_size`` tokens."""
-    check_positive(block_size=block_size)
+    check_counts(block_size=block_size)
     return kv_cache_bytes(
         layers=num_layers, kv_heads=num_kv_heads, head_dim=head_dim, seq_len=block_size,
         dtype=dtype,
@@ -90,6 +99,8 @@ def num_blocks_for(
     dtype: Any = "float16",
 ) -> int:
     """How many whole blocks fit in ``memory_bytes`` (0 if not even one)."""
+    if isinstance(memory_bytes, bool) or not (0 <= memory_bytes < math.inf):
+        raise ValueError(f"memory_bytes must be a finite number >= 0, got {memory_bytes!r}")
     per_block = kv_block_bytes(
         block_size, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype
     )

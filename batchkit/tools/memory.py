@@ -11,7 +11,13 @@ import re
 from dataclasses import dataclass
 
 # The KV-cache formula and dtype sizes live with the KV blocks; re-exported here.
-from batchkit.kv.memory import DTYPE_BYTES, check_positive, dtype_bytes, kv_cache_bytes
+from batchkit.kv.memory import (
+    DTYPE_BYTES,
+    check_counts,
+    check_positive,
+    dtype_bytes,
+    kv_cache_bytes,
+)
 
 __all__ = [
     "DTYPE_BYTES",
@@ -85,7 +91,7 @@ def activation_bytes(
     A planning estimate, not an allocator trace.
     """
     intermediate = 4 * hidden_size if intermediate_size is None else intermediate_size
-    check_positive(
+    check_counts(
         seq_len=seq_len, hidden_size=hidden_size, intermediate_size=intermediate,
         batch_size=batch_size,
     )  # fmt: skip

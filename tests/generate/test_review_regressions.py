@@ -224,3 +224,15 @@ def test_a_failing_scheduler_fails_requests_instead_of_the_driver(is_async: bool
             b.submit([1], max_new_tokens=2).result(timeout=5)
         assert b.submit([2], max_new_tokens=2).result(timeout=5) == [1, 1]
         b.close()
+
+
+def test_deadlines_of_started_requests_do_not_pile_up() -> None:
+    from batchkit.generate.scheduler import Scheduler
+    from batchkit.generate.sequence import Sequence
+
+    sched = Scheduler(max_num_seqs=1, max_num_batched_tokens=8)
+    for i in range(500):  # long timeouts, each request served before the next arrives
+        sched.add(Sequence(i, [1], max_new_tokens=1, deadline=1e9))
+        batch = sched.schedule()
+        sched.update(batch, [1])
+    assert len(sched._deadlines) <= 2 * len(sched.waiting) + 65  # was 500

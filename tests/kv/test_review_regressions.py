@@ -86,3 +86,26 @@ def test_prefix_hit_rate_counts_each_admitted_request_once() -> None:
         stats = alloc.stats()
     # 2 full blocks queried per request; the 2nd and 3rd find both
     assert (stats.prefix_queries, stats.prefix_hits) == (6, 4)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"block_size": 16.5, "num_layers": 2, "num_kv_heads": 2, "head_dim": 8},
+        {"block_size": 16, "num_layers": 2.5, "num_kv_heads": 2, "head_dim": 8},
+        {"block_size": 16, "num_layers": 2, "num_kv_heads": True, "head_dim": 8},
+    ],
+)
+def test_kv_sizes_must_be_whole_numbers(kwargs: dict) -> None:
+    from batchkit.kv import kv_block_bytes
+
+    with pytest.raises(ValueError, match="must be a positive integer"):
+        kv_block_bytes(**kwargs)
+
+
+@pytest.mark.parametrize("memory", [float("inf"), float("nan"), -1])
+def test_num_blocks_for_refuses_a_memory_that_is_no_size(memory: float) -> None:
+    from batchkit.kv import num_blocks_for
+
+    with pytest.raises(ValueError, match="memory_bytes must be a finite number"):
+        num_blocks_for(memory, block_size=16, num_layers=2, num_kv_heads=2, head_dim=8)
