@@ -12,8 +12,9 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
+from batchkit.serve.errors import BatcherClosed
 from batchkit.serve.recovery import BatchRun
-from batchkit.serve.request import resolve_futures
+from batchkit.serve.request import DONE, RUNNING, resolve_futures
 from batchkit.serve.runtime import Options, Runtime, closed_error
 from batchkit.serve.scheduler import FormedBatch
 
@@ -55,11 +56,11 @@ class LoopRuntime(Runtime):
             return
         if self.sched.in_flight >= self.sched.max_concurrent_batches and not self.closed:
             return  # every slot is busy: the batch that ends next polls the scheduler
-        self._poll_due = True
         if asyncio._get_running_loop() is self.loop:
             self.loop.call_soon(self._pump)  # no self-pipe write from the loop's own thread
         else:
             self.loop.call_soon_threadsafe(self._pump)
+        self._poll_due = True  # (only once the pump is surely scheduled)
 
     def _pump(self) -> None:
         """Start every batch that is ready; arm the timer for the next max-wait expiry."""
@@ -67,16 +68,17 @@ class LoopRuntime(Runtime):
             loop = self.loop
             if loop is None or asyncio._get_running_loop() is not loop:
                 return  # a stale pump or timer of a loop this batcher no longer serves
-            while True:
-                batch, wake_at = self.sched.poll(self.clock())
-                if batch is None:
-                    break
-                task = loop.create_task(self._run(batch))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
-            # Busy slots stay busy until a batch ends, and its _run polls then; that
-            # holds at every await, since only the loop's own thread enqueues here.
-            self._poll_due = self.sched.in_flight >= self.sched.max_concurrent_batches
+            try:
+                while True:
+                    batch, wake_at = self.sched.poll(self.clock())
+                    if batch is None:
+                        break
+                    self._start(loop, batch)
+            finally:
+                # Busy slots stay busy until a batch ends, and its _run polls then; that
+                # holds at every await, since only the loop's own thread enqueues here.
+                # (Set even if polling raised: a stuck flag would silence every arrival.)
+                self._poll_due = self.sched.in_flight >= self.sched.max_concurrent_batches
             if self._timer is not None:
                 self._timer.cancel()
                 self._timer = None
@@ -84,8 +86,17 @@ class LoopRuntime(Runtime):
                 self._timer = loop.call_later(max(wake_at - self.clock(), 0.0), self._pump)
             self._check_drained_locked()
 
-    async def _run(self, batch: FormedBatch | None) -> None:
+    def _start(self, loop: asyncio.AbstractEventLoop, batch: FormedBatch) -> None:
+        """A task runs ``batch`` (and the batches ready as it ends). ``holding`` names the
+        batch it owns, so that a task that ends early still settles it (see _ended)."""
+        holding: list[FormedBatch | None] = [batch]
+        task = loop.create_task(self._run(holding))
+        self._tasks.add(task)
+        task.add_done_callback(lambda t: self._ended(t, holding))
+
+    async def _run(self, holding: list[FormedBatch | None]) -> None:
         """Run batches back to back in this task while one is ready as the last ends."""
+        batch = holding[0]
         while batch is not None:
             run = await self._execute(batch)
             # Take the next batch before waking this one's callers: its call starts in this
@@ -93,17 +104,46 @@ class LoopRuntime(Runtime):
             with self.lock:
                 answered = self.finish_locked(batch, run, deliver_now=False)
                 batch, _ = self.sched.poll(self.clock())
+                holding[0] = batch
             resolve_futures(answered)  # every request here awaits on this loop
         self._pump()  # re-arm the max-wait timer; start batches that became ready
 
+    def _ended(self, task: asyncio.Task[None], holding: list[FormedBatch | None]) -> None:
+        """A batch task is done. If it ended holding a batch (cancelled, even before its
+        first step, or a bug), answer that batch's callers and free its slot."""
+        self._tasks.discard(task)
+        batch = holding[0]
+        if batch is None:
+            return
+        holding[0] = None
+        with self.lock:
+            if id(batch) not in self.sched.running:
+                return  # settled already (e.g. by a rebind after its loop closed)
+            reason = "was cancelled" if task.cancelled() else f"failed: {task.exception()!r}"
+            error = BatcherClosed(f"{self.name}: the task running this batch {reason}")
+            abandoned = [r for r in batch.requests if r.state is RUNNING]
+            for req in abandoned:
+                req.state, req.error = DONE, error
+            self.sched.stats.failed += len(abandoned)
+            batch.answered = True
+            self.sched.finish(batch, self.clock())
+        resolve_futures(abandoned)
+        self._pump()  # its slot is free: start what waits (a no-op off the loop)
+
     async def _execute(self, batch: FormedBatch) -> BatchRun:
-        """Await the function as :meth:`run_steps` asks (parts too, if split); never raises."""
+        """Await the function as :meth:`run_steps` asks (parts too, if split).
+
+        A failing call is recorded, never raised; a cancellation of this task is raised
+        (its batch is then settled by _ended).
+        """
         steps = self.run_steps(batch)
         try:
             argument = next(steps)
             while True:
                 try:
                     reply: tuple[bool, Any] = (True, await self.fn(argument))
+                except asyncio.CancelledError:
+                    raise
                 except BaseException as exc:  # noqa: BLE001 - a failing batch must not kill the loop
                     reply = (False, exc)
                 argument = steps.send(reply)

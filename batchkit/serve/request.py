@@ -18,7 +18,8 @@ class State(IntEnum):
     DROPPED = 3  # timed out, cancelled or failed by close before it ran
 
 
-WAITING = State.WAITING  # a module constant: ``State.WAITING`` is a slower, metaclass lookup
+# Module constants: ``State.WAITING`` is a slower, metaclass lookup.
+WAITING, RUNNING, DONE = State.WAITING, State.RUNNING, State.DONE
 
 
 class Request:
@@ -97,8 +98,13 @@ def resolve_futures(requests: list[Request]) -> None:
         fut = req.future
         if fut is None or fut.done():
             continue
-        if req.error is not None:
-            fut.set_exception(req.error)
+        error = req.error
+        if error is not None:
+            if isinstance(error, StopIteration):  # a future refuses it (TypeError)
+                wrapped = RuntimeError(f"the batch raised StopIteration: {error}")
+                wrapped.__cause__ = error
+                error = wrapped
+            fut.set_exception(error)
         else:
             fut.set_result(req.value)
 

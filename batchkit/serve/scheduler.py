@@ -6,6 +6,7 @@ caller, so its behaviour is tested deterministically with a fake clock.
 from __future__ import annotations
 
 import itertools
+import operator
 from collections import deque
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
@@ -317,7 +318,7 @@ class Scheduler:
     def _take(
         self, name: Hashable, bucket: Bucket, reason: DispatchReason, now: float
     ) -> FormedBatch:
-        clean = bucket.clean_queue() is not None
+        queue = bucket.clean_queue()
         candidates = bucket.candidates(self.policy.candidate_limit)
         chosen = self.policy.select(candidates)
         if self.caps and name in self.caps:
@@ -327,8 +328,10 @@ class Scheduler:
                 chosen.pop()
         for req in chosen:
             req.state = RUNNING
-        # The usual batch, the front of the one clean deque, leaves it at once.
-        bucket.taken(len(chosen), front=clean and chosen == candidates[: len(chosen)])
+        # The usual batch, the front of the one clean deque, leaves it at once. (Checked
+        # against the deque itself: a policy's select() may have reordered its list.)
+        front = queue is not None and all(map(operator.is_, chosen, queue))
+        bucket.taken(len(chosen), front=front)
         self._placed -= len(chosen)
         self.in_flight += 1
         if self.on_room is not None:

@@ -206,3 +206,101 @@ def test_an_output_that_iterates_fewer_results_than_its_len_fails_its_callers() 
     stats = f.stats()
     assert stats.batches == 1 and stats.failed == 3
     f.close()
+
+
+# -- a second review, of the per-request hot path (bulk arrivals, the poll-due flag) --
+
+
+def test_stop_iteration_from_collate_fails_its_callers_and_not_the_batcher() -> None:
+    def collate(items):
+        if "bad" in items:
+            raise StopIteration("bad item")
+        return items
+
+    @batchkit.batched(max_batch_size=4, max_wait_ms=1, collate=collate)
+    async def f(xs):
+        return xs
+
+    async def main() -> None:
+        with pytest.raises(RuntimeError, match="raised StopIteration: bad item") as info:
+            await asyncio.wait_for(f("bad"), 2)  # hung: a future refuses StopIteration
+        assert isinstance(info.value.__cause__, StopIteration)
+        assert await asyncio.wait_for(f("ok"), 2) == "ok"  # hung: the poll flag stayed set
+        await asyncio.wait_for(f.aclose(), 2)
+
+    asyncio.run(main())
+
+
+def test_a_policy_failing_once_does_not_silence_later_arrivals() -> None:
+    class Flaky(DynamicBatcher):
+        calls = 0
+
+        def select(self, candidates):
+            Flaky.calls += 1
+            if Flaky.calls == 1:
+                raise RuntimeError("transient")
+            return super().select(candidates)
+
+    @batchkit.batched(batcher=Flaky(max_batch_size=4, max_wait_ms=1))
+    async def f(xs):
+        return xs
+
+    async def main() -> None:
+        first = asyncio.ensure_future(f(1))
+        await asyncio.sleep(0.05)
+        assert await asyncio.wait_for(f(2), 2) == 2
+        assert await asyncio.wait_for(first, 2) == 1
+        await f.aclose()
+
+    loop = asyncio.new_event_loop()
+    loop.set_exception_handler(lambda loop, ctx: None)  # the one failing pump is logged
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()
+
+
+def test_a_select_that_reorders_its_list_still_takes_what_it_chose() -> None:
+    from batchkit.serve.request import Request
+    from batchkit.serve.scheduler import Scheduler
+
+    class ShortestFirst(DynamicBatcher):
+        candidate_limit = None
+
+        def select(self, candidates):
+            candidates.sort(key=lambda r: r.key)  # in place
+            return candidates[:2]
+
+    sched = Scheduler(ShortestFirst(max_batch_size=2, max_wait_ms=0, key=len))
+    for item in ["ccc", "a", "bb"]:
+        sched.add(Request(item, float(len(item)), None, 0))
+    served = []
+    while True:
+        batch, _ = sched.poll(0.0)
+        if batch is None:
+            break
+        served += [r.item for r in batch.requests]
+        sched.finish(batch, 0.0)
+    assert served == ["a", "bb", "ccc"]  # was ['a', 'bb', 'bb']: ccc lost, bb run twice
+
+
+def test_a_cancelled_batch_task_answers_its_callers_and_frees_its_slot() -> None:
+    @batchkit.batched(max_batch_size=4, max_wait_ms=1)
+    async def f(xs):
+        return xs
+
+    async def main() -> None:
+        first = asyncio.ensure_future(f(1))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        runs = [t for t in asyncio.all_tasks() if "_run" in repr(t.get_coro())]
+        assert runs
+        for t in runs:
+            t.cancel()  # before its first step: its batch was never settled
+        with pytest.raises(BatcherClosed, match="task running this batch was cancelled"):
+            await asyncio.wait_for(first, 2)
+        assert await asyncio.wait_for(f(2), 2) == 2  # hung: the slot stayed busy
+        assert f.stats().failed == 1
+        await f.aclose()
+
+    asyncio.run(main())
