@@ -9,6 +9,7 @@ belongs to, how to pick a batch from a bucket's waiting items, and how long to w
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
@@ -131,9 +132,32 @@ class Batcher:
         if self.key is None:
             return 0.0
         value = self.key(item)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if value.__class__ is not int and (
+            isinstance(value, bool) or not isinstance(value, numbers.Real)  # numpy scalars pass
+        ):
             raise TypeError(f"key(item) must return a number, got {type(value).__name__}")
-        return float(value)
+        key = float(value)
+        if not key >= 0 and (self.max_tokens is not None or key != key):
+            # NaN sorts and buckets nowhere consistently; a negative size makes a token
+            # budget meaningless (its padded area would be negative).
+            raise ValueError(f"key(item) must be a number >= 0, got {value!r}")
+        return key
+
+    def keys_of(self, items: Sequence[Any]) -> list[float]:
+        """:meth:`key_of` of every item; an error names the item's position."""
+        keys: list[float] = []
+        append, key_of = keys.append, self.key_of
+        i = 0
+        try:
+            for i, item in enumerate(items):  # noqa: B007 - i names the failing item
+                append(key_of(item))
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"items[{i}]: {exc}") from exc
+        except Exception as exc:
+            if hasattr(exc, "add_note"):  # Python 3.11+: keep the user's exception type
+                exc.add_note(f"(while computing the key of items[{i}])")
+            raise
+        return keys
 
     def bucket_of(self, key: float) -> Hashable:
         """Which bucket an item belongs to; a batch never mixes buckets."""
@@ -184,7 +208,7 @@ class Batcher:
     def batches(self, items: Sequence[T]) -> Iterator[Batch[T]]:
         """Group a finite sequence of items into batches; indices cover every item once."""
         items = list(items)
-        keys = [self.key_of(it) for it in items]
+        keys = self.keys_of(items)
         for idx in self.index_batches(keys):
             yield Batch((items[i] for i in idx), idx)
 
@@ -219,3 +243,4 @@ class Batcher:
     def __repr__(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
         return f"{type(self).__name__}({opts})"
+

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import numbers
 from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
 
@@ -33,9 +34,18 @@ class BucketedBatcher(Batcher):
         max_wait_ms: float = 5.0,
         max_tokens: int | None = None,
     ) -> None:
-        bounds = list(boundaries)
+        try:
+            bounds = list(boundaries)
+        except TypeError:
+            raise TypeError(
+                f"boundaries must be an iterable of numbers, got {type(boundaries).__name__}"
+            ) from None
         if not bounds:
             raise ValueError("boundaries must name at least one bucket boundary")
+        for i, b in enumerate(bounds):
+            # (NaN would pass the ordering check below: every comparison with it is False)
+            if isinstance(b, bool) or not isinstance(b, numbers.Real) or b != b:
+                raise ValueError(f"boundaries[{i}] must be a number, got {b!r}")
         if any(nxt <= prev for prev, nxt in zip(bounds, bounds[1:])):
             raise ValueError(f"boundaries must be strictly increasing, got {bounds}")
         super().__init__(

@@ -33,9 +33,11 @@ class DynamicBatcher(Batcher):
         max_tokens: int | None = None,
         key: KeyFn | None = None,
     ) -> None:
-        sizes = sorted(set(preferred_batch_sizes or ()))
-        for s in sizes:
-            check_positive_int("preferred_batch_sizes entry", s)
+        check_positive_int("max_batch_size", max_batch_size)  # before it is used below
+        given = list(preferred_batch_sizes or ())
+        for i, size in enumerate(given):
+            check_positive_int(f"preferred_batch_sizes[{i}]", size)
+        sizes = sorted(set(given))
         if strict_sizes and not sizes:
             raise ValueError("strict_sizes=True needs preferred_batch_sizes")
         if sizes:

@@ -196,9 +196,11 @@ class BatchSampler:
                 )
         epoch = _check_non_negative_int("epoch", state["epoch"])
         done = _check_non_negative_int("batches_yielded", state["batches_yielded"])
+        current = self.epoch
         self.epoch = epoch
-        total = len(self)
+        total = len(self)  # (the batch count can depend on the epoch)
         if done > total:
+            self.epoch = current  # a refused state changes nothing
             raise ValueError(
                 f"state has batches_yielded={done} but epoch {epoch} has only {total} "
                 "batches for this rank (another dataset or policy?)"
