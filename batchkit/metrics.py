@@ -88,6 +88,7 @@ class _Tracker:
         self._owner = owner
         self._children: list[tuple[Counter | Histogram, tuple[str, ...]]] = []
         self._record: dict[tuple[str, str | None], Callable[[float], None]] = {}
+        self.removed = False  # a late event must not bring removed series back
         for spec in METRICS:  # every known label value starts at 0
             for value in LABEL_VALUES.get(spec.name, (None,)):
                 self._recorder(spec.name, value)
@@ -105,6 +106,7 @@ class _Tracker:
 
     def remove(self) -> None:
         """Remove every series this tracker created."""
+        self.removed = True
         for metric, values in self._children:
             metric.remove(*values)
         self._children.clear()
@@ -112,11 +114,15 @@ class _Tracker:
 
     def on_batch(self, event: BatchEvent) -> None:
         """Record one finished batch (called on the runtime's worker, under its lock)."""
+        if self.removed:
+            return
         for metric, value, amount in batch_observations(event):
             self._recorder(metric, value)(amount)
 
     def on_drop(self, event: DropEvent) -> None:
         """Count requests that ended without running."""
+        if self.removed:
+            return
         for metric, value, amount in drop_observations(event):
             self._recorder(metric, value)(amount)
 
@@ -144,6 +150,9 @@ class PrometheusMetrics:
         self._lock = threading.Lock()
         self._tracked: dict[str, tuple[weakref.ref[BatchedFunction[Any]], _Tracker]] = {}
 
+        # First in the registry, so every scrape forgets garbage-collected functions
+        # before any family of theirs is written (whatever serves the registry).
+        self.registry.register(_Pruner(self))
         self._families: dict[str, Counter | Histogram] = {}
         for spec in METRICS:
             labels = ("batcher",) if spec.label is None else ("batcher", spec.label)
@@ -174,9 +183,13 @@ class PrometheusMetrics:
         with self._lock:
             known = self._tracked.get(label)
             if known is not None:
-                if known[0]() is f:
+                holder = known[0]()
+                if holder is f:
                     return label
-                raise ValueError(f"a function is already tracked as batcher={label!r}")
+                if holder is not None:
+                    raise ValueError(f"a function is already tracked as batcher={label!r}")
+                del self._tracked[label]  # its function is gone: the name is free again
+                known[1].remove()
             if any(ref() is f for ref, _ in self._tracked.values()):
                 raise ValueError(f"{f.__qualname__} is already tracked under another name")
             tracker = _Tracker(self, label)
@@ -191,8 +204,10 @@ class PrometheusMetrics:
             if not found:
                 raise KeyError(f"{f.__qualname__} is not tracked")
             _, tracker = self._tracked.pop(found[0])
+            # Under the lock: a track() of a new function under this name must not
+            # lose its fresh series to this removal.
+            tracker.remove()
         f.remove_listener(tracker)
-        tracker.remove()
 
     @property
     def tracked(self) -> dict[str, BatchedFunction[Any]]:
@@ -205,9 +220,8 @@ class PrometheusMetrics:
         """Forget functions that were garbage-collected (they were tracked weakly)."""
         with self._lock:
             dead = [name for name, (ref, _) in self._tracked.items() if ref() is None]
-            trackers = [self._tracked.pop(name)[1] for name in dead]
-        for tracker in trackers:
-            tracker.remove()
+            for name in dead:
+                self._tracked.pop(name)[1].remove()
 
     # -- exposition -------------------------------------------------------------
     content_type: str = CONTENT_TYPE_LATEST
@@ -220,6 +234,22 @@ class PrometheusMetrics:
     def asgi_app(self) -> Callable[..., Any]:
         """An ASGI app serving the registry (``app.mount("/metrics", ...)``)."""
         return _make_asgi_app(self.registry)
+
+
+class _Pruner:
+    """A collector with no samples: forgets garbage-collected functions at each scrape."""
+
+    def __init__(self, owner: PrometheusMetrics) -> None:
+        self.owner = owner
+
+    def describe(self) -> Iterable[Metric]:
+        """No names."""
+        return []
+
+    def collect(self) -> Iterable[Metric]:
+        """Prune, then nothing to report."""
+        self.owner._prune_dead()
+        return []
 
 
 class _ScrapeTimeGauges:
@@ -242,7 +272,6 @@ class _ScrapeTimeGauges:
 
     def collect(self) -> Iterable[Metric]:
         """One sample per tracked function."""
-        self.owner._prune_dead()
         return self._families(self.owner.tracked)
 
     def _families(self, tracked: dict[str, BatchedFunction[Any]]) -> list[Metric]:

@@ -172,8 +172,10 @@ class BlockingAdmission:
             try:
                 self.submit_blocking(req, left)
             except BaseException as exc:
-                self._withdraw(reqs[:i], exc)
-                raise
+                error = self._withdraw(reqs[:i], exc, timeout)
+                if error is exc:
+                    raise
+                raise error from None
 
     async def asubmit_all_blocking(self, reqs: list[Request], timeout: float | None) -> None:
         """:meth:`submit_all_blocking` for asyncio callers."""
@@ -183,9 +185,19 @@ class BlockingAdmission:
             try:
                 await self.asubmit_blocking(req, left)
             except BaseException as exc:
-                self._withdraw(reqs[:i], exc)
-                raise
+                error = self._withdraw(reqs[:i], exc, timeout)
+                if error is exc:
+                    raise
+                raise error from None
 
-    def _withdraw(self, reqs: list[Request], error: BaseException) -> None:
+    def _withdraw(
+        self, reqs: list[Request], error: BaseException, timeout: float | None
+    ) -> BaseException:
+        """Withdraw the items of a ``map`` admitted before ``error`` stopped it; the error
+        for the caller (a timeout names the caller's ``timeout``, not what was left)."""
+        timed_out = isinstance(error, RequestTimeout)
         for req in reqs:
-            self.give_up(req, error, timed_out=False)
+            self.give_up(req, error, timed_out=timed_out)
+        if timed_out and timeout is not None:
+            return self.timeout_error(timeout)
+        return error

@@ -14,7 +14,7 @@ from typing import Any
 
 from batchkit.serve.errors import BatcherClosed
 from batchkit.serve.recovery import BatchRun
-from batchkit.serve.request import DONE, RUNNING, resolve_futures
+from batchkit.serve.request import resolve_futures
 from batchkit.serve.runtime import Options, Runtime, closed_error
 from batchkit.serve.scheduler import FormedBatch
 
@@ -40,7 +40,7 @@ class LoopRuntime(Runtime):
                 # Its batches will never finish: answer their callers, free their slots.
                 self.fail_all_locked(closed_error(self.name))
                 for batch in list(self.sched.running.values()):
-                    self.sched.finish(batch, self.clock())
+                    self.abandon_locked(batch, closed_error(self.name))
             if self.loop is not None and not self.loop.is_closed() and not self.sched.drained:
                 raise RuntimeError(
                     f"{self.name} is busy on another event loop; an async batched function "
@@ -121,12 +121,7 @@ class LoopRuntime(Runtime):
                 return  # settled already (e.g. by a rebind after its loop closed)
             reason = "was cancelled" if task.cancelled() else f"failed: {task.exception()!r}"
             error = BatcherClosed(f"{self.name}: the task running this batch {reason}")
-            abandoned = [r for r in batch.requests if r.state is RUNNING]
-            for req in abandoned:
-                req.state, req.error = DONE, error
-            self.sched.stats.failed += len(abandoned)
-            batch.answered = True
-            self.sched.finish(batch, self.clock())
+            abandoned = self.abandon_locked(batch, error)
         resolve_futures(abandoned)
         self._pump()  # its slot is free: start what waits (a no-op off the loop)
 

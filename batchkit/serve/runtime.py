@@ -320,6 +320,21 @@ class Runtime(BlockingAdmission):
             deliver(done)
         return done
 
+    def abandon_locked(self, batch: FormedBatch, error: BaseException) -> list[Request]:
+        """Under the lock: ``batch`` will never report (its task or loop is gone). Fail
+        its unanswered requests with ``error``, tell listeners, free its slot; returns
+        the requests failed here (to deliver)."""
+        abandoned = [r for r in batch.requests if r.state is RUNNING]
+        for req in abandoned:
+            req.state, req.error = DONE, error
+        self.sched.stats.failed += len(abandoned)
+        batch.answered = True
+        now = self.clock()
+        self.sched.finish(batch, now)
+        if self.listeners:  # every request failed (answered here or by a close before)
+            self._report_batch(batch, self.start_run(batch), now)
+        return abandoned
+
     def _report_batch(self, batch: FormedBatch, run: BatchRun, now: float) -> None:
         keys = [r.key for r in batch.requests]
         event = BatchEvent(
