@@ -256,8 +256,8 @@ class _ScrapeTimeGauges:
     """A custom collector: queue depth and in-flight batches, read when scraped.
 
     A gauge set on every event would be stale between events and cost a lock per
-    arrival; reading ``f.stats()`` at scrape time is exact and costs nothing between
-    scrapes.
+    arrival; reading the runtime's load at scrape time is exact and costs nothing
+    between scrapes.
     """
 
     def __init__(self, owner: PrometheusMetrics) -> None:
@@ -282,7 +282,7 @@ class _ScrapeTimeGauges:
             self.in_flight_name, "Batches running now.", labels=["batcher"]
         )
         for name, f in tracked.items():
-            stats = f.stats()
-            depth.add_metric([name], stats.queue_depth)
-            in_flight.add_metric([name], stats.in_flight)
+            waiting, running = f.runtime.load()
+            depth.add_metric([name], waiting)
+            in_flight.add_metric([name], running)
         return [depth, in_flight]

@@ -379,6 +379,12 @@ class Runtime(BlockingAdmission):
             req.error = error
         deliver(failed)
 
+    def load(self) -> tuple[int, int]:
+        """``(queue depth, batches in flight)`` now: what :meth:`stats` reports, without
+        its percentiles (a metrics scrape reads this for every function)."""
+        with self.lock:
+            return self.sched.num_waiting, self.sched.in_flight
+
     def stats(self) -> Stats:
         """A snapshot of the counters."""
         with self.lock:
