@@ -2,13 +2,15 @@
 
 Each command lives in its own module with ``add_parser`` and ``run``; ``main``
 parses, dispatches, and turns every expected failure (a bad argument, an
-unreadable file, a missing optional dependency) into one line on stderr and exit
-status 2, never a traceback.
+unreadable file, a missing optional dependency, too little memory) into one line on
+stderr and exit status 2, never a traceback. A reader that goes away (``| head``) ends
+the command quietly with status 141, as SIGPIPE would in a C tool.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -50,13 +52,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     prog = f"batchkit {args.command}"
     try:
         status: int = args.run(args)
-    except (CliError, ValueError, ImportError, OSError) as exc:
+        sys.stdout.flush()  # a closed pipe surfaces here, not at interpreter exit
+    except BrokenPipeError:  # the reader left (`| head`): stop quietly, as SIGPIPE would
+        _silence_stdout()
+        return 141
+    except (CliError, ValueError, ImportError, OSError, OverflowError) as exc:
         print(f"{prog}: error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    except MemoryError as exc:
+        print(f"{prog}: error: not enough memory for this run: {_one_line(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
     return status
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush does not fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # stdout is no file (captured, replaced): nothing to flush
+        pass
 
 
 def _one_line(exc: BaseException) -> str:

@@ -5,32 +5,40 @@ from __future__ import annotations
 import argparse
 import math
 import re
+import sys
 
 
 class CliError(Exception):
     """A bad argument or input found after parsing: one line on stderr, exit status 2."""
 
 
+def _check_size(value: int, text: str) -> int:
+    # Sizes and counts past sys.maxsize fail deep inside (islice, numpy, float overflow).
+    if value > sys.maxsize:
+        raise argparse.ArgumentTypeError(f"expected an integer up to {sys.maxsize}, got {text!r}")
+    return value
+
+
 def positive_int(text: str) -> int:
-    """An int >= 1."""
+    """An int in [1, sys.maxsize]."""
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+    return _check_size(value, text)
 
 
 def non_negative_int(text: str) -> int:
-    """An int >= 0."""
+    """An int in [0, sys.maxsize]."""
     try:
         value = int(text)
     except ValueError:
         value = -1
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
+    return _check_size(value, text)
 
 
 def _float(text: str, *, positive: bool) -> float:

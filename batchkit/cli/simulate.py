@@ -74,7 +74,14 @@ def run(args: argparse.Namespace) -> int:
         times = read_trace(args.trace)
         source = f"{len(times)} arrivals from {args.trace}"
     else:
-        times = poisson_arrivals(args.rate, args.requests, args.seed)
+        try:
+            times = poisson_arrivals(args.rate, args.requests, args.seed)
+        except ValueError as exc:  # a rate too low for finite arrival times
+            raise CliError(f"argument --rate: {exc}") from None
+        except MemoryError:
+            raise CliError(
+                f"argument --requests: not enough memory for {args.requests:,} requests"
+            ) from None
         source = f"{len(times)} Poisson arrivals at {args.rate:g} req/s (seed {args.seed})"
     combos = list(
         itertools.product(args.max_batch_size, args.max_wait_ms, args.max_concurrent_batches)
@@ -131,9 +138,11 @@ def _overload_mark(r: SimResult) -> str:
 def format_result(r: SimResult) -> str:
     """Every number of one run, and the batch-size histogram."""
     lat, wait = r.latency, r.queue_wait
+    # NaN: every request arrived at one instant, which has no rate.
+    offered = "n/a" if math.isnan(r.offered_rate) else f"{r.offered_rate:,.1f}"
     lines = [
         f"batcher: {r.batcher}, {r.max_concurrent_batches} concurrent batch(es)",
-        f"throughput    {r.throughput:,.1f} req/s (offered {r.offered_rate:,.1f}; capacity at "
+        f"throughput    {r.throughput:,.1f} req/s (offered {offered}; capacity at "
         f"full batches {r.capacity:,.1f}; busy {r.utilization:.0%})",
         f"latency ms    p50 {lat.p50:.2f}  p90 {lat.p90:.2f}  p99 {lat.p99:.2f}  "
         f"p99.9 {lat.p999:.2f}  max {lat.max:.2f}",

@@ -56,14 +56,23 @@ def _parse(text: str, units: dict[str, int], what: str) -> float:
     return value
 
 
+def _whole(text: str, value: float, unit: str) -> int:
+    # int() would make 0.5 a 0, and a later "must be positive, got 0" quote a value never given.
+    if 0 < value < 1:
+        raise ValueError(f"{text!r} is less than one {unit}")
+    return int(value)
+
+
 def parse_bytes(text: str) -> int:
     """``"80GiB"``, ``"80G"`` (binary), ``"80GB"`` (decimal), ``"1.5TiB"``, ``"4096"`` -> bytes."""
-    return int(_parse(text, _SIZE_UNITS, "a memory size (e.g. 80GiB, 24GB, 4096)"))
+    value = _parse(text, _SIZE_UNITS, "a memory size (e.g. 80GiB, 24GB, 4096)")
+    return _whole(text, value, "byte")
 
 
 def parse_count(text: str) -> int:
     """``"7B"``, ``"7e9"``, ``"125M"``, ``"70b"`` -> a parameter count."""
-    return int(_parse(text, _COUNT_UNITS, "a parameter count (e.g. 7B, 125M, 7e9)"))
+    value = _parse(text, _COUNT_UNITS, "a parameter count (e.g. 7B, 125M, 7e9)")
+    return _whole(text, value, "parameter")
 
 
 def format_bytes(n: float) -> str:

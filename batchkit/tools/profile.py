@@ -5,11 +5,14 @@ The function under test takes one batch, an array of shape ``[B, *input_shape]``
 a numpy array (``framework="numpy"``) or a torch tensor on ``device``
 (``framework="torch"``). Each size is run ``warmup`` times untimed, then
 ``repeats`` times; the median is reported. On CUDA every timing is bracketed by
-``torch.cuda.synchronize()`` so queued kernels are counted.
+``torch.cuda.synchronize()`` so queued kernels are counted. An ``async`` function
+is awaited to completion on a private event loop, and the timing includes that.
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import json
 import math
 import statistics
@@ -159,7 +162,25 @@ def _make_input(framework: str, shape: tuple[int, ...], dtype: str, device: str)
         return host
     import torch
 
-    return torch.from_numpy(host).to(device)
+    try:
+        return torch.from_numpy(host).to(device)
+    except torch.cuda.OutOfMemoryError as exc:  # the host copy fitted, the device's did not
+        raise MemoryError(str(exc)) from None
+
+
+def _check_torch(dtype: str, device: str) -> None:
+    """Refuse a dtype or device this torch build cannot use, before anything runs."""
+    import torch
+
+    try:
+        torch.from_numpy(np.zeros(1, dtype=dtype))
+    except TypeError:  # e.g. float128: numpy has it, torch does not
+        raise ValueError(f"dtype {dtype} is not supported by torch") from None
+    try:
+        torch.zeros(1).to(device)
+    except (AssertionError, RuntimeError) as exc:  # not compiled with CUDA, bad name, no GPU
+        reason = " ".join(str(exc).split())
+        raise ValueError(f"device {device!r} is not available: {reason}") from None
 
 
 def _check_dtype(dtype: str) -> None:
@@ -184,6 +205,18 @@ def _synchronizer(framework: str, device: str) -> Callable[[], None]:
     return lambda: None
 
 
+def _private_loop() -> asyncio.AbstractEventLoop:
+    """The loop an async ``fn`` runs on: one for the whole profile run."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:  # none running in this thread: it can block on its own loop
+        return asyncio.new_event_loop()
+    raise RuntimeError(
+        "profile() cannot await an async function inside a running event loop; "
+        "run it in a thread: await asyncio.to_thread(profile, ...)"
+    )
+
+
 def profile(
     fn: Callable[[Any], Any],
     input_shape: Sequence[int],
@@ -202,6 +235,10 @@ def profile(
 
     ``device`` (torch only) defaults to ``"cuda"`` when available, else ``"cpu"``.
     ``on_step(done, total)`` is called after each timed or warm-up call (progress).
+    ``fn`` may be ``async`` (or return an awaitable): each call is awaited to completion
+    on one private event loop, so call ``profile`` from synchronous code (a thread, not
+    inside a running loop). A dtype or device torch cannot use, or a batch too large for
+    memory, raises ``ValueError``.
     """
     if framework not in ("numpy", "torch"):
         raise ValueError(f"framework must be 'numpy' or 'torch', got {framework!r}")
@@ -222,32 +259,50 @@ def profile(
                 'framework="torch" needs torch: pip install "batchkit[torch]"'
             ) from None
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        _check_torch(dtype, device)
     else:
         device = device or "cpu"
     sync = _synchronizer(framework, device)
     target = name or str(getattr(fn, "__qualname__", repr(fn)))
     total, done = len(sizes) * (warmup + repeats), 0
     points = []
-    for size in sizes:
-        batch = _make_input(framework, (size, *shape), dtype, device)
-        times = []
-        for i in range(warmup + repeats):
-            sync()
-            start = time.perf_counter()
+    # Made before the first timing when fn is async; else on the first awaitable result.
+    loop = _private_loop() if inspect.iscoroutinefunction(fn) else None
+    try:
+        for size in sizes:
+            batch_shape = (size, *shape)
             try:
-                fn(batch)
-            except Exception as exc:
-                raise RuntimeError(
-                    f"{target} failed on a batch of shape {(size, *shape)}: "
-                    f"{type(exc).__name__}: {exc}"
-                ) from exc
-            sync()
-            if i >= warmup:
-                times.append((time.perf_counter() - start) * 1e3)
-            done += 1
-            if on_step is not None:
-                on_step(done, total)
-        points.append(ProfilePoint(size, statistics.median(times), min(times), max(times)))
+                batch = _make_input(framework, batch_shape, dtype, device)
+            except MemoryError:
+                nbytes = math.prod(batch_shape) * np.dtype(dtype).itemsize
+                raise ValueError(
+                    f"not enough memory for a batch of shape {batch_shape} {dtype} "
+                    f"({nbytes / 2**30:,.1f} GiB)"
+                ) from None
+            times = []
+            for i in range(warmup + repeats):
+                sync()
+                start = time.perf_counter()
+                try:
+                    result = fn(batch)
+                    if inspect.isawaitable(result):  # without this, only the coroutine is made
+                        loop = loop or _private_loop()
+                        loop.run_until_complete(result)
+                except Exception as exc:
+                    raise RuntimeError(
+                        f"{target} failed on a batch of shape {batch_shape}: "
+                        f"{type(exc).__name__}: {exc}"
+                    ) from exc
+                sync()
+                if i >= warmup:
+                    times.append((time.perf_counter() - start) * 1e3)
+                done += 1
+                if on_step is not None:
+                    on_step(done, total)
+            points.append(ProfilePoint(size, statistics.median(times), min(times), max(times)))
+    finally:
+        if loop is not None:
+            loop.close()
     return ProfileResult(
         target=target,
         input_shape=shape,

@@ -16,6 +16,8 @@ import heapq
 import itertools
 import json
 import math
+import re
+import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from batchkit.batchers.base import Batcher
+from batchkit.batchers.base import Batcher, check_positive_int
 from batchkit.batchers.dynamic import DynamicBatcher
 from batchkit.batchers.static import StaticBatcher
 from batchkit.serve.errors import QueueFull
@@ -54,14 +56,21 @@ class LatencyModel:
 
     @classmethod
     def from_points(cls, sizes: Sequence[int], latencies_ms: Sequence[float]) -> LatencyModel:
-        """Measured (batch size, ms) points; linear in between, the last slope beyond."""
-        pairs = sorted(zip(sizes, latencies_ms))
+        """Measured (batch size, ms) points; linear in between, the last slope beyond.
+
+        Points of the same size (repeated measurements) are averaged.
+        """
+        pairs = list(zip(sizes, latencies_ms))
         if not pairs:
             raise ValueError("a profile needs at least one (batch size, latency) point")
         if any(not (math.isfinite(ms) and ms > 0) or n < 1 for n, ms in pairs):
             raise ValueError("profile latencies must be positive and batch sizes >= 1")
-        xs = np.array([p[0] for p in pairs], dtype=np.float64)
-        ys = np.array([p[1] for p in pairs], dtype=np.float64)
+        # One y per x: a repeated size made the last slope divide by zero (an infinite latency).
+        by_size: dict[int, list[float]] = {}
+        for n, latency in pairs:
+            by_size.setdefault(n, []).append(latency)
+        xs = np.array(sorted(by_size), dtype=np.float64)
+        ys = np.array([statistics.fmean(by_size[n]) for n in sorted(by_size)], dtype=np.float64)
         slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else 0.0
 
         def ms(n: int) -> float:
@@ -121,19 +130,26 @@ def poisson_arrivals(rate: float, num_requests: int, seed: int = 0) -> np.ndarra
         raise ValueError(f"num_requests must be >= 1, got {num_requests!r}")
     gaps = np.random.default_rng(seed).exponential(1.0 / rate, num_requests)
     gaps[0] = 0.0  # the trace starts with its first request
-    return np.cumsum(gaps)
+    with np.errstate(over="ignore"):  # reported below, as one error
+        times: np.ndarray = np.cumsum(gaps)
+    if not np.isfinite(times).all():  # 1 / rate overflows for a rate such as 1e-320
+        raise ValueError(f"rate {rate!r} requests/s is too low: the arrival times overflow")
+    return times
 
 
 def read_trace(path: str | Path) -> np.ndarray:
     """Arrival times in seconds, one per line (``#`` comments and blank lines skipped).
 
-    Times are sorted and shifted so the first request arrives at 0.
+    A CSV's first column is read; a first line that is not a number but holds a name
+    (a header such as ``timestamp,len``) is skipped. Times are sorted and shifted so
+    the first request arrives at 0.
     """
     try:
         lines = Path(path).read_text().splitlines()
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"cannot read trace file {str(path)!r}: {exc}") from None
-    times = []
+    times: list[float] = []
+    header = False
     for lineno, line in enumerate(lines, 1):
         text = line.split("#", 1)[0].strip().split(",", 1)[0].strip()
         if not text:
@@ -141,6 +157,9 @@ def read_trace(path: str | Path) -> np.ndarray:
         try:
             t = float(text)
         except ValueError:
+            if not (times or header) and re.search("[A-Za-z_]", text):
+                header = True  # a CSV's header row (docs/cli.md: "a CSV's first column works")
+                continue
             raise ValueError(f"{path}:{lineno}: not an arrival time in seconds: {text!r}") from None
         if not math.isfinite(t):
             raise ValueError(f"{path}:{lineno}: arrival time must be finite, got {text!r}")
@@ -184,7 +203,7 @@ class SimResult:
     served: int
     rejected: int  # refused with QueueFull (max_queue_size)
     duration_s: float  # first arrival to last batch end
-    offered_rate: float  # requests/s in the arrivals
+    offered_rate: float  # requests/s in the arrivals; NaN when they all share one time
     throughput: float  # served requests/s over duration_s
     capacity: float  # requests/s when every slot runs full batches back to back
     utilization: float  # fraction of slot-time spent running batches
@@ -241,17 +260,24 @@ def simulate(
     for bucketed, sorted or token-budget policies. At the end of the arrivals the
     batcher closes, so a static batcher's partial tail is still served.
     """
+    # Zero slots never dispatch: the replay would wait forever.
+    check_positive_int("max_concurrent_batches", max_concurrent_batches)
     model = as_latency_model(latency)
     if arrivals is None:
         if rate is None:
             raise ValueError("pass rate= (requests/s) or arrivals= (times in seconds)")
         times = poisson_arrivals(rate, num_requests, seed)
     else:
-        times = np.sort(np.asarray(arrivals, dtype=np.float64))
+        times = np.asarray(arrivals, dtype=np.float64)
         if times.ndim != 1 or times.size == 0 or not np.isfinite(times).all():
             raise ValueError("arrivals must be a non-empty 1-D sequence of finite times")
     if keys is not None and len(keys) != len(times):
         raise ValueError(f"keys has {len(keys)} entries for {len(times)} arrivals")
+    # keys[i] belongs to arrivals[i]: sort both together (stable: ties keep the given order).
+    order = np.argsort(times, kind="stable")
+    times = times[order]
+    if keys is not None:
+        keys = [keys[i] for i in order.tolist()]
     policy_obj = batcher or _make_batcher(policy, max_batch_size, max_wait_ms)
     sched = Scheduler(
         policy_obj, max_queue_size=max_queue_size, max_concurrent_batches=max_concurrent_batches
@@ -279,6 +305,8 @@ def _replay(
         if t == inf:
             if sched.num_waiting == 0:
                 break
+            if sched.closing:  # closing dispatched nothing and nothing runs: it never will
+                raise RuntimeError(f"{sched.num_waiting} requests left waiting after close")
             sched.closing = True  # the trace ended: serve what is left, as close() would
             t = now
         now = t
@@ -301,7 +329,13 @@ def _replay(
             formed, wake_at = sched.poll(now)
             if formed is None:
                 break
-            end = now + model.seconds(formed.padded_size)
+            seconds = model.seconds(formed.padded_size)
+            end = now + seconds
+            if not math.isfinite(end):  # a batch that never ends would stall the replay
+                raise ValueError(
+                    f"a batch of {formed.padded_size} takes {seconds * 1e3:g} ms and would "
+                    f"end at {end:g} s: the latency model overflows"
+                )
             heapq.heappush(running, (end, next(order), formed))
             log.append((now, end, len(formed.requests)))
             for req in formed.requests:
@@ -327,7 +361,8 @@ def _summarise(
     end = float(np.nanmax(done_at)) if served else float(times[-1])
     duration = max(end - float(times[0]), 1e-12)
     span = float(times[-1] - times[0])
-    offered = (len(times) - 1) / span if span > 0 else math.inf
+    # Arrivals at one instant have no rate: NaN, not inf (which read as overload).
+    offered = (len(times) - 1) / span if span > 0 else math.nan
     busy = sum(e - s for s, e, _ in log)
     slots = sched.max_concurrent_batches
     full = policy.padded_size(policy.max_batch_size)
