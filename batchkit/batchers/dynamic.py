@@ -38,6 +38,13 @@ class DynamicBatcher(Batcher):
         for i, size in enumerate(given):
             check_positive_int(f"preferred_batch_sizes[{i}]", size)
         sizes = sorted(set(given))
+        if sizes and sizes[-1] > max_batch_size:
+            # A size above the maximum is unreachable, or worse, with strict sizes a pad-up
+            # target that would call the function with more than max_batch_size items.
+            raise ValueError(
+                f"preferred_batch_sizes {[s for s in sizes if s > max_batch_size]} exceed "
+                f"max_batch_size={max_batch_size}"
+            )
         if strict_sizes and not sizes:
             raise ValueError("strict_sizes=True needs preferred_batch_sizes")
         if sizes:

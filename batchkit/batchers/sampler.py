@@ -12,6 +12,7 @@ torch is not imported: a ``DataLoader`` only needs an iterable of index lists wi
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -98,7 +99,8 @@ class BatchSampler:
         self.epoch = 0
         self._resume_at = 0  # batches to skip on the next __iter__ (set by load_state_dict)
         self._yielded = 0
-        self._cache: tuple[int, list[list[int]]] | None = None
+        # (epoch, this rank's batches, digest of every rank's batches)
+        self._cache: tuple[int, list[list[int]], str] | None = None
 
     # -- epochs -----------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
@@ -142,10 +144,17 @@ class BatchSampler:
         return batches + [batches[i % len(batches)] for i in range(missing)]
 
     def _rank_batches(self) -> list[list[int]]:
+        return self._epoch_cache()[1]
+
+    def _epoch_cache(self) -> tuple[int, list[list[int]], str]:
         if self._cache is None or self._cache[0] != self.epoch:
-            mine = self.global_batches()[self.rank :: self.world_size]
-            self._cache = (self.epoch, mine)
-        return self._cache[1]
+            batches = self.global_batches()
+            h = hashlib.blake2b(digest_size=8)
+            for batch in batches:
+                h.update(np.asarray(batch, dtype=np.int64).tobytes())
+                h.update(b"|")
+            self._cache = (self.epoch, batches[self.rank :: self.world_size], h.hexdigest())
+        return self._cache
 
     # -- the DataLoader protocol -----------------------------------------
     def __iter__(self) -> Iterator[list[int]]:
@@ -165,8 +174,14 @@ class BatchSampler:
         """Batches this rank yields in the current epoch (the same on every rank)."""
         return len(self._rank_batches())
 
+    def batches_digest(self) -> str:
+        """A digest of the current epoch's batches (all ranks'): a resume checks it, so a
+        state saved for other batches (another dataset, policy, ``shuffle`` or
+        ``drop_last``) is refused instead of resuming into a different list."""
+        return self._epoch_cache()[2]
+
     # -- checkpoints ------------------------------------------------------
-    def state_dict(self) -> dict[str, int]:
+    def state_dict(self) -> dict[str, int | str]:
         """The position to resume from: epoch and batches this rank has yielded.
 
         All ranks yield in lockstep, so one rank's state can be loaded on every rank.
@@ -179,6 +194,7 @@ class BatchSampler:
             "batches_yielded": self._yielded,
             "seed": self.seed,
             "world_size": self.world_size,
+            "batches_digest": self.batches_digest(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -204,6 +220,13 @@ class BatchSampler:
             raise ValueError(
                 f"state has batches_yielded={done} but epoch {epoch} has only {total} "
                 "batches for this rank (another dataset or policy?)"
+            )
+        saved = state.get("batches_digest")  # (states saved before it existed lack it)
+        if saved is not None and saved != self.batches_digest():
+            self.epoch = current
+            raise ValueError(
+                f"state was saved for other batches in epoch {epoch} (another dataset, "
+                "policy, shuffle or drop_last): resuming would skip the wrong ones"
             )
         self._resume_at = self._yielded = done
 
