@@ -21,7 +21,13 @@ class SeqStatus(IntEnum):
 
 
 class Sequence:
-    """A request being generated: its tokens, progress, and the resources it holds."""
+    """A request being generated: its tokens, progress, and the resources it holds.
+
+    ``prompt_ids`` becomes ``token_ids`` as it is (no copy): generated tokens are
+    appended to it. ``ContinuousBatcher.submit`` passes its own copy; code driving the
+    :class:`~batchkit.generate.scheduler.Scheduler` directly should do the same if it
+    keeps the prompt list.
+    """
 
     __slots__ = (
         "request_id",

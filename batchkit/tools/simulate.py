@@ -12,6 +12,7 @@ alone (replicas, or streams that do not slow each other down).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import heapq
 import itertools
 import json
@@ -216,7 +217,8 @@ class SimResult:
     batcher: str
     latency_model: str
     max_concurrent_batches: int
-    latencies_s: np.ndarray = field(repr=False)  # per request, NaN if rejected
+    # per request, in the order of the arrivals as given; NaN if rejected
+    latencies_s: np.ndarray = field(repr=False)
     batch_log: list[tuple[float, float, int]] = field(repr=False)  # (start, end, size)
 
 
@@ -283,7 +285,10 @@ def simulate(
         policy_obj, max_queue_size=max_queue_size, max_concurrent_batches=max_concurrent_batches
     )
     done_at, started_at, log = _replay(sched, times, model, keys)
-    return _summarise(sched, times, done_at, started_at, log, model, policy_obj)
+    result = _summarise(sched, times, done_at, started_at, log, model, policy_obj)
+    given = np.empty_like(result.latencies_s)  # back in the order the caller gave
+    given[order] = result.latencies_s
+    return dataclasses.replace(result, latencies_s=given)
 
 
 def _replay(

@@ -315,3 +315,10 @@ def test_trace_only_a_first_header_row_is_skipped(tmp_path: Path, text: str, lin
     path.write_text(text)
     with pytest.raises(ValueError, match=f":{line}: not an arrival time"):
         read_trace(path)
+
+
+def test_simulated_latencies_come_in_the_order_of_the_arrivals_given() -> None:
+    result = simulate(
+        (1000.0, 0.0), arrivals=[0.1, 0.0], max_batch_size=1, max_concurrent_batches=1
+    )  # 1 s per batch: the request at 0.0 runs first, the one at 0.1 waits for it
+    assert result.latencies_s.tolist() == pytest.approx([1.9, 1.0])  # was [1.0, 1.9]
