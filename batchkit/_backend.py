@@ -231,8 +231,19 @@ def scatter_rows(data: Any, host_mask: np.ndarray, mask: Any, values: Any) -> No
 _NUMPY_VIEWABLE = frozenset(
     f"torch.{name}"
     for name in ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "float32",
-                 "float64", "complex64", "complex128")
+                 "float64", "complex64", "complex128", "uint16", "uint32", "uint64")
 )
+
+
+def copy_rows(
+    dst: Any, dst_rows: np.ndarray, src: Any, src_rows: np.ndarray, kind: str, device: Any
+) -> None:
+    """``dst[dst_rows] = src[src_rows]`` for host index arrays. On CPU a torch dtype with
+    a numpy view is copied through it: torch has no indexing kernel for some (uint16+)."""
+    if kind == "pt" and dst.device.type == "cpu" and str(dst.dtype) in _NUMPY_VIEWABLE:
+        dst.numpy()[dst_rows] = src.numpy()[src_rows]
+        return
+    dst[from_host(kind, dst_rows, device)] = src[from_host(kind, src_rows, device)]
 
 
 def to_ragged(
@@ -295,6 +306,10 @@ def to_ragged(
                 f"{feat} (item shapes are [length, *features])"
             )
     lengths = np.fromiter((a.shape[0] for a in arrays), dtype=np.int64, count=len(arrays))
+    if 0 < np.count_nonzero(lengths) < len(arrays):
+        # An empty item has no values to give a dtype (``[]`` is float64, ``torch.tensor([])``
+        # float32): it must not promote the others' (int64 ids would lose precision).
+        arrays = _empties_as_values(arrays, lengths, kind)
 
     if kind == "pt":
         torch = _torch()
@@ -316,12 +331,49 @@ def to_ragged(
     return Ragged(to_kind(values, out_kind), lengths, out_kind)
 
 
-def full(kind: str, shape: tuple[int, ...], fill: Any, like: Any) -> Any:
-    """An array of ``shape`` filled with ``fill``, with ``like``'s dtype and device."""
+def _empties_as_values(arrays: list[Any], lengths: np.ndarray, kind: str) -> list[Any]:
+    """``arrays`` with the empty ones cast to the dtype the non-empty ones promote to."""
+    filled = [a for a, n in zip(arrays, lengths) if n]
     if kind == "pt":
         torch = _torch()
-        return torch.full(shape, fill, dtype=like.dtype, device=like.device)
-    return np.full(shape, fill, dtype=like.dtype)
+        dtype = filled[0].dtype
+        for a in filled[1:]:
+            dtype = torch.promote_types(dtype, a.dtype)
+        return [a if n else a.to(dtype) for a, n in zip(arrays, lengths)]
+    dtype = np.result_type(*filled)
+    return [a if n else a.astype(dtype) for a, n in zip(arrays, lengths)]
+
+
+def full(kind: str, shape: tuple[int, ...], fill: Any, like: Any) -> Any:
+    """An array of ``shape`` filled with ``fill``, with ``like``'s dtype and device.
+
+    An integer or bool dtype must hold ``fill`` exactly: -100 in uint8 would wrap to 156
+    (and padding be trained on), 0.5 in int64 would become 0. A float dtype rounds.
+    """
+    if kind == "pt":
+        torch = _torch()
+        dtype = like.dtype
+        if not (dtype.is_floating_point or dtype.is_complex):
+            try:
+                held = torch.tensor(fill).to(dtype).item()
+            except (TypeError, RuntimeError, OverflowError):
+                held = None
+            _check_fill(fill, held, dtype)
+        return torch.full(shape, fill, dtype=dtype, device=like.device)
+    dtype = like.dtype
+    if dtype.kind in "biu":
+        try:
+            held = np.asarray(fill).astype(dtype).item()
+        except (TypeError, ValueError, OverflowError):
+            held = None
+        _check_fill(fill, held, dtype)
+    return np.full(shape, fill, dtype=dtype)
+
+
+def _check_fill(fill: Any, held: Any, dtype: Any) -> None:
+    """``held`` is ``fill`` cast to ``dtype`` and back (None if the cast failed)."""
+    if held is None or held != fill:
+        raise ValueError(f"pad value {fill!r} does not fit the data's dtype {dtype}")
 
 
 def from_host(kind: str, arr: np.ndarray, device: Any = None) -> Any:

@@ -14,6 +14,7 @@ import numpy as np
 
 from batchkit._backend import (
     Ragged,
+    ReturnTensors,
     check_return_tensors,
     is_tensor,
     to_kind,
@@ -60,9 +61,30 @@ def _has_sequence_axis(value: Any) -> bool:
     return (isinstance(value, np.ndarray) or is_tensor(value)) and value.ndim >= 1
 
 
-def _ragged_for_key(values: list[Any], key: str, who: str) -> Ragged:
+_HF_INT64 = frozenset({"input_ids", "attention_mask", "token_type_ids"})
+_NOT_WIDENED = ("torch.bool", "torch.int64")
+
+
+def _as_int64(data: Any) -> Any:
+    """Integer ``data`` (numpy or torch, any width) as int64; anything else as it is."""
+    if is_tensor(data):
+        dtype = data.dtype
+        if dtype.is_floating_point or dtype.is_complex or str(dtype) in _NOT_WIDENED:
+            return data
+        import torch
+
+        return data.to(torch.int64)
+    if data.dtype.kind in "iu" and data.dtype != np.int64:
+        return data.astype(np.int64)
+    return data
+
+
+def _ragged_for_key(
+    values: list[Any], key: str, who: str, kind: ReturnTensors = None
+) -> Ragged:
     try:
-        return to_ragged(values)
+        # kind: numbers from lists take that backend's default dtypes (float32 for torch)
+        return to_ragged(values, return_tensors=kind)
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{who}: key {key!r}: {exc}") from None
 
@@ -107,13 +129,21 @@ class PadCollator:
             values = [f[key] for f in features]
             out_key = "labels" if key in _LABEL_ALIASES else key
             if out_key in self.pad_values and _has_sequence_axis(values[0]):
-                padded = pad_ragged(
-                    _ragged_for_key(values, key, who),
-                    pad_value=self.pad_values[out_key],
-                    side=self.padding_side,
-                    pad_to_multiple_of=self.pad_to_multiple_of,
-                )
-                batch[out_key] = to_kind(padded.data, kind)
+                try:
+                    padded = pad_ragged(
+                        _ragged_for_key(values, key, who, kind),
+                        pad_value=self.pad_values[out_key],
+                        side=self.padding_side,
+                        pad_to_multiple_of=self.pad_to_multiple_of,
+                    )
+                except ValueError as exc:  # e.g. a pad value the key's dtype cannot hold
+                    if str(exc).startswith(who):
+                        raise
+                    raise ValueError(f"{who}: key {key!r}: {exc}") from None
+                data = padded.data
+                if out_key in _HF_INT64:
+                    data = _as_int64(data)  # as DataCollatorWithPadding gives, whatever came
+                batch[out_key] = to_kind(data, kind)
                 if key == "input_ids" or mask_source is None:
                     mask_source = padded
             else:
@@ -135,6 +165,8 @@ class PadCollator:
                 )
             if isinstance(values[0], (list, tuple)):
                 values = [np.asarray(v) for v in values]
+                if kind == "pt" and values[0].dtype == np.float64:
+                    values = [v.astype(np.float32) for v in values]  # torch's default float
         try:
             return stack(values, return_tensors=kind)  # type: ignore[arg-type]
         except (TypeError, ValueError) as exc:
@@ -173,11 +205,16 @@ class VarlenCollator:
         keys = _check_features(features, who)
         if "input_ids" not in keys:
             raise ValueError(f"{who}: features need an 'input_ids' key; got {keys}")
-        kept = [i for i, f in enumerate(features) if len(f["input_ids"]) > 0]
+        kept = [i for i, f in enumerate(features) if _seq_len(f["input_ids"], i, who) > 0]
         if not kept:
             raise ValueError(f"{who}: every sequence in the batch is empty")
         kept_features = [features[i] for i in kept]
         tokens = _ragged_for_key([f["input_ids"] for f in kept_features], "input_ids", who)
+        if tokens.feature_shape:  # nested lists: one flat row needs 1-D token ids
+            raise ValueError(
+                f"{who}: input_ids must be 1-D sequences of token ids, got items of shape "
+                f"[length, {', '.join(map(str, tokens.feature_shape))}]"
+            )
         layout = varlen_from_ragged(tokens)
         starts = tokens.offsets()[:-1]
 
@@ -217,3 +254,20 @@ class VarlenCollator:
                 index = np.asarray(kept, dtype=np.int64)
             batch["sample_index"] = to_kind(index, kind)
         return batch
+
+
+def _seq_len(ids: Any, i: int, who: str) -> int:
+    """The length of item ``i``'s ``input_ids``: a 1-D sequence of token ids."""
+    shape = getattr(ids, "shape", None)
+    if shape is not None and len(shape) != 1:
+        raise ValueError(
+            f"{who}: item {i}: input_ids must be a 1-D sequence of token ids, got shape "
+            f"{tuple(shape)}"
+        )
+    try:
+        return len(ids)
+    except TypeError:
+        raise TypeError(
+            f"{who}: item {i}: input_ids must be a sequence of token ids, got "
+            f"{type(ids).__name__}"
+        ) from None

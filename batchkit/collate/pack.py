@@ -26,6 +26,7 @@ from batchkit._backend import (
     ReturnTensors,
     check_leading_axes,
     concat,
+    copy_rows,
     from_host,
     full,
     to_ragged,
@@ -203,7 +204,7 @@ def pack(
     kind, device, values = ragged.kind, ragged.device, ragged.values
     flat = full(kind, (num_rows * max_length, *feat), pad_value, like=values)
     if dest.size:
-        flat[from_host(kind, dest, device)] = values[from_host(kind, src, device)]
+        copy_rows(flat, dest, values, src, kind, device)
     seg_flat = np.zeros(num_rows * max_length, dtype=np.int32)
     seg_flat[dest] = np.repeat(np.asarray(segment, dtype=np.int32), size_arr)
 

@@ -139,8 +139,8 @@ def pad(
     """
     check_side(side)
     if max_length is not None:
-        if max_length < 0:
-            raise ValueError(f"max_length must be >= 0, got {max_length}")
+        if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 0:
+            raise ValueError(f"max_length must be an int >= 0, got {max_length!r}")
         if not truncate:
             check_max_length(seqs, max_length, hint="pass truncate=True to cut it")
     ragged = to_ragged(

@@ -150,7 +150,8 @@ def _batch_size(batch: Any, path: str) -> int | None:
 def _is_container_list(batch: list[Any]) -> bool:
     """A list whose entries are batched leaves (not a per-item list of strings)."""
     return bool(batch) and all(
-        isinstance(v, (np.ndarray, Mapping, tuple, list)) or is_tensor(v) for v in batch
+        isinstance(v, (np.ndarray, Mapping, tuple, list)) or is_tensor(v) or type(v) in _LEAF_TYPES
+        for v in batch
     )
 
 
