@@ -10,26 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from batchkit.cli import main
+from tests.cli._helpers import assert_one_line_error, run
 
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = Path(__file__).with_name("models.py")
 LLAMA = ["memory", "--layers", "32", "--kv-heads", "32", "--head-dim", "128", "--seq-len", "4096"]
-
-
-def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def assert_one_line_error(code: int, err: str, *needles: str) -> None:
-    assert code == 2
-    assert "Traceback" not in err
-    last = err.strip().splitlines()[-1]
-    assert "error:" in last
-    for needle in needles:
-        assert needle in last, last
 
 
 def test_memory_command(capsys: pytest.CaptureFixture[str]) -> None:

@@ -27,6 +27,7 @@ from batchkit.cli import main
 from batchkit.serve.scheduler import FormedBatch, Scheduler
 from batchkit.tools.profile import profile
 from batchkit.tools.simulate import LatencyModel, read_trace, simulate
+from tests.cli._helpers import assert_one_line_error, run
 
 ROOT = Path(__file__).resolve().parents[2]
 TARGET = f"{Path(__file__).with_name('models.py')}:saturating"
@@ -52,21 +53,6 @@ def within(seconds: float, fn: Callable[[], Any]) -> Any:
     if not ok:
         raise value
     return value
-
-
-def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def assert_one_line_error(code: int, err: str, *needles: str) -> None:
-    assert code == 2
-    assert "Traceback" not in err
-    last = err.strip().splitlines()[-1]
-    assert "error:" in last
-    for needle in needles:
-        assert needle in last, last
 
 
 # 1. keys travel with their arrivals when the arrivals are sorted
