@@ -324,11 +324,7 @@ class Runtime(BlockingAdmission):
         """Under the lock: ``batch`` will never report (its task or loop is gone). Fail
         its unanswered requests with ``error``, tell listeners, free its slot; returns
         the requests failed here (to deliver)."""
-        abandoned = [r for r in batch.requests if r.state is RUNNING]
-        for req in abandoned:
-            req.state, req.error = DONE, error
-        self.sched.stats.failed += len(abandoned)
-        batch.answered = True
+        abandoned = self._answer_running_locked(batch, error)
         now = self.clock()
         self.sched.finish(batch, now)
         if self.listeners:  # every request failed (answered here or by a close before)
@@ -368,16 +364,21 @@ class Runtime(BlockingAdmission):
         self.room.wake_all()
         self.sched.stats.closed += len(failed)
         self._dropped("closed", len(failed))
-        for batch in self.sched.running.values():
-            batch.answered = True  # its end must not answer these requests again
-            for req in batch.requests:
-                if req.state is RUNNING:
-                    req.state = DONE
-                    self.sched.stats.failed += 1
-                    failed.append(req)
         for req in failed:
             req.error = error
+        for batch in self.sched.running.values():
+            failed += self._answer_running_locked(batch, error)
         deliver(failed)
+
+    def _answer_running_locked(self, batch: FormedBatch, error: BaseException) -> list[Request]:
+        """Fail ``batch``'s still-running requests with ``error`` (counted); its end must
+        not answer them again. Returns them, to deliver."""
+        answered = [r for r in batch.requests if r.state is RUNNING]
+        for req in answered:
+            req.state, req.error = DONE, error
+        self.sched.stats.failed += len(answered)
+        batch.answered = True
+        return answered
 
     def load(self) -> tuple[int, int]:
         """``(queue depth, batches in flight)`` now: what :meth:`stats` reports, without
