@@ -19,9 +19,10 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from batchkit.generate.handle import GenerationHandle
-from batchkit.generate.scheduler import MAX_TOKEN_ID, Scheduler
+from batchkit.generate.scheduler import Scheduler
 from batchkit.generate.sequence import SeqStatus, Sequence, StepBatch
 from batchkit.generate.stats import GenerationStats
+from batchkit.generate.tokens import is_index, token_ids
 from batchkit.kv.allocator import BlockAllocator
 from batchkit.serve.errors import BatcherClosed, QueueFull, RequestTimeout
 
@@ -107,15 +108,15 @@ class ContinuousBatcher:
         """
         if priority.__class__ is not int:
             raise TypeError(f"priority must be an int, got {type(priority).__name__}")
-        if max_new_tokens.__class__ is not int and _is_index(max_new_tokens):
+        if max_new_tokens.__class__ is not int and is_index(max_new_tokens):
             max_new_tokens = operator.index(max_new_tokens)  # numpy / torch integers
         if timeout is not None and not (isinstance(timeout, (int, float)) and timeout >= 0):
             # (NaN fails ">= 0" too: a NaN deadline would disable every later one)
             raise ValueError(f"timeout must be None or a number of seconds >= 0, got {timeout!r}")
-        stops = frozenset(_token_ids(stop_token_ids, "stop_token_ids"))
+        stops = frozenset(token_ids(stop_token_ids, "stop_token_ids"))
         if self.eos_token_id is not None:
             stops |= {self.eos_token_id}
-        prompt = _token_ids(prompt_ids, "prompt_ids")
+        prompt = token_ids(prompt_ids, "prompt_ids")
         with self._lock:
             if self._closed:
                 raise BatcherClosed(f"{self.name} is closed")
@@ -444,28 +445,3 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
     except RuntimeError:
         return None
 
-
-def _token_ids(ids: Iterable[Any], what: str) -> list[int]:
-    """``ids`` as a list of ints in ``[0, 2**63)`` (numpy and torch integers accepted);
-    anything else is refused here, naming its position, before it can reach a step."""
-    out = list(ids)
-    try:
-        if not set(map(type, out)) <= {int}:
-            out = list(map(operator.index, out))
-    except TypeError:
-        i, bad = next((i, t) for i, t in enumerate(out) if not _is_index(t))
-        raise TypeError(
-            f"{what}[{i}] is {bad!r} ({type(bad).__name__}), not an integer token id"
-        ) from None
-    if out and (min(out) < 0 or max(out) > MAX_TOKEN_ID):
-        i, bad = next((i, t) for i, t in enumerate(out) if not 0 <= t <= MAX_TOKEN_ID)
-        raise ValueError(f"{what}[{i}] is {bad}, outside the token ids [0, {MAX_TOKEN_ID}]")
-    return out
-
-
-def _is_index(value: Any) -> bool:
-    try:
-        operator.index(value)
-    except TypeError:
-        return False
-    return True

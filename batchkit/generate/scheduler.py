@@ -16,17 +16,13 @@ adds threads, handles and time.
 from __future__ import annotations
 
 import heapq
-import operator
 from collections import deque
-from typing import Any
 
 from batchkit.generate.sequence import ScheduledSeq, SeqStatus, Sequence, StepBatch
 from batchkit.generate.stats import GenerationStatsRecorder
+from batchkit.generate.tokens import check_step_tokens
 from batchkit.kv.allocator import BlockAllocator
 from batchkit.kv.block_table import BlockTable, BlockTableRows, blocks_for
-
-MAX_TOKEN_ID = 2**63 - 1  # token ids are int64 in every layout
-_INT = {int}
 
 
 class Scheduler:
@@ -282,21 +278,7 @@ class Scheduler:
         # Check every entry before applying any. A bad one fails only its own sequence:
         # it is aborted here (its token dropped, as for a cancel during the step), and
         # listed in ``errored`` with the reason in ``seq.error``.
-        bad: dict[int, str] = {}
-        if None in tokens:
-            for i, (sched, token) in enumerate(zip(seqs, tokens)):
-                if token is None and sched.start + sched.num_tokens == len(sched.token_ids):
-                    bad[i] = "None, but it reached its last token and must sample"
-            sampled: list[Any] = [t for t in tokens if t is not None]
-        else:
-            sampled = tokens
-        if not set(map(type, sampled)) <= _INT:  # numpy / torch integers: converted once here
-            tokens = _as_token_ids(tokens, bad)
-            sampled = [t for t in tokens if t is not None]
-        if sampled and (min(sampled) < 0 or max(sampled) > MAX_TOKEN_ID):
-            for i, token in enumerate(tokens):
-                if token is not None and not 0 <= token <= MAX_TOKEN_ID:
-                    bad[i] = f"{token}, outside the token ids [0, {MAX_TOKEN_ID}]"
+        tokens, bad = check_step_tokens(seqs, tokens)
         for i, what in bad.items():
             seq = seqs[i].seq
             if seq.status is not SeqStatus.FINISHED:  # not cancelled during the step
@@ -425,15 +407,3 @@ class Scheduler:
         """Abort every waiting and running sequence."""
         return self.fail(list(self.waiting) + list(self.running), reason)
 
-
-def _as_token_ids(tokens: list[Any], bad: dict[int, str]) -> list[int | None]:
-    """``tokens`` with integer-likes (numpy, torch) as ints; any other entry is recorded
-    in ``bad`` (by position) and replaced by None."""
-    out: list[int | None] = []
-    for i, token in enumerate(tokens):
-        try:
-            out.append(None if token is None else operator.index(token))
-        except TypeError:
-            bad[i] = f"{token!r} ({type(token).__name__}), not an integer token id"
-            out.append(None)
-    return out
