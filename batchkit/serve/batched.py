@@ -15,7 +15,8 @@ from batchkit.batchers.base import Batcher, check_positive_int
 from batchkit.batchers.dynamic import DynamicBatcher
 from batchkit.serve.events import Listener
 from batchkit.serve.looped import LoopRuntime
-from batchkit.serve.runtime import Clock, Options, Runtime, await_request
+from batchkit.serve.request import await_request
+from batchkit.serve.runtime import Clock, Options, Runtime
 from batchkit.serve.stats import Stats
 from batchkit.serve.threaded import ThreadRuntime
 

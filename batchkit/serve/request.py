@@ -1,4 +1,5 @@
-"""One caller's request: its item, where it waits, and how its outcome reaches it."""
+"""One caller's request: its item, where it waits, how its outcome reaches it, and how
+an asyncio caller awaits it (with its timeout and cancellation)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,10 @@ import asyncio
 import contextlib
 import threading
 from enum import IntEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from batchkit.serve.runtime import Runtime
 
 
 class State(IntEnum):
@@ -131,3 +135,24 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
         return asyncio.get_running_loop()
     except RuntimeError:
         return None
+
+
+async def await_request(runtime: Runtime, req: Request, timeout: float | None) -> Any:
+    """Await an asyncio request, honouring its timeout and its caller's cancellation."""
+    fut = req.future
+    assert fut is not None and req.loop is not None
+    timer = None
+    if timeout is not None:
+
+        def expire() -> None:
+            runtime.give_up(req, runtime.timeout_error(timeout), timed_out=True)
+
+        timer = req.loop.call_later(max(timeout, 0.0), expire)
+    try:
+        return await fut
+    except asyncio.CancelledError:
+        runtime.give_up(req, asyncio.CancelledError(), timed_out=False)
+        raise
+    finally:
+        if timer is not None:
+            timer.cancel()

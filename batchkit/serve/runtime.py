@@ -21,7 +21,7 @@ from batchkit.serve.backpressure import BlockingAdmission, RoomWaiters
 from batchkit.serve.errors import BatcherClosed, QueueFull, RequestTimeout
 from batchkit.serve.events import BatchEvent, DropEvent, DropReason, Listener, notify
 from batchkit.serve.recovery import BatchRun, Part, Stage
-from batchkit.serve.request import Request, State, deliver
+from batchkit.serve.request import Request, State, await_request, deliver
 from batchkit.serve.scheduler import FormedBatch, Scheduler
 from batchkit.serve.stats import Stats
 
@@ -403,23 +403,3 @@ def closed_error(name: str) -> BatcherClosed:
     """The error for requests still unanswered when a close times out."""
     return BatcherClosed(f"{name} closed before this request was served")
 
-
-async def await_request(runtime: Runtime, req: Request, timeout: float | None) -> Any:
-    """Await an asyncio request, honouring its timeout and its caller's cancellation."""
-    fut = req.future
-    assert fut is not None and req.loop is not None
-    timer = None
-    if timeout is not None:
-
-        def expire() -> None:
-            runtime.give_up(req, runtime.timeout_error(timeout), timed_out=True)
-
-        timer = req.loop.call_later(max(timeout, 0.0), expire)
-    try:
-        return await fut
-    except asyncio.CancelledError:
-        runtime.give_up(req, asyncio.CancelledError(), timed_out=False)
-        raise
-    finally:
-        if timer is not None:
-            timer.cancel()
