@@ -36,17 +36,27 @@ class LoopRuntime(Runtime):
         if self.loop is loop:
             return
         with self.lock:
-            if self.loop is not None and self.loop.is_closed() and not self.sched.drained:
+            old = self.loop
+            if old is not None and old.is_closed() and not self.sched.drained:
                 # Its batches will never finish: answer their callers, free their slots.
                 self.fail_all_locked(closed_error(self.name))
                 for batch in list(self.sched.running.values()):
                     self.abandon_locked(batch, closed_error(self.name))
-            if self.loop is not None and not self.loop.is_closed() and not self.sched.drained:
-                raise RuntimeError(
-                    f"{self.name} is busy on another event loop; an async batched function "
-                    "serves one loop at a time"
-                )
+            # While the old loop runs, its callers are admitted without the lock (see
+            # _owner_loop), so it is never left then, even when idle.
+            if old is not None and not old.is_closed():
+                if old.is_running():
+                    raise RuntimeError(
+                        f"{self.name} serves another event loop, which is still running; an "
+                        "async batched function serves one loop at a time"
+                    )
+                if not self.sched.drained:
+                    raise RuntimeError(
+                        f"{self.name} is busy on another event loop; an async batched "
+                        "function serves one loop at a time"
+                    )
             self.loop = loop
+            self._owner_loop = loop if self._arrive is not None and not self.closed else None
             self._poll_due = False
             self._timer = None
             self._drained = None
@@ -102,7 +112,7 @@ class LoopRuntime(Runtime):
             # Take the next batch before waking this one's callers: its call starts in this
             # same step, so the accelerator is not left idle while the callers resume.
             with self.lock:
-                answered = self.finish_locked(batch, run, deliver_now=False)
+                answered = self.finish_locked(batch, run, on_callers_loop=True)
                 batch, _ = self.sched.poll(self.clock())
                 holding[0] = batch
             resolve_futures(answered)  # every request here awaits on this loop
@@ -159,6 +169,7 @@ class LoopRuntime(Runtime):
                 raise RuntimeError(f"{self.name}: aclose() must run on the loop it serves")
             self.bind(loop)  # a closed previous loop's leftovers are answered here
             self.closed = self.sched.closing = True
+            self._owner_loop = None  # later callers take the checked path: BatcherClosed
             self.room.wake_all()  # blocked callers see BatcherClosed
             if self._drained is None:  # shared by concurrent aclose() calls
                 self._drained = asyncio.Event()
@@ -179,6 +190,7 @@ class LoopRuntime(Runtime):
         if loop is None or loop.is_closed() or not loop.is_running():
             with self.lock:  # no loop will ever run what is left: answer it now
                 self.closed = self.sched.closing = True
+                self._owner_loop = None
                 self.fail_all_locked(closed_error(self.name))
             return
         try:

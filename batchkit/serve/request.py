@@ -57,12 +57,13 @@ class Request:
         bucket: Any,
         priority: int,
         loop: asyncio.AbstractEventLoop | None = None,
+        enqueued_at: float = 0.0,
     ) -> None:
         self.item = item
         self.key = key
         self.bucket = bucket
         self.priority = priority
-        self.enqueued_at = 0.0  # the arrival time: set at admission
+        self.enqueued_at = enqueued_at  # the arrival time: set at admission
         self.seq = 0
         self.state = WAITING
         self.value: Any = None

@@ -9,7 +9,6 @@ and :class:`~batchkit.serve.looped.LoopRuntime` (async functions; one event loop
 from __future__ import annotations
 
 import asyncio
-import operator
 import threading
 import time
 from collections.abc import Callable, Generator, Sequence
@@ -27,7 +26,9 @@ from batchkit.serve.stats import Stats
 
 Clock = Callable[[], float]
 DONE, RUNNING = State.DONE, State.RUNNING
-_item_of = operator.attrgetter("item")
+# Compared by identity on the hot path: CPython keeps one 0 object (a bool, a numpy
+# int or any other look-alike fails the check and takes the checked path).
+_DEFAULT_PRIORITY = 0
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,9 @@ class Runtime(BlockingAdmission):
         # The loop of the last asyncio caller, already bound: acall checks it instead of
         # calling bind() every time (a thread runtime's self.loop stays None).
         self._caller_loop: asyncio.AbstractEventLoop | None = None
+        # Set by a runtime whose scheduler only the thread running this loop changes
+        # (see LoopRuntime.bind): default-lane callers on it are admitted without the lock.
+        self._owner_loop: asyncio.AbstractEventLoop | None = None
         # True when a poll is due anyway (a runtime sets it when it knows): an
         # admission then skips _wake_locked.
         self._poll_due = False
@@ -168,19 +172,27 @@ class Runtime(BlockingAdmission):
     async def acall(self, item: Any, *, priority: int = 0, timeout: float | None = None) -> Any:
         """One item from asyncio: await its result, honouring timeout and cancellation."""
         loop = asyncio.get_running_loop()
-        if loop is not self._caller_loop:
-            self.bind_caller(loop)
-        if self.keyless and priority.__class__ is int:
-            req = Request(item, 0.0, None, priority, loop)  # the common case, inlined
+        if loop is self._owner_loop and priority is _DEFAULT_PRIORITY:
+            # The hot path: this thread alone changes the scheduler, so no lock; one
+            # C-level append, placed in bulk at the next scheduling step.
+            req = Request(item, 0.0, None, 0, loop, self.clock())
+            self._arrive(req)  # type: ignore[misc]
+            if not self._poll_due:
+                self._wake_locked()
         else:
-            req = self.make_request(item, priority, loop)
-        if self.room_mode_block:
-            started = time.monotonic()
-            await self.asubmit_blocking(req, timeout)
-            if timeout is not None:
-                timeout = max(timeout - (time.monotonic() - started), 0.0)
-        else:
-            self.submit(req)
+            if loop is not self._caller_loop:
+                self.bind_caller(loop)
+            if self.keyless and priority.__class__ is int:
+                req = Request(item, 0.0, None, priority, loop)
+            else:
+                req = self.make_request(item, priority, loop)
+            if self.room_mode_block:
+                started = time.monotonic()
+                await self.asubmit_blocking(req, timeout)
+                if timeout is not None:
+                    timeout = max(timeout - (time.monotonic() - started), 0.0)
+            else:
+                self.submit(req)
         if timeout is None:  # the hot path: no timer, a single await
             try:
                 return await req.future  # type: ignore[misc]
@@ -244,7 +256,7 @@ class Runtime(BlockingAdmission):
         """(padded size, function argument) for ``part``; None if collate failed (recorded)."""
         start, stop = part
         padded = self.options.policy.padded_size(stop - start)
-        items = list(map(_item_of, run.requests[start:stop]))
+        items = [req.item for req in run.requests[start:stop]]  # (beats attrgetter + map)
         if padded > len(items):  # strict sizes: repeat the last item; its results are dropped
             items.extend([items[-1]] * (padded - len(items)))
         collate = self.options.collate
@@ -277,12 +289,14 @@ class Runtime(BlockingAdmission):
         return results  # type: ignore[no-any-return]
 
     def finish_locked(
-        self, batch: FormedBatch, run: BatchRun, *, deliver_now: bool = True
+        self, batch: FormedBatch, run: BatchRun, *, on_callers_loop: bool = False
     ) -> list[Request]:
         """Under the lock: free the slot and settle each still-running request once.
 
-        Returns the settled requests; they are woken here unless ``deliver_now`` is
-        False (the caller then calls :func:`deliver`).
+        Returns the settled requests, for the caller to :func:`deliver` (outside the
+        lock). ``on_callers_loop``: this runs on the loop every request awaits on (a
+        loop runtime); when every item succeeded, their futures are then resolved here,
+        in the same pass, and nothing is returned.
         """
         now = self.clock()
         sched = self.sched
@@ -299,25 +313,31 @@ class Runtime(BlockingAdmission):
             self._report_batch(batch, run, now)
         requests, values, errors = batch.requests, run.values, run.errors
         if not errors and not batch.answered:  # the hot path: every item succeeded
+            if on_callers_loop:
+                # (set_result only schedules the callers' wake-ups: no code of theirs runs
+                # under this lock.) A cancelled caller's future is left alone.
+                for req, value in zip(requests, values):
+                    req.state = DONE
+                    future = req.future
+                    if not future.done():  # type: ignore[union-attr]
+                        future.set_result(value)  # type: ignore[union-attr]
+                return []
             for req, value in zip(requests, values):
                 req.state = DONE
                 req.value = value
-            done = requests
-        else:
-            done = []
-            for i, req in enumerate(requests):
-                if req.state is not RUNNING:
-                    continue  # already answered (a close that timed out)
-                req.state = DONE
-                error = errors.get(i)
-                if error is None:
-                    req.value = values[i]
-                else:
-                    req.error = error
-                    stats.failed += 1
-                done.append(req)
-        if deliver_now:
-            deliver(done)
+            return requests
+        done = []
+        for i, req in enumerate(requests):
+            if req.state is not RUNNING:
+                continue  # already answered (a close that timed out)
+            req.state = DONE
+            error = errors.get(i)
+            if error is None:
+                req.value = values[i]
+            else:
+                req.error = error
+                stats.failed += 1
+            done.append(req)
         return done
 
     def abandon_locked(self, batch: FormedBatch, error: BaseException) -> list[Request]:
@@ -389,8 +409,10 @@ class Runtime(BlockingAdmission):
     def stats(self) -> Stats:
         """A snapshot of the counters."""
         with self.lock:
-            self.sched.ingest()  # count arrivals not yet placed
+            # Arrivals are counted, not placed: a loop runtime's callers append to them
+            # without the lock, so only the scheduling thread may move them.
             return self.sched.stats.snapshot(
+                unplaced=len(self.sched.arrivals),
                 queue_depth=self.sched.num_waiting,
                 in_flight=self.sched.in_flight,
                 caps={

@@ -12,9 +12,14 @@ from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 
 from batchkit.batchers.base import Batcher
+from batchkit.batchers.dynamic import DynamicBatcher
 from batchkit.serve.errors import QueueFull
 from batchkit.serve.request import WAITING, Request, State
 from batchkit.serve.stats import DispatchReason, StatsRecorder
+
+# The built-in select() methods return a prefix of their candidates and leave the list
+# as it was: their batch is the queue's front without checking it item by item.
+_PREFIX_SELECTS = frozenset({Batcher.select, DynamicBatcher.select})
 
 PROBE_AFTER = 32  # successful batches at a learned cap before trying a larger one
 
@@ -153,6 +158,7 @@ class Scheduler:
         self.on_room: Callable[[], None] | None = None  # called when requests leave the queue
         self._cap_successes: dict[Hashable, int] = {}
         self.stats = StatsRecorder()
+        self._select_takes_prefix = type(policy).select in _PREFIX_SELECTS
 
     # -- requests in and out ----------------------------------------------
     @property
@@ -330,7 +336,9 @@ class Scheduler:
             req.state = RUNNING
         # The usual batch, the front of the one clean deque, leaves it at once. (Checked
         # against the deque itself: a policy's select() may have reordered its list.)
-        front = queue is not None and all(map(operator.is_, chosen, queue))
+        front = queue is not None and (
+            self._select_takes_prefix or all(map(operator.is_, chosen, queue))
+        )
         bucket.taken(len(chosen), front=front)
         self._placed -= len(chosen)
         self.in_flight += 1

@@ -64,7 +64,7 @@ class ThreadRuntime(Runtime):
                     run = self._run(batch)
                 finally:
                     cond.acquire()
-                done = self.finish_locked(batch, run, deliver_now=False)
+                done = self.finish_locked(batch, run)
                 # Take the next batch before waking this one's callers, and wake them
                 # outside the lock: they call again at once and must not queue on it.
                 batch, wake_at = sched.poll(clock())

@@ -77,3 +77,62 @@ def test_admission_rechecks_the_loop_under_the_lock() -> None:
     finally:
         loop_a.close()
         loop_b.close()
+
+
+def test_an_idle_batcher_stays_with_its_loop_while_that_loop_runs() -> None:
+    """Its callers are admitted without the lock while their loop runs, so another
+    loop is refused then, even with nothing queued; once the loop stops, it may move."""
+
+    @batchkit.batched(max_batch_size=4, max_wait_ms=0.5)
+    async def ident(xs: list[int]) -> list[int]:
+        return xs
+
+    first_served = threading.Event()
+    release = threading.Event()
+
+    def serve_on_first_loop() -> None:
+        async def main() -> None:
+            assert await ident.acall(1) == 1
+            first_served.set()
+            while not release.is_set():  # the loop keeps running, the batcher idle
+                await asyncio.sleep(0.001)
+
+        asyncio.run(main())
+
+    thread = threading.Thread(target=serve_on_first_loop)
+    thread.start()
+    try:
+        assert first_served.wait(10)
+        try:
+            asyncio.run(ident.acall(2))
+        except RuntimeError as exc:
+            assert "still running" in str(exc)
+        else:
+            raise AssertionError("a second loop was served while the first still ran")
+    finally:
+        release.set()
+        thread.join(10)
+    assert asyncio.run(ident.acall(3)) == 3  # the first loop ended: this one is served
+    assert ident.stats().requests == 2
+
+
+def test_stats_counts_arrivals_but_leaves_them_to_the_scheduling_thread() -> None:
+    """A loop's callers append to the arrivals without the lock; f.stats(), run from
+    any thread, must count them without moving them (a move racing an append loses it)."""
+
+    @batchkit.batched(max_batch_size=8, max_wait_ms=1)
+    async def ident(xs: list[int]) -> list[int]:
+        return xs
+
+    async def main() -> None:
+        call = asyncio.ensure_future(ident.acall(7))
+        await asyncio.sleep(0)  # the call is admitted; the scheduling pass comes next
+        arrivals = ident.runtime.sched.arrivals
+        assert len(arrivals) == 1
+        stats = ident.stats()
+        assert (stats.requests, stats.queue_depth) == (1, 1)
+        assert len(arrivals) == 1  # still there, for the loop's own scheduling pass
+        assert await call == 7
+
+    asyncio.run(main())
+    assert ident.stats().requests == 1
