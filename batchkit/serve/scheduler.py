@@ -159,6 +159,7 @@ class Scheduler:
         self._cap_successes: dict[Hashable, int] = {}
         self.stats = StatsRecorder()
         self._select_takes_prefix = type(policy).select in _PREFIX_SELECTS
+        self._keyed = policy.key is not None
 
     # -- requests in and out ----------------------------------------------
     @property
@@ -175,7 +176,9 @@ class Scheduler:
             raise QueueFull(
                 f"{self._placed} requests are waiting (max_queue_size={self.max_queue_size})"
             )
-        self.stats.requests = req.seq = self.stats.requests + 1  # seq: arrival order
+        self.stats.requests += 1
+        if self._keyed:  # seq: arrival order, across buckets (a keyless policy has one)
+            req.seq = self.stats.requests
         self._place(req)
         self._placed += 1
 
