@@ -1,0 +1,93 @@
+"""Machine instructions per request (valgrind): batchkit's asyncio path vs the minimal batcher.
+
+Wall-clock rates on a shared VM move by 20% from run to run, and Python opcodes
+(``opcodes.py``) miss the C-level work inside them (allocation, locks, calls). This
+script counts every instruction the process executes, under ``valgrind --tool=callgrind``,
+for the overhead scenario of ``online.py`` (identity function, 256 concurrent callers,
+batches of 32), at two run lengths: the difference divided by the extra requests is
+the cost of one request, with start-up and shutdown cancelled out. Runs are made
+deterministic (fixed hash seed, one BLAS thread, a max wait long enough never to
+fire), so a change of a few hundred instructions is visible; with ``--executor`` the
+function goes through ``run_in_executor`` as in ``online.py``, and thread scheduling
+makes the count move by a few hundred.
+
+Usage (needs ``valgrind`` on the PATH; about a minute per system)::
+
+    python benchmarks/instructions.py                 # batchkit, batchkit-sync, minimal
+    python benchmarks/instructions.py --executor
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SHORT, LONG = 2048, 12288
+MAX_WAIT_S = 2.0  # batches leave full or when the function is idle, never by the timer
+ENV = {"PYTHONHASHSEED": "0", "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+
+
+async def _serve(system: str, total: int, executor: bool) -> None:
+    sys.path.insert(0, str(HERE))
+    import online
+    from _peers import MinimalBatcher
+
+    import batchkit
+
+    async def ident(xs: list[object]) -> list[object]:
+        return xs
+
+    fn = online.async_on_executor(online.identity) if executor else ident
+    if system == "minimal":
+        minimal = MinimalBatcher(fn, online.MAX_BATCH, MAX_WAIT_S)
+        await online.closed_loop(minimal, total, online.CALLERS)
+        await minimal.close()
+        return
+    model = online.identity if system == "batchkit-sync" else fn
+    f = batchkit.batched(max_batch_size=online.MAX_BATCH, max_wait_ms=MAX_WAIT_S * 1e3)(model)
+    await online.closed_loop(f.acall, total, online.CALLERS)
+    await f.aclose()
+
+
+def _count(system: str, total: int, executor: bool) -> int:
+    cmd = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable]
+    cmd += [__file__, "--child", system, str(total)] + (["--executor"] if executor else [])
+    out = subprocess.run(cmd, env={**os.environ, **ENV}, capture_output=True, text=True)
+    found = re.search(r"Collected : (\d+)", out.stderr)
+    if out.returncode != 0 or found is None:
+        raise RuntimeError(f"valgrind run failed for {system}:\n{out.stderr[-2000:]}")
+    return int(found.group(1))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--executor", action="store_true", help="the function uses run_in_executor")
+    p.add_argument("--systems", default="batchkit,batchkit-sync,minimal")
+    p.add_argument("--child", nargs=2, metavar=("SYSTEM", "N"), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        asyncio.run(_serve(args.child[0], int(args.child[1]), args.executor))
+        return 0
+    if shutil.which("valgrind") is None:
+        print("valgrind is not installed: nothing to count")
+        return 1
+    per_request = {}
+    for system in args.systems.split(","):
+        short, long = _count(system, SHORT, args.executor), _count(system, LONG, args.executor)
+        per_request[system] = (long - short) / (LONG - SHORT)
+        print(f"{system:14s} {per_request[system]:8.0f} instructions per request")
+    if "batchkit" in per_request and "minimal" in per_request:
+        ratio = per_request["batchkit"] / per_request["minimal"]
+        print(f"batchkit / minimal: {ratio:.3f} (instructions per request)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
