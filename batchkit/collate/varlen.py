@@ -63,6 +63,9 @@ class Varlen:
         return [outputs[offs[i] : offs[i + 1]] for i in range(self.num_items)]
 
 
+_INT32_MAX = 2**31 - 1
+
+
 def varlen_from_ragged(
     ragged: Ragged, *, pad_to_multiple_of: int | None = None, pad_value: Any = 0
 ) -> Varlen:
@@ -71,6 +74,11 @@ def varlen_from_ragged(
     offsets = ragged.offsets()
     real_total = int(offsets[-1])
     total = round_up(real_total, pad_to_multiple_of)
+    if total > _INT32_MAX:  # int32 cu_seqlens (what the kernels take) would wrap silently
+        raise ValueError(
+            f"pack_varlen: {total} tokens in one pack; cu_seqlens is int32, so at most "
+            f"{_INT32_MAX} fit (split the batch)"
+        )
     tail = total - real_total
     values = ragged.values
     seg_lengths = lengths

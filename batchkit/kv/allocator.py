@@ -206,8 +206,7 @@ class BlockAllocator:
         prefix = self.prefix
         if prefix is None:
             return []
-        max_blocks = (len(token_ids) - 1) // self.block_size
-        return prefix.match(token_ids, max_blocks=max_blocks, count=False)
+        return prefix.match(token_ids, max_blocks=self._shareable_blocks(token_ids), count=False)
 
     def adopt_prefix(self, token_ids: Sequence[int], hits: list[int]) -> list[int]:
         """Retain ``hits`` (from :meth:`match_prefix` of ``token_ids``, nothing changed
@@ -215,7 +214,7 @@ class BlockAllocator:
         prefix = self.prefix
         if prefix is None:
             return hits
-        prefix.count((len(token_ids) - 1) // self.block_size, len(hits))
+        prefix.count(self._shareable_blocks(token_ids), len(hits))
         for block in hits:
             if self.refcounts[block] == 0:
                 del self._free[block]  # revived: in use again
@@ -223,6 +222,10 @@ class BlockAllocator:
                 self._stored_total += self.block_size
             self.refcounts[block] += 1
         return hits
+
+    def _shareable_blocks(self, token_ids: Sequence[int]) -> int:
+        """Full blocks of ``token_ids`` a prefix may share: never the last token's."""
+        return (len(token_ids) - 1) // self.block_size
 
     def num_revived(self, hits: Sequence[int]) -> int:
         """How many of ``hits`` are free now (adopting them takes them from the pool)."""

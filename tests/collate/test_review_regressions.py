@@ -130,3 +130,18 @@ def test_torch_unsigned_dtypes_pad_and_pack(dtype: str) -> None:
 def test_pad_refuses_a_max_length_that_is_not_an_int() -> None:
     with pytest.raises(ValueError, match="max_length must be an int >= 0, got 2.5"):
         pad([[1, 2, 3]], max_length=2.5, truncate=True)  # type: ignore[arg-type]
+
+
+def test_pack_varlen_refuses_more_tokens_than_int32_cu_seqlens_hold(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """cu_seqlens is int32; past 2**31 - 1 tokens it wrapped to negative offsets. The
+    limit is lowered here so the test does not need 8 GiB of tokens."""
+    import batchkit.collate.varlen as varlen
+
+    monkeypatch.setattr(varlen, "_INT32_MAX", 10)
+    assert varlen.pack_varlen([np.ones(4), np.ones(6)]).cu_seqlens.tolist() == [0, 4, 10]
+    with pytest.raises(ValueError, match="11 tokens in one pack; cu_seqlens is int32"):
+        varlen.pack_varlen([np.ones(5), np.ones(6)])
+    with pytest.raises(ValueError, match="12 tokens"):  # the padded total counts
+        varlen.pack_varlen([np.ones(4), np.ones(6)], pad_to_multiple_of=4)
