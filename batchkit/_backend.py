@@ -275,10 +275,11 @@ def to_ragged(
 
     if kind == "list":
         _check_list_items(items)
-        if max_length is not None:
+        # Cut to 0 after conversion, below: an emptied list would lose its feature axis.
+        if max_length:
             items = [s[:max_length] if len(s) > max_length else s for s in items]
         lengths = np.fromiter((len(s) for s in items), dtype=np.int64, count=len(items))
-        flat = _fast_flat_list(items)
+        flat = _fast_flat_list(items) if max_length != 0 else None
         if flat is not None:
             out_kind = output_kind("list", return_tensors)
             if out_kind == "pt" and flat.dtype.kind == "f":
@@ -291,8 +292,8 @@ def to_ragged(
             if fast is not None:
                 return fast
         arrays = [_item_array(s, i, kind) for i, s in enumerate(items)]
-        if max_length is not None:
-            arrays = [a[:max_length] for a in arrays]
+    if max_length is not None:
+        arrays = [a[:max_length] for a in arrays]
 
     # Feature axes must agree; an empty item may come without them (``[]``).
     feat = next((tuple(a.shape[1:]) for a in arrays if a.shape[0] or a.ndim > 1), ())

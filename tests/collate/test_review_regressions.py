@@ -145,3 +145,13 @@ def test_pack_varlen_refuses_more_tokens_than_int32_cu_seqlens_hold(
         varlen.pack_varlen([np.ones(5), np.ones(6)])
     with pytest.raises(ValueError, match="12 tokens"):  # the padded total counts
         varlen.pack_varlen([np.ones(4), np.ones(6)], pad_to_multiple_of=4)
+
+
+def test_list_items_cut_to_length_zero_keep_their_feature_axis() -> None:
+    """max_length=0 used to cut the lists before conversion: [] has no feature axis, so
+    [B, 0, F] came out as [B, 0]."""
+    nested = [[[1, 2], [3, 4]], [[5, 6]]]
+    assert pad(nested, max_length=0, truncate=True).data.shape == (2, 0, 2)
+    assert pad(nested, max_length=1, truncate=True).data.shape == (2, 1, 2)
+    flat = pad([[1, 2, 3], [5]], max_length=0, truncate=True).data
+    assert (flat.shape, flat.dtype) == ((2, 0), np.int64)
