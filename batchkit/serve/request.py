@@ -34,17 +34,22 @@ class Request:
     is the cheapest blocking wait CPython offers: one C-level lock per request.
     """
 
-    # Only what every request sets is a slot. The rest keep the class-level values of
-    # the default lane (no key, priority 0, no error) unless a request sets its own,
-    # which then lives in its instance dict, created only then: the hot path's
-    # request is built and freed with a handful of slots.
-    __slots__ = ("item", "enqueued_at", "state", "value", "future", "loop", "_done", "__dict__")
-    key: float = 0.0
-    bucket: Hashable = None
-    priority: int = 0
-    seq: int = 0  # arrival order, set by Scheduler.add for keyed policies: it breaks
-    # ties between the heads of different buckets at equal priority
-    error: BaseException | None = None
+    __slots__ = (
+        "item",
+        "key",
+        "bucket",
+        "priority",
+        "seq",
+        "enqueued_at",
+        "state",
+        "value",
+        "error",
+        "future",
+        "loop",
+        "_done",
+    )
+    # seq: arrival order, set by Scheduler.add for keyed policies; it breaks ties
+    # between the heads of different buckets at equal priority (keyless: one bucket).
 
     def __init__(
         self,
@@ -56,15 +61,14 @@ class Request:
         enqueued_at: float = 0.0,
     ) -> None:
         self.item = item
+        self.key = key
+        self.bucket = bucket
+        self.priority = priority
+        self.seq = 0
         self.enqueued_at = enqueued_at  # the arrival time: set at admission
         self.state = WAITING
         self.value: Any = None
-        if key != 0.0:
-            self.key = key
-        if bucket is not None:
-            self.bucket = bucket
-        if priority != 0:
-            self.priority = priority
+        self.error: BaseException | None = None
         self.loop = loop
         if loop is None:
             self.future: asyncio.Future[Any] | None = None

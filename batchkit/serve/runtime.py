@@ -176,12 +176,18 @@ class Runtime(BlockingAdmission):
         if loop is self._owner_loop and priority is _DEFAULT_PRIORITY:
             # The hot path: this thread alone changes the scheduler, so no lock; one
             # C-level append, placed in bulk at the next scheduling step.
-            # Request(item, 0.0, None, 0, loop, now), without the call's overhead:
+            # Request(item, 0.0, None, 0, loop, now) without the class call's overhead
+            # (about 1k instructions on 3.11): every slot, as Request.__init__ sets them.
             req = _new(Request)
             req.item = item
+            req.key = 0.0
+            req.bucket = None
+            req.priority = 0
+            req.seq = 0
             req.enqueued_at = self.clock()
             req.state = WAITING
             req.value = None
+            req.error = None
             req.future = loop.create_future()
             req.loop = loop
             req._done = None

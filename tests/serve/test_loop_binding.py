@@ -136,3 +136,28 @@ def test_stats_counts_arrivals_but_leaves_them_to_the_scheduling_thread() -> Non
 
     asyncio.run(main())
     assert ident.stats().requests == 1
+
+
+def test_the_inlined_default_lane_request_matches_the_constructor() -> None:
+    """acall builds default-lane requests without calling Request(): every slot must
+    be set as Request.__init__ sets it (an unset slot fails only when first read)."""
+    from batchkit.serve.request import Request
+
+    @batchkit.batched(max_batch_size=8, max_wait_ms=1)
+    async def ident(xs: list[int]) -> list[int]:
+        return xs
+
+    async def main() -> None:
+        await ident.acall(0)  # binds the loop: the next call takes the inlined path
+        call = asyncio.ensure_future(ident.acall(7))
+        await asyncio.sleep(0)
+        inlined = ident.runtime.sched.arrivals[0]
+        loop = asyncio.get_running_loop()
+        reference = Request(7, 0.0, None, 0, loop, inlined.enqueued_at)
+        for name in Request.__slots__:
+            if name != "future":
+                assert getattr(inlined, name) == getattr(reference, name), name
+        assert inlined.future.get_loop() is loop  # type: ignore[union-attr]
+        assert await call == 7
+
+    asyncio.run(main())
