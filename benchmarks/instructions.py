@@ -9,12 +9,15 @@ the cost of one request, with start-up and shutdown cancelled out. Runs are made
 deterministic (fixed hash seed, one BLAS thread, a max wait long enough never to
 fire), so a change of a few hundred instructions is visible; with ``--executor`` the
 function goes through ``run_in_executor`` as in ``online.py``, and thread scheduling
-makes the count move by a few hundred.
+makes the count move by a few hundred. ``--cache`` runs cachegrind instead, which
+also simulates the caches and branch predictor: instruction-cache misses, which
+instruction counts do not show, are a large part of what a request costs.
 
 Usage (needs ``valgrind`` on the PATH; about a minute per system)::
 
     python benchmarks/instructions.py                 # batchkit, batchkit-sync, minimal
     python benchmarks/instructions.py --executor
+    python benchmarks/instructions.py --cache      # cachegrind: cache misses, mispredicts
 """
 
 from __future__ import annotations
@@ -56,20 +59,36 @@ async def _serve(system: str, total: int, executor: bool) -> None:
     await f.aclose()
 
 
-def _count(system: str, total: int, executor: bool) -> int:
-    cmd = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable]
+# cachegrind's summary lines, with --cache-sim and --branch-sim
+_CACHE_LINES = {
+    "instructions": r"I\s+refs:\s+([\d,]+)",
+    "I1 misses": r"I1\s+misses:\s+([\d,]+)",
+    "D1 misses": r"D1\s+misses:\s+([\d,]+)",
+    "mispredicts": r"Mispredicts:\s+([\d,]+)",
+}
+
+
+def _count(system: str, total: int, executor: bool, cache: bool) -> dict[str, int]:
+    tool = "cachegrind" if cache else "callgrind"
+    cmd = ["valgrind", f"--tool={tool}", f"--{tool}-out-file=/dev/null", sys.executable]
+    if cache:
+        cmd[2:2] = ["--cache-sim=yes", "--branch-sim=yes"]
     cmd += [__file__, "--child", system, str(total)] + (["--executor"] if executor else [])
     out = subprocess.run(cmd, env={**os.environ, **ENV}, capture_output=True, text=True)
-    found = re.search(r"Collected : (\d+)", out.stderr)
-    if out.returncode != 0 or found is None:
+    patterns = _CACHE_LINES if cache else {"instructions": r"Collected : (\d+)"}
+    found = {k: re.search(p, out.stderr) for k, p in patterns.items()}
+    if out.returncode != 0 or not all(found.values()):
         raise RuntimeError(f"valgrind run failed for {system}:\n{out.stderr[-2000:]}")
-    return int(found.group(1))
+    return {k: int(m.group(1).replace(",", "")) for k, m in found.items() if m}
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--executor", action="store_true", help="the function uses run_in_executor")
     p.add_argument("--systems", default="batchkit,batchkit-sync,minimal")
+    p.add_argument(
+        "--cache", action="store_true", help="cachegrind: also I1/D1 misses, mispredicts"
+    )
     p.add_argument("--child", nargs=2, metavar=("SYSTEM", "N"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
@@ -78,14 +97,16 @@ def main() -> int:
     if shutil.which("valgrind") is None:
         print("valgrind is not installed: nothing to count")
         return 1
-    per_request = {}
+    per_request: dict[str, dict[str, float]] = {}
     for system in args.systems.split(","):
-        short, long = _count(system, SHORT, args.executor), _count(system, LONG, args.executor)
-        per_request[system] = (long - short) / (LONG - SHORT)
-        print(f"{system:14s} {per_request[system]:8.0f} instructions per request")
+        short = _count(system, SHORT, args.executor, args.cache)
+        long = _count(system, LONG, args.executor, args.cache)
+        per_request[system] = {k: (long[k] - short[k]) / (LONG - SHORT) for k in long}
+        counts = ", ".join(f"{v:.0f} {k}" for k, v in per_request[system].items())
+        print(f"{system:14s} per request: {counts}")
     if "batchkit" in per_request and "minimal" in per_request:
-        ratio = per_request["batchkit"] / per_request["minimal"]
-        print(f"batchkit / minimal: {ratio:.3f} (instructions per request)")
+        for k, v in per_request["batchkit"].items():
+            print(f"batchkit / minimal, {k}: {v / per_request['minimal'][k]:.3f}")
     return 0
 
 
