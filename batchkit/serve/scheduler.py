@@ -158,8 +158,6 @@ class Scheduler:
         self.on_room: Callable[[], None] | None = None  # called when requests leave the queue
         self._cap_successes: dict[Hashable, int] = {}
         self.stats = StatsRecorder()
-        self._select_takes_prefix = type(policy).select in _PREFIX_SELECTS
-        self._keyed = policy.key is not None
 
     # -- requests in and out ----------------------------------------------
     @property
@@ -176,9 +174,7 @@ class Scheduler:
             raise QueueFull(
                 f"{self._placed} requests are waiting (max_queue_size={self.max_queue_size})"
             )
-        self.stats.requests += 1
-        if self._keyed:  # seq: arrival order, across buckets (a keyless policy has one)
-            req.seq = self.stats.requests
+        self.stats.requests = req.seq = self.stats.requests + 1  # seq: arrival order
         self._place(req)
         self._placed += 1
 
@@ -329,7 +325,8 @@ class Scheduler:
     ) -> FormedBatch:
         queue = bucket.clean_queue()
         candidates = bucket.candidates(self.policy.candidate_limit)
-        chosen = self.policy.select(candidates)
+        select = self.policy.select  # (looked up here: it may be replaced on the instance)
+        chosen = select(candidates)
         if self.caps and name in self.caps:
             cap = self.caps[name]
             del chosen[cap:]
@@ -340,7 +337,8 @@ class Scheduler:
         # The usual batch, the front of the one clean deque, leaves it at once. (Checked
         # against the deque itself: a policy's select() may have reordered its list.)
         front = queue is not None and (
-            self._select_takes_prefix or all(map(operator.is_, chosen, queue))
+            getattr(select, "__func__", None) in _PREFIX_SELECTS
+            or all(map(operator.is_, chosen, queue))
         )
         bucket.taken(len(chosen), front=front)
         self._placed -= len(chosen)

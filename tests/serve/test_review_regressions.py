@@ -11,6 +11,8 @@ import pytest
 
 import batchkit
 from batchkit import BatcherClosed, DynamicBatcher, RequestTimeout
+from batchkit.serve.request import Request
+from batchkit.serve.scheduler import Scheduler
 from tests.serve._wait import wait_until
 
 
@@ -171,7 +173,6 @@ def test_an_int_clock_reading_after_a_float_keeps_stats_working() -> None:
 
 
 def test_the_public_scheduler_accepts_a_request_without_an_arrival_time() -> None:
-    from batchkit.serve.request import Request
     from batchkit.serve.scheduler import Scheduler
 
     sched = Scheduler(DynamicBatcher(4, max_wait_ms=10))
@@ -261,7 +262,6 @@ def test_a_policy_failing_once_does_not_silence_later_arrivals() -> None:
 
 
 def test_a_select_that_reorders_its_list_still_takes_what_it_chose() -> None:
-    from batchkit.serve.request import Request
     from batchkit.serve.scheduler import Scheduler
 
     class ShortestFirst(DynamicBatcher):
@@ -304,3 +304,46 @@ def test_a_cancelled_batch_task_answers_its_callers_and_frees_its_slot() -> None
         await f.aclose()
 
     asyncio.run(main())
+
+
+# -- session 5 review: the hot-path shortcuts --------------------------------------
+
+
+def test_a_select_replaced_on_the_policy_instance_is_not_taken_for_a_prefix() -> None:
+    """The queue-front shortcut trusts only the built-in select methods; one replaced on
+    the instance (a mock, a monkeypatch) that is not a prefix used to pop the wrong
+    entries: request 2 ran three times, 0 and 1 were lost."""
+    from batchkit.batchers.dynamic import DynamicBatcher
+
+    policy = DynamicBatcher(max_batch_size=4, max_wait_ms=1000)
+    policy.select = lambda cands: [cands[-1]]  # type: ignore[method-assign]
+    sched = Scheduler(policy)
+    for i in range(3):
+        sched.add(Request(i, 0.0, None, 0))
+    served = []
+    while (batch := sched.poll(0.0)[0]) is not None:
+        served += [r.item for r in batch.requests]
+        sched.finish(batch, 0.0)
+    assert served == [2, 1, 0]
+
+
+def test_a_keyless_policy_in_several_buckets_serves_the_oldest_head_first() -> None:
+    """Scheduler users (simulate(keys=...)) may bucket a keyless policy's requests: the
+    arrival order must still break ties between buckets."""
+    from batchkit.batchers.bucketed import BucketedBatcher
+
+    policy = BucketedBatcher([4, 8], key=None, max_batch_size=1, max_wait_ms=0)
+    sched = Scheduler(policy)
+
+    def add(item: str, key: float) -> None:
+        sched.add(Request(item, key, policy.bucket_of(key), 0))
+
+    add("first-short", 2.0)  # makes bucket 0 the first in dict order
+    batch, _ = sched.poll(0.0)
+    assert batch is not None
+    sched.finish(batch, 0.0)
+    add("older-long", 6.0)
+    add("newer-short", 2.0)
+    sched.closing = True
+    batch, _ = sched.poll(0.0)
+    assert batch is not None and [r.item for r in batch.requests] == ["older-long"]
