@@ -14,7 +14,7 @@ from typing import Any
 
 from batchkit.serve.errors import BatcherClosed
 from batchkit.serve.recovery import BatchRun
-from batchkit.serve.request import resolve_futures
+from batchkit.serve.request import deliver
 from batchkit.serve.runtime import Options, Runtime, closed_error
 from batchkit.serve.scheduler import FormedBatch
 
@@ -100,11 +100,13 @@ class LoopRuntime(Runtime):
         """A task runs ``batch`` (and the batches ready as it ends). ``holding`` names the
         batch it owns, so that a task that ends early still settles it (see _ended)."""
         holding: list[FormedBatch | None] = [batch]
-        task = loop.create_task(self._run(holding))
+        task = loop.create_task(self._run(holding, loop))
         self._tasks.add(task)
         task.add_done_callback(lambda t: self._ended(t, holding))
 
-    async def _run(self, holding: list[FormedBatch | None]) -> None:
+    async def _run(
+        self, holding: list[FormedBatch | None], loop: asyncio.AbstractEventLoop
+    ) -> None:
         """Run batches back to back in this task while one is ready as the last ends."""
         batch = holding[0]
         while batch is not None:
@@ -112,10 +114,11 @@ class LoopRuntime(Runtime):
             # Take the next batch before waking this one's callers: its call starts in this
             # same step, so the accelerator is not left idle while the callers resume.
             with self.lock:
-                answered = self.finish_locked(batch, run, on_callers_loop=True)
+                answered = self.finish_locked(batch, run, on_loop=loop)
                 batch, _ = self.sched.poll(self.clock())
                 holding[0] = batch
-            resolve_futures(answered)  # every request here awaits on this loop
+            if answered:  # those not resolved already (failed, or another loop's)
+                deliver(answered)
         self._pump()  # re-arm the max-wait timer; start batches that became ready
 
     def _ended(self, task: asyncio.Task[None], holding: list[FormedBatch | None]) -> None:
@@ -132,7 +135,7 @@ class LoopRuntime(Runtime):
             reason = "was cancelled" if task.cancelled() else f"failed: {task.exception()!r}"
             error = BatcherClosed(f"{self.name}: the task running this batch {reason}")
             abandoned = self.abandon_locked(batch, error)
-        resolve_futures(abandoned)
+        deliver(abandoned)
         self._pump()  # its slot is free: start what waits (a no-op off the loop)
 
     async def _execute(self, batch: FormedBatch) -> BatchRun:

@@ -304,14 +304,18 @@ class Runtime(BlockingAdmission):
         return results  # type: ignore[no-any-return]
 
     def finish_locked(
-        self, batch: FormedBatch, run: BatchRun, *, on_callers_loop: bool = False
+        self,
+        batch: FormedBatch,
+        run: BatchRun,
+        *,
+        on_loop: asyncio.AbstractEventLoop | None = None,
     ) -> list[Request]:
         """Under the lock: free the slot and settle each still-running request once.
 
         Returns the settled requests, for the caller to :func:`deliver` (outside the
-        lock). ``on_callers_loop``: this runs on the loop every request awaits on (a
-        loop runtime); when every item succeeded, their futures are then resolved here,
-        in the same pass, and nothing is returned.
+        lock). ``on_loop``: the event loop this runs on (a loop runtime); when every item
+        succeeded, the futures of the requests awaiting on it are resolved here, in the
+        same pass, and only the others are returned.
         """
         now = self.clock()
         sched = self.sched
@@ -328,15 +332,20 @@ class Runtime(BlockingAdmission):
             self._report_batch(batch, run, now)
         requests, values, errors = batch.requests, run.values, run.errors
         if not errors and not batch.answered:  # the hot path: every item succeeded
-            if on_callers_loop:
+            if on_loop is not None:
                 # (set_result only schedules the callers' wake-ups: no code of theirs runs
                 # under this lock.) A cancelled caller's future is left alone.
+                others = []
                 for req, value in zip(requests, values):
                     req.state = DONE
-                    future = req.future
-                    if not future.done():  # type: ignore[union-attr]
-                        future.set_result(value)  # type: ignore[union-attr]
-                return []
+                    if req.loop is on_loop:
+                        future = req.future
+                        if not future.done():  # type: ignore[union-attr]
+                            future.set_result(value)  # type: ignore[union-attr]
+                    else:  # admitted from another loop as this one took over: deliver()
+                        req.value = value
+                        others.append(req)
+                return others
             for req, value in zip(requests, values):
                 req.state = DONE
                 req.value = value

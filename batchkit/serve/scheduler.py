@@ -179,7 +179,7 @@ class Scheduler:
         self._placed += 1
 
     def ingest(self) -> None:
-        """Place the requests in :attr:`arrivals` at once (one ``extend``).
+        """Place the requests in :attr:`arrivals` at once (one C-level ``extend``).
 
         They are all in the default lane of a keyless policy, whose one bucket makes
         ``seq`` moot: it only orders the heads of different buckets.
@@ -190,9 +190,11 @@ class Scheduler:
         count = len(arrivals)
         self.stats.requests += count
         bucket, queue = self._lane(None, 0)
-        queue.extend(arrivals)
+        # Exactly ``count`` popped, in one C-level extend (no thread switch inside it):
+        # an append racing this step, from a loop that lost the batcher in a rebind
+        # race, is kept for the next step (extend + clear could drop it between them).
+        queue.extend(itertools.starmap(arrivals.popleft, itertools.repeat((), count)))
         bucket.live += count
-        arrivals.clear()
         self._placed += count
 
     def _lane(self, name: Hashable, priority: int) -> tuple[Bucket, deque[Request]]:

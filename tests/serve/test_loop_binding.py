@@ -161,3 +161,64 @@ def test_the_inlined_default_lane_request_matches_the_constructor() -> None:
         assert await call == 7
 
     asyncio.run(main())
+
+
+def test_a_caller_admitted_as_another_loop_takes_over_is_answered_on_its_own_loop() -> None:
+    """A race forced step by step (review, session 5): loop A is stopped, not closed;
+    thread T2 checks that the idle batcher may move to loop B, and in that window A is
+    run again and its caller is admitted on the lock-free path. B then serves A's item;
+    A's caller must still get its result, resolved on A's loop (thread-safely: A runs
+    in debug mode, where a foreign thread's call_soon raises), and nothing is lost."""
+    from batchkit.serve.scheduler import Scheduler
+
+    @batchkit.batched(max_batch_size=4, max_wait_ms=1)
+    async def ident(xs: list[int]) -> list[int]:
+        return xs
+
+    loop_a = asyncio.new_event_loop()
+    loop_a.set_debug(True)
+    assert loop_a.run_until_complete(ident(0)) == 0  # bound to A; A now stopped, idle
+    in_window, admitted = threading.Event(), threading.Event()
+    taker: list[threading.Thread] = []
+
+    class PausingScheduler(Scheduler):
+        @property
+        def drained(self) -> bool:  # type: ignore[override]
+            value: bool = Scheduler.drained.fget(self)  # type: ignore[attr-defined]
+            if taker and threading.current_thread() is taker[0] and not in_window.is_set():
+                in_window.set()  # T2 has read "drained": hold it here while A admits
+                admitted.wait(5)
+            return value
+
+    ident.runtime.sched.__class__ = PausingScheduler
+    b_result: list[object] = []
+
+    def take_over() -> None:
+        loop_b = asyncio.new_event_loop()
+        try:
+            b_result.append(loop_b.run_until_complete(asyncio.wait_for(ident(1), 5)))
+        except BaseException as exc:  # noqa: BLE001
+            b_result.append(exc)
+        finally:
+            loop_b.close()
+
+    thread = threading.Thread(target=take_over)
+    taker.append(thread)
+    thread.start()
+    try:
+        assert in_window.wait(5)
+
+        async def call_on_a() -> object:
+            call = asyncio.ensure_future(ident(10))
+            await asyncio.sleep(0)  # admitted on the lock-free path, before T2 moves on
+            admitted.set()
+            return await asyncio.wait_for(call, 5)
+
+        assert loop_a.run_until_complete(call_on_a()) == 10
+    finally:
+        admitted.set()
+        thread.join(10)
+        loop_a.close()
+    assert b_result == [1]
+    stats = ident.stats()
+    assert stats.requests == stats.items_run == 3
