@@ -48,8 +48,8 @@ class Request:
         "loop",
         "_done",
     )
-    # seq: arrival order, set by Scheduler.add for keyed policies; it breaks ties
-    # between the heads of different buckets at equal priority (keyless: one bucket).
+    # seq: arrival order, set by Scheduler.add; it breaks ties between the heads of
+    # different buckets at equal priority (so a keyless policy's bulk arrivals keep 0).
 
     def __init__(
         self,
