@@ -18,11 +18,15 @@ from __future__ import annotations
 
 import itertools
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Generator, Iterable, Sequence
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from batchkit.serve.request import Request
+
+if TYPE_CHECKING:
+    from batchkit.serve.runtime import Options
+    from batchkit.serve.scheduler import FormedBatch
 
 
 class Stage(Enum):
@@ -131,3 +135,79 @@ class BatchRun:
     def hit_oom(self) -> bool:
         """Whether any part ran out of memory."""
         return self.oom_splits > 0
+
+
+class BatchSteps:
+    """The one recipe for running a batch, shared by both runtimes (a mixin of
+    :class:`~batchkit.serve.runtime.Runtime`): collate each part, call, split and check
+    the output, record each slot's outcome, split and retry as :class:`BatchRun` says."""
+
+    options: Options
+    name: str
+
+    def start_run(self, batch: FormedBatch) -> BatchRun:
+        """The bookkeeping for running ``batch``, with its split-and-retry rules."""
+        oom = self.options.oom_errors
+        return BatchRun(
+            batch.requests,
+            oom_enabled=oom is not None,
+            oom_extra=oom or (),
+            isolate_errors=self.options.isolate_errors,
+        )
+
+    def run_steps(self, batch: FormedBatch) -> Generator[Any, tuple[bool, Any], BatchRun]:
+        """The one recipe for running a batch, for both runtimes.
+
+        Yields each argument to call the function with, and is sent back
+        ``(True, output)`` or ``(False, exception)``; returns the settled run once every
+        request has its outcome (after any split-and-retry).
+        """
+        run = self.start_run(batch)
+        while (part := run.next_part()) is not None:
+            prepared = self.prepare(run, part)
+            if prepared is None:
+                continue
+            padded, argument = prepared
+            run.calls += 1
+            ok, result = yield argument
+            if ok:
+                self.settle(run, part, padded, result)
+            else:
+                run.failed(part, result, Stage.CALL)
+        return run
+
+    def prepare(self, run: BatchRun, part: Part) -> tuple[int, Any] | None:
+        """(padded size, function argument) for ``part``; None if collate failed (recorded)."""
+        start, stop = part
+        padded = self.options.policy.padded_size(stop - start)
+        items = [req.item for req in run.requests[start:stop]]  # (beats attrgetter + map)
+        if padded > len(items):  # strict sizes: repeat the last item; its results are dropped
+            items.extend([items[-1]] * (padded - len(items)))
+        collate = self.options.collate
+        try:
+            return padded, collate(items) if collate is not None else items
+        except BaseException as exc:  # noqa: BLE001 - a bad item must not cost the others
+            run.failed(part, exc, Stage.COLLATE)
+            return None
+
+    def settle(self, run: BatchRun, part: Part, padded: int, output: Any) -> None:
+        """Record the function's output for ``part`` (split, length-checked, per slot)."""
+        try:
+            run.succeeded(part, self._results(padded, output), padded)
+        except BaseException as exc:  # noqa: BLE001 - e.g. a bug in split()
+            run.failed(part, exc, Stage.OUTPUT)
+
+    def _results(self, padded: int, output: Any) -> Sequence[Any]:
+        """The per-item results in ``output``, checked to be ``padded`` of them."""
+        split = self.options.split
+        results = split(output) if split is not None else output
+        try:
+            count = len(results)
+        except TypeError:
+            raise TypeError(
+                f"{self.name} returned {type(results).__name__}, expected a sequence of "
+                f"{padded} results (one per item)"
+            ) from None
+        if count != padded:
+            raise ValueError(f"{self.name} returned {count} results for a batch of {padded} items")
+        return results  # type: ignore[no-any-return]

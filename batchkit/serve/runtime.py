@@ -1,5 +1,6 @@
-"""What both runtimes share: admitting requests, running a batch's callbacks, and
-handing every caller its own outcome exactly once.
+"""What both runtimes share: admitting requests and handing every caller its own
+outcome exactly once (the recipe for running a batch is
+:class:`~batchkit.serve.recovery.BatchSteps`).
 
 Two runtimes drive the one :class:`~batchkit.serve.scheduler.Scheduler`:
 :class:`~batchkit.serve.threaded.ThreadRuntime` (sync functions; worker threads)
@@ -11,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -19,7 +20,7 @@ from batchkit.batchers.base import Batcher
 from batchkit.serve.backpressure import BlockingAdmission, RoomWaiters
 from batchkit.serve.errors import BatcherClosed, QueueFull, RequestTimeout
 from batchkit.serve.events import BatchEvent, DropEvent, DropReason, Listener, notify
-from batchkit.serve.recovery import BatchRun, Part, Stage
+from batchkit.serve.recovery import BatchRun, BatchSteps
 from batchkit.serve.request import Request, State, await_request, deliver
 from batchkit.serve.scheduler import FormedBatch, Scheduler
 from batchkit.serve.stats import Stats
@@ -47,7 +48,7 @@ class Options:
     when_full: Literal["reject", "block"] = "reject"
 
 
-class Runtime(BlockingAdmission):
+class Runtime(BlockingAdmission, BatchSteps):
     """Admission, outcome assignment and delivery; subclasses run batches and wake up."""
 
     def __init__(self, fn: Callable[[Any], Any], options: Options, name: str) -> None:
@@ -235,74 +236,6 @@ class Runtime(BlockingAdmission):
         """The error for a request whose ``timeout`` passed before it ran."""
         return RequestTimeout(f"{self.name}: request did not start within timeout={timeout}s")
 
-    # -- running a batch ----------------------------------------------------
-    def start_run(self, batch: FormedBatch) -> BatchRun:
-        """The bookkeeping for running ``batch``, with its split-and-retry rules."""
-        oom = self.options.oom_errors
-        return BatchRun(
-            batch.requests,
-            oom_enabled=oom is not None,
-            oom_extra=oom or (),
-            isolate_errors=self.options.isolate_errors,
-        )
-
-    def run_steps(self, batch: FormedBatch) -> Generator[Any, tuple[bool, Any], BatchRun]:
-        """The one recipe for running a batch, for both runtimes.
-
-        Yields each argument to call the function with, and is sent back
-        ``(True, output)`` or ``(False, exception)``; returns the settled run once every
-        request has its outcome (after any split-and-retry).
-        """
-        run = self.start_run(batch)
-        while (part := run.next_part()) is not None:
-            prepared = self.prepare(run, part)
-            if prepared is None:
-                continue
-            padded, argument = prepared
-            run.calls += 1
-            ok, result = yield argument
-            if ok:
-                self.settle(run, part, padded, result)
-            else:
-                run.failed(part, result, Stage.CALL)
-        return run
-
-    def prepare(self, run: BatchRun, part: Part) -> tuple[int, Any] | None:
-        """(padded size, function argument) for ``part``; None if collate failed (recorded)."""
-        start, stop = part
-        padded = self.options.policy.padded_size(stop - start)
-        items = [req.item for req in run.requests[start:stop]]  # (beats attrgetter + map)
-        if padded > len(items):  # strict sizes: repeat the last item; its results are dropped
-            items.extend([items[-1]] * (padded - len(items)))
-        collate = self.options.collate
-        try:
-            return padded, collate(items) if collate is not None else items
-        except BaseException as exc:  # noqa: BLE001 - a bad item must not cost the others
-            run.failed(part, exc, Stage.COLLATE)
-            return None
-
-    def settle(self, run: BatchRun, part: Part, padded: int, output: Any) -> None:
-        """Record the function's output for ``part`` (split, length-checked, per slot)."""
-        try:
-            run.succeeded(part, self._results(padded, output), padded)
-        except BaseException as exc:  # noqa: BLE001 - e.g. a bug in split()
-            run.failed(part, exc, Stage.OUTPUT)
-
-    def _results(self, padded: int, output: Any) -> Sequence[Any]:
-        """The per-item results in ``output``, checked to be ``padded`` of them."""
-        split = self.options.split
-        results = split(output) if split is not None else output
-        try:
-            count = len(results)
-        except TypeError:
-            raise TypeError(
-                f"{self.name} returned {type(results).__name__}, expected a sequence of "
-                f"{padded} results (one per item)"
-            ) from None
-        if count != padded:
-            raise ValueError(f"{self.name} returned {count} results for a batch of {padded} items")
-        return results  # type: ignore[no-any-return]
-
     def finish_locked(
         self,
         batch: FormedBatch,
@@ -448,4 +381,3 @@ class Runtime(BlockingAdmission):
 def closed_error(name: str) -> BatcherClosed:
     """The error for requests still unanswered when a close times out."""
     return BatcherClosed(f"{name} closed before this request was served")
-
