@@ -200,7 +200,7 @@ class ContinuousBatcher:
         loop, event = self._loop, self._wakeup
         if loop is None or event is None or loop.is_closed():
             return
-        if _running_loop() is loop:
+        if asyncio._get_running_loop() is loop:
             event.set()
         else:
             loop.call_soon_threadsafe(event.set)
@@ -373,7 +373,7 @@ class ContinuousBatcher:
         Called from the step function itself, it returns at once (a driver cannot wait
         for itself); the driver drains the rest after that step.
         """
-        if self.is_async and self._loop is not None and _running_loop() is self._loop:
+        if self.is_async and self._loop is not None and asyncio._get_running_loop() is self._loop:
             raise RuntimeError(f"{self.name}: use 'await aclose()' inside the event loop")
         if self._thread is not None and self._thread is threading.current_thread():
             with self._lock:  # from the step function: the driver drains after this step
@@ -430,18 +430,10 @@ class ContinuousBatcher:
 
 def _set_events(events: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]) -> None:
     """Set asyncio events, each on its own loop (directly when already there)."""
-    here = _running_loop()
+    here = asyncio._get_running_loop()
     for loop, event in events:
         if loop is here:
             event.set()
         else:
             with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits there
                 loop.call_soon_threadsafe(event.set)
-
-
-def _running_loop() -> asyncio.AbstractEventLoop | None:
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        return None
-

@@ -124,19 +124,12 @@ def deliver(requests: list[Request]) -> None:
         else:
             by_loop.setdefault(req.loop, []).append(req)
     for loop, reqs in by_loop.items():
-        if _running_loop() is loop:
+        if asyncio._get_running_loop() is loop:
             resolve_futures(reqs)
         else:
             # A closed loop raises RuntimeError: nobody is left there to answer.
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(resolve_futures, reqs)
-
-
-def _running_loop() -> asyncio.AbstractEventLoop | None:
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        return None
 
 
 async def await_request(runtime: Runtime, req: Request, timeout: float | None) -> Any:
