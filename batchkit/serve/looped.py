@@ -74,27 +74,37 @@ class LoopRuntime(Runtime):
 
     def _pump(self) -> None:
         """Start every batch that is ready; arm the timer for the next max-wait expiry."""
-        with self.lock:
-            loop = self.loop
-            if loop is None or asyncio._get_running_loop() is not loop:
-                return  # a stale pump or timer of a loop this batcher no longer serves
-            try:
-                while True:
-                    batch, wake_at = self.sched.poll(self.clock())
-                    if batch is None:
-                        break
-                    self._start(loop, batch)
-            finally:
-                # Busy slots stay busy until a batch ends, and its _run polls then; that
-                # holds at every await, since only the loop's own thread enqueues here.
-                # (Set even if polling raised: a stuck flag would silence every arrival.)
-                self._poll_due = self.sched.in_flight >= self.sched.max_concurrent_batches
-            if self._timer is not None:
-                self._timer.cancel()
-                self._timer = None
-            if wake_at is not None:
-                self._timer = loop.call_later(max(wake_at - self.clock(), 0.0), self._pump)
-            self._check_drained_locked()
+        ready: list[FormedBatch] = []
+        try:
+            with self.lock:
+                loop = self.loop
+                if loop is None or asyncio._get_running_loop() is not loop:
+                    return  # a stale pump or timer of a loop this batcher no longer serves
+                try:
+                    while True:
+                        batch, wake_at = self.sched.poll(self.clock())
+                        if batch is None:
+                            break
+                        ready.append(batch)
+                finally:
+                    # Busy slots stay busy until a batch ends, and its _run polls then;
+                    # that holds at every await, since only the loop's own thread
+                    # enqueues here. (Set even if polling raised: a stuck flag would
+                    # silence every arrival.)
+                    self._poll_due = self.sched.in_flight >= self.sched.max_concurrent_batches
+                if self._timer is not None:
+                    self._timer.cancel()
+                    self._timer = None
+                if wake_at is not None:
+                    self._timer = loop.call_later(max(wake_at - self.clock(), 0.0), self._pump)
+                self._check_drained_locked()
+        finally:
+            # Started outside the lock: with an eager task factory (Python 3.12+) the
+            # function's first step runs inside create_task, and must not run under
+            # it. (Also when a later poll raised: these hold their slots already.)
+            for batch in ready:
+                assert loop is not None  # (a batch was polled: the loop was checked)
+                self._start(loop, batch)
 
     def _start(self, loop: asyncio.AbstractEventLoop, batch: FormedBatch) -> None:
         """A task runs ``batch`` (and the batches ready as it ends). ``holding`` names the

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from typing import Any
 
 import batchkit
 
@@ -222,3 +223,29 @@ def test_a_caller_admitted_as_another_loop_takes_over_is_answered_on_its_own_loo
     assert b_result == [1]
     stats = ident.stats()
     assert stats.requests == stats.items_run == 3
+
+
+def test_batch_tasks_are_created_outside_the_runtime_lock() -> None:
+    """With an eager task factory (Python 3.12+) a task's first step runs inside
+    create_task: the batch function would start under the runtime lock. So no batch task
+    may be created while it is held; a factory that records it checks that here."""
+    held_at_creation: list[bool] = []
+
+    @batchkit.batched(max_batch_size=4, max_wait_ms=1)
+    async def ident(xs: list[int]) -> list[int]:
+        await asyncio.sleep(0)
+        return xs
+
+    lock = ident.runtime.lock
+
+    def factory(loop: asyncio.AbstractEventLoop, coro: Any) -> asyncio.Task[Any]:
+        if getattr(coro, "__qualname__", "").startswith("LoopRuntime."):
+            held_at_creation.append(lock._is_owned())  # type: ignore[attr-defined]
+        return asyncio.Task(coro, loop=loop)
+
+    async def main() -> list[int]:
+        asyncio.get_running_loop().set_task_factory(factory)
+        return list(await asyncio.gather(*(ident.acall(i) for i in range(10))))
+
+    assert asyncio.run(main()) == list(range(10))
+    assert held_at_creation and not any(held_at_creation)
