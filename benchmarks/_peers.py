@@ -12,6 +12,9 @@ to the loop they first run on) and exposes ``call(x) -> awaitable`` and ``close(
   :func:`fake_ray_replica_context` installs one (Ray's own internal setter, the call
   a replica makes at start-up). No ``ray.init``: Serve's metrics then record nothing,
   which if anything flatters Ray;
+- ``floor``: not a batcher anyone should use, the least work one can do with one batch
+  in flight (a list, a future per caller, one task per run of batches; no max wait, no
+  timer, no checks): the reference for what this machine allows per request;
 - ``mxbai-aio`` / ``mxbai-sync``: mixedbread's ``batched`` (``batched.aio.dynamically``
   on an async function; ``batched.dynamically`` on a sync function, served by its own
   thread, awaited with ``.acall``).
@@ -81,6 +84,39 @@ class MinimalBatcher:
                 await self.task
 
 
+class FloorBatcher:
+    """The per-request floor: ``await b(x)`` appends (x, future); the first arrival with
+    nothing running starts one task (in the next loop step, so a burst coalesces) that
+    runs batches of up to ``max_batch_size`` back to back until none is left. Batches
+    leave as soon as the task gets to them: there is no max wait to honour."""
+
+    def __init__(self, fn: AsyncBatchFn, max_batch_size: int) -> None:
+        self.fn, self.max_batch_size = fn, max_batch_size
+        self.pending: list[tuple[Any, asyncio.Future[Any]]] = []
+        self.running = False
+
+    async def __call__(self, x: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self.pending.append((x, fut))
+        if not self.running:
+            self.running = True
+            loop.create_task(self._run())
+        return await fut
+
+    async def _run(self) -> None:
+        pending, size = self.pending, self.max_batch_size
+        while pending:
+            batch = pending[:size]
+            del pending[:size]
+            for (_, fut), out in zip(batch, await self.fn([x for x, _ in batch])):
+                fut.set_result(out)
+        self.running = False
+
+    async def close(self) -> None:
+        pass
+
+
 # --------------------------------------------------------------------------- ray serve
 
 _RAY_CONTEXT_SET = False
@@ -110,13 +146,19 @@ class RayServeBatcher:
     """``@serve.batch`` on a method of a class defined per instance (its queue is per
     decorated function and bound to the loop it is first used on)."""
 
-    def __init__(self, fn: AsyncBatchFn, max_batch_size: int, max_wait_s: float) -> None:
+    def __init__(
+        self, fn: AsyncBatchFn, max_batch_size: int, max_wait_s: float, in_flight: int = 1
+    ) -> None:
         from ray import serve
 
         fake_ray_replica_context()
 
         class Model:
-            @serve.batch(max_batch_size=max_batch_size, batch_wait_timeout_s=max_wait_s)
+            @serve.batch(
+                max_batch_size=max_batch_size,
+                batch_wait_timeout_s=max_wait_s,
+                max_concurrent_batches=in_flight,
+            )
             async def handle(self, xs: list[Any]) -> list[Any]:
                 return await fn(xs)
 
