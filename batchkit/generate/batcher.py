@@ -1,35 +1,31 @@
-"""``ContinuousBatcher``: the driver that runs the scheduler's steps through a step function.
+"""``ContinuousBatcher``: continuous batching of generation around a step function.
 
-A sync step function runs on one worker thread (started by the first submit), an
-async one as a task on the event loop of the first submit. Between steps, under one
-lock, the driver drops timed-out requests, schedules, and after the step applies its
-tokens and wakes the callers whose requests moved. Callers stream or wait through a
-:class:`~batchkit.generate.handle.GenerationHandle`.
+This module is the callers' side: submit (or generate) and get a
+:class:`~batchkit.generate.handle.GenerationHandle` to stream, wait on or cancel;
+stats; close. The driver that runs the steps, on a worker thread or an event loop, is
+the :class:`~batchkit.generate.driver.StepDriver` mixin.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 import operator
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
 
+from batchkit.generate.driver import StepDriver, StepFn
 from batchkit.generate.handle import GenerationHandle
 from batchkit.generate.scheduler import Scheduler
-from batchkit.generate.sequence import SeqStatus, Sequence, StepBatch
+from batchkit.generate.sequence import Sequence
 from batchkit.generate.stats import GenerationStats
 from batchkit.generate.tokens import is_index, token_ids
 from batchkit.kv.allocator import BlockAllocator
-from batchkit.serve.errors import BatcherClosed, QueueFull, RequestTimeout
-
-StepFn = Callable[[StepBatch], Any]
+from batchkit.serve.errors import BatcherClosed, QueueFull
 
 
-class ContinuousBatcher:
+class ContinuousBatcher(StepDriver):
     """Iteration-level batching of autoregressive generation around a step function.
 
     ``step_fn(batch)`` computes ``seq.token_ids[seq.start : seq.start + seq.num_tokens]``
@@ -60,7 +56,8 @@ class ContinuousBatcher:
     ) -> None:
         self.step_fn = step_fn
         self.is_async = inspect.iscoroutinefunction(step_fn)
-        self.name = name or getattr(step_fn, "__name__", "ContinuousBatcher")
+        # (not "name or ...": mypy would type the right side, and so the name, as optional)
+        self.name = name if name else getattr(step_fn, "__name__", "ContinuousBatcher")
         self.eos_token_id = eos_token_id
         self.max_queue_size = max_queue_size
         self.clock = clock
@@ -169,183 +166,8 @@ class ContinuousBatcher:
                 raise
         return handles
 
-    def _start_locked(self) -> None:
-        """Start the driver on first use, or wake it."""
-        if self.is_async:
-            task, loop = self._task, self._loop
-            if task is None or task.done() or loop is None or loop.is_closed():
-                # No driver, or one that will never run again (its loop closed or it was
-                # cancelled): start one on this caller's loop.
-                try:
-                    loop = asyncio.get_running_loop()
-                except RuntimeError:
-                    raise RuntimeError(
-                        f"{self.name}: an async step function runs on an event loop; "
-                        "submit the first request from a coroutine"
-                    ) from None
-                if self.sched._in_flight is not None:  # a step cut off with its old loop
-                    self._fail_step_locked(self.sched._in_flight, self._driver_gone())
-                self._loop, self._wakeup = loop, asyncio.Event()
-                self._task = loop.create_task(self._arun())
-            self._wake_loop()
-        elif self._thread is None:
-            self._thread = threading.Thread(
-                target=self._run, name=f"batchkit-{self.name}", daemon=True
-            )
-            self._thread.start()
-        else:
-            self._work.notify()
-
-    def _wake_loop(self) -> None:
-        loop, event = self._loop, self._wakeup
-        if loop is None or event is None or loop.is_closed():
-            return
-        if asyncio._get_running_loop() is loop:
-            event.set()
-        else:
-            loop.call_soon_threadsafe(event.set)
-
-    # -- the driver ---------------------------------------------------------------
-    def _next_batch_locked(self) -> StepBatch | None:
-        """Expire, then schedule; None when there is nothing to do.
-
-        Should scheduling itself fail (a bug), every request fails with that error
-        rather than wait for a driver that stopped.
-        """
-        try:
-            for seq in self.sched.expire(self.clock()):
-                self._finish_locked(
-                    seq,
-                    RequestTimeout(
-                        f"{self.name}: request {seq.request_id} did not start within its timeout"
-                    ),
-                )
-            if not self.sched.has_work:
-                return None
-            return self.sched.schedule()
-        except Exception as exc:  # noqa: BLE001 - the driver must answer, not die
-            self._abort_all_locked(exc)
-            return None
-
-    def _fail_step_locked(self, batch: StepBatch, error: BaseException) -> None:
-        """The step of ``batch`` will never report: fail its sequences with ``error``."""
-        self._apply_locked(batch, None, error)
-
-    def _apply_locked(self, batch: StepBatch, output: Any, error: BaseException | None) -> None:
-        """Apply a step's outcome and wake whoever waits on the sequences it moved."""
-        if error is None:
-            try:
-                tokens = output if isinstance(output, list) else list(output)
-                produced = self.sched.update(batch, tokens, self.clock())
-            except Exception as exc:  # noqa: BLE001 - a bad result fails its step, not the driver
-                error, produced = exc, []
-                if self.sched._in_flight is batch:
-                    self.sched.fail_step(batch)
-        else:
-            produced = []
-            self.sched.fail_step(batch)
-        if error is not None:
-            for s in batch.seqs:
-                if s.seq.finish_reason == "error":
-                    self._finish_locked(s.seq, error)
-        errored = self.sched.errored
-        if errored:  # bad results of single sequences: only their callers fail
-            for seq in errored:
-                self._finish_locked(seq, seq.error)
-            errored.clear()
-        events: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
-        watch, finished = self._subscribers > 0, SeqStatus.FINISHED
-        for seq in produced:
-            if seq.status is finished:
-                self._finish_locked(seq, None)
-            elif watch and seq.handle._events:
-                events.extend(seq.handle._events)
-        if events:
-            _set_events(events)
-        if self._streamers:
-            self._progress.notify_all()
-
-    def _finish_locked(self, seq: Sequence, error: BaseException | None) -> None:
-        handle: GenerationHandle | None = seq.handle
-        if handle is None or handle.done():
-            return
-        handle._error = error
-        handle._done.release()
-        if handle._events:
-            _set_events(handle._events)
-        if handle._streaming:
-            self._progress.notify_all()
-
-    def _run(self) -> None:
-        """The worker thread: schedule, step (outside the lock), apply, repeat."""
-        step_fn, lock = self.step_fn, self._lock
-        with lock:
-            while True:
-                batch = self._next_batch_locked()
-                if batch is None:
-                    if self._closed:
-                        self._work.notify_all()  # wake close()
-                        return
-                    self._work.wait()
-                    continue
-                lock.release()
-                output: Any = None
-                error: BaseException | None = None
-                try:
-                    output = step_fn(batch)
-                except BaseException as exc:  # noqa: BLE001 - the worker must survive anything
-                    error = exc
-                finally:
-                    lock.acquire()
-                self._apply_locked(batch, output, error)
-
-    async def _arun(self) -> None:
-        """The event-loop task: the same cycle, awaiting the step function.
-
-        Cancelled (its loop shutting down), it answers every request with
-        :class:`~batchkit.BatcherClosed` instead of leaving them waiting; a later
-        submit starts a new driver.
-        """
-        wakeup = self._wakeup
-        assert wakeup is not None
-        try:
-            while True:
-                with self._lock:
-                    batch = self._next_batch_locked()
-                    if batch is None:
-                        if self._closed:
-                            self._work.notify_all()
-                            return
-                        wakeup.clear()
-                if batch is None:
-                    await wakeup.wait()
-                    continue
-                output: Any = None
-                error: BaseException | None = None
-                try:
-                    output = await self.step_fn(batch)
-                except asyncio.CancelledError:
-                    raise
-                except BaseException as exc:  # noqa: BLE001 - the loop task must survive anything
-                    error = exc
-                with self._lock:
-                    self._apply_locked(batch, output, error)
-                await asyncio.sleep(0)  # let callers and submitters on this loop run
-        except asyncio.CancelledError:
-            with self._lock:
-                gone = self._driver_gone()
-                if self.sched._in_flight is not None:
-                    self._fail_step_locked(self.sched._in_flight, gone)
-                self._abort_all_locked(gone)
-            raise
-
-    def _driver_gone(self) -> BatcherClosed:
-        return BatcherClosed(
-            f"{self.name}: the driver task was cancelled (its event loop shut down) before "
-            "this request finished"
-        )
-
     def _cancel(self, handle: GenerationHandle) -> bool:
+        """:meth:`GenerationHandle.cancel <batchkit.generate.GenerationHandle.cancel>`."""
         with self._lock:
             if not self.sched.abort(handle._seq, "cancelled"):
                 return False
@@ -408,13 +230,6 @@ class ContinuousBatcher:
             with self._lock:
                 self._abort_all_locked()
 
-    def _abort_all_locked(self, error: BaseException | None = None) -> None:
-        if error is None:
-            error = BatcherClosed(f"{self.name} closed before this request finished")
-        for seq in self.sched.abort_all("error"):
-            self._finish_locked(seq, error)
-        self._work.notify_all()
-
     def __enter__(self) -> ContinuousBatcher:
         return self
 
@@ -426,14 +241,3 @@ class ContinuousBatcher:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
-
-
-def _set_events(events: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]) -> None:
-    """Set asyncio events, each on its own loop (directly when already there)."""
-    here = asyncio._get_running_loop()
-    for loop, event in events:
-        if loop is here:
-            event.set()
-        else:
-            with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits there
-                loop.call_soon_threadsafe(event.set)

@@ -9,8 +9,10 @@ mode, free KV blocks. When a running sequence needs a block and none is free, th
 newest running sequence is preempted: its blocks are freed and it waits again, to be
 recomputed from its tokens (prompt and generated so far) when it is readmitted.
 :meth:`Scheduler.update` takes the step's sampled tokens and retires sequences that
-hit a stop token or their length limit. The driver (:mod:`batchkit.generate.batcher`)
-adds threads, handles and time.
+hit a stop token or their length limit. The rows and blocks themselves are taken and
+given back by the :class:`~batchkit.generate.resources.SeqResources` mixin; the driver
+(:mod:`batchkit.generate.batcher`, :mod:`batchkit.generate.driver`) adds threads,
+handles and time.
 """
 
 from __future__ import annotations
@@ -18,14 +20,15 @@ from __future__ import annotations
 import heapq
 from collections import deque
 
+from batchkit.generate.resources import SeqResources
 from batchkit.generate.sequence import ScheduledSeq, SeqStatus, Sequence, StepBatch
 from batchkit.generate.stats import GenerationStatsRecorder
 from batchkit.generate.tokens import check_step_tokens
 from batchkit.kv.allocator import BlockAllocator
-from batchkit.kv.block_table import BlockTable, BlockTableRows, blocks_for
+from batchkit.kv.block_table import BlockTableRows
 
 
-class Scheduler:
+class Scheduler(SeqResources):
     """Iteration-level scheduling over a waiting queue and a running set."""
 
     def __init__(
@@ -88,16 +91,7 @@ class Scheduler:
             )
         if limit is not None:
             longest = min(longest, limit)
-        alloc = self.allocator
-        if alloc is not None:
-            # The last generated token is returned, never computed: it needs no KV slot.
-            need = blocks_for(longest - 1, alloc.block_size)
-            if need > alloc.num_blocks:
-                raise ValueError(
-                    f"request {seq.request_id} can never fit: {seq.num_prompt_tokens} prompt + "
-                    f"{seq.max_new_tokens} new tokens need {need} KV blocks of "
-                    f"{alloc.block_size}, the pool has {alloc.num_blocks}"
-                )
+        self._check_pool_fits(seq, longest)
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence (``ValueError`` if it can never fit)."""
@@ -217,45 +211,6 @@ class Scheduler:
         )
         return batch
 
-    def _admit_blocks(self, seq: Sequence, budget: int) -> bool:
-        """Give a waiting sequence its table (with any prefix hit); False if blocks are short."""
-        alloc = self.allocator
-        assert alloc is not None
-        # Check before taking anything: a sequence short of blocks holds no memory, and
-        # its lookups (repeated every step it waits) do not count as prefix queries.
-        hits = alloc.match_prefix(seq.token_ids)
-        cached = len(hits) * alloc.block_size
-        n = min(seq.num_tokens - cached, budget)
-        need = blocks_for(cached + n, alloc.block_size) - len(hits)
-        if need + (alloc.num_revived(hits) if hits else 0) > alloc.num_free:
-            return False
-        table = BlockTable(alloc)
-        if alloc.adopt_prefix(seq.token_ids, hits):  # retained now; a miss is counted too
-            table.adopt(hits, cached)
-        seq.block_table = table
-        seq.num_computed_tokens = table.num_tokens
-        seq.num_cached_tokens += table.num_tokens
-        return True
-
-    def _preempt(self, seq: Sequence) -> None:
-        """Back to waiting, first in line; its blocks are freed and recomputed later."""
-        self.running.remove(seq)
-        self._free(seq)
-        seq.status = SeqStatus.WAITING
-        seq.num_computed_tokens = 0
-        self._enqueue(seq)
-        self.stats.preemptions += 1
-
-    def _free(self, seq: Sequence) -> None:
-        """Give back the sequence's blocks and row, and tell the step function."""
-        if seq.block_table is not None:
-            seq.block_table.free()
-            seq.block_table = None
-        if seq.slot is not None:
-            heapq.heappush(self._free_slots, seq.slot)
-            seq.slot = None
-        self._released.append(seq.request_id)
-
     # -- results --------------------------------------------------------------
     def update(
         self, batch: StepBatch, tokens: list[int | None], now: float = 0.0
@@ -334,17 +289,6 @@ class Scheduler:
             self.running = [s for s in self.running if s.status is running_status]
         return produced
 
-    def _cache_full_blocks(self, seq: Sequence, start: int, end: int) -> None:
-        """Register the blocks this step completed (their keys/values now exist)."""
-        alloc = self.allocator
-        assert alloc is not None and alloc.prefix is not None and seq.block_table is not None
-        bs = alloc.block_size
-        blocks = seq.block_table.block_ids
-        for j in range(start // bs, end // bs):
-            alloc.prefix.insert(
-                blocks[j], blocks[j - 1] if j else -1, seq.token_ids[j * bs : (j + 1) * bs]
-            )
-
     # -- leaving early ----------------------------------------------------------
     def abort(self, seq: Sequence, reason: str = "cancelled") -> bool:
         """Finish ``seq`` now; False if it had finished already.
@@ -406,4 +350,3 @@ class Scheduler:
     def abort_all(self, reason: str) -> list[Sequence]:
         """Abort every waiting and running sequence."""
         return self.fail(list(self.waiting) + list(self.running), reason)
-
