@@ -16,6 +16,7 @@ instruction counts do not show, are a large part of what a request costs.
 Usage (needs ``valgrind`` on the PATH; about a minute per system)::
 
     python benchmarks/instructions.py                 # batchkit, batchkit-sync, minimal
+    python benchmarks/instructions.py --systems batchkit,floor   # floor: see _peers.py
     python benchmarks/instructions.py --executor
     python benchmarks/instructions.py --cache      # cachegrind: cache misses, mispredicts
 """
@@ -40,7 +41,7 @@ ENV = {"PYTHONHASHSEED": "0", "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1
 async def _serve(system: str, total: int, executor: bool) -> None:
     sys.path.insert(0, str(HERE))
     import online
-    from _peers import MinimalBatcher
+    from _peers import FloorBatcher, MinimalBatcher
 
     import batchkit
 
@@ -48,10 +49,14 @@ async def _serve(system: str, total: int, executor: bool) -> None:
         return xs
 
     fn = online.async_on_executor(online.identity) if executor else ident
-    if system == "minimal":
-        minimal = MinimalBatcher(fn, online.MAX_BATCH, MAX_WAIT_S)
-        await online.closed_loop(minimal, total, online.CALLERS)
-        await minimal.close()
+    if system in ("minimal", "floor"):
+        peer = (
+            MinimalBatcher(fn, online.MAX_BATCH, MAX_WAIT_S)
+            if system == "minimal"
+            else FloorBatcher(fn, online.MAX_BATCH)
+        )
+        await online.closed_loop(peer, total, online.CALLERS)
+        await peer.close()
         return
     model = online.identity if system == "batchkit-sync" else fn
     f = batchkit.batched(max_batch_size=online.MAX_BATCH, max_wait_ms=MAX_WAIT_S * 1e3)(model)
@@ -104,9 +109,10 @@ def main() -> int:
         per_request[system] = {k: (long[k] - short[k]) / (LONG - SHORT) for k in long}
         counts = ", ".join(f"{v:.0f} {k}" for k, v in per_request[system].items())
         print(f"{system:14s} per request: {counts}")
-    if "batchkit" in per_request and "minimal" in per_request:
-        for k, v in per_request["batchkit"].items():
-            print(f"batchkit / minimal, {k}: {v / per_request['minimal'][k]:.3f}")
+    for peer in ("minimal", "floor"):
+        if "batchkit" in per_request and peer in per_request:
+            for k, v in per_request["batchkit"].items():
+                print(f"batchkit / {peer}, {k}: {v / per_request[peer][k]:.3f}")
     return 0
 
 

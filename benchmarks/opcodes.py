@@ -26,7 +26,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import online  # noqa: E402
-from _peers import MinimalBatcher  # noqa: E402
+from _peers import FloorBatcher, MinimalBatcher  # noqa: E402
 
 import batchkit  # noqa: E402
 
@@ -42,9 +42,12 @@ async def count(name: str, executor: bool) -> collections.Counter[str]:
     if name == "batchkit":
         f = batchkit.batched(max_batch_size=32, max_wait_ms=5)(fn)
         call, close = f.acall, f.aclose
-    else:
+    elif name == "minimal":
         m = MinimalBatcher(fn, 32, 0.005)
         call, close = m, m.close
+    else:
+        floor = FloorBatcher(fn, 32)
+        call, close = floor, floor.close
     counts: collections.Counter[str] = collections.Counter()
 
     def tracer(frame: FrameType, event: str, arg: object) -> Any:
@@ -70,15 +73,15 @@ def main() -> int:
     parser.add_argument("--top", type=int, default=12, help="functions listed per system")
     args = parser.parse_args()
     totals = {}
-    for name in ("batchkit", "minimal"):
+    for name in ("batchkit", "minimal", "floor"):
         counts = asyncio.run(count(name, args.executor))
         totals[name] = sum(counts.values()) / REQUESTS
         print(f"{name}: {totals[name]:.1f} opcodes per request")
         for where, n in counts.most_common(args.top):
             print(f"  {n / REQUESTS:6.1f}  {where}")
-    print(
-        f"\nbatchkit / minimal: {totals['batchkit'] / totals['minimal']:.3f} (opcodes per request)"
-    )
+    print()
+    for peer in ("minimal", "floor"):
+        print(f"batchkit / {peer}: {totals['batchkit'] / totals[peer]:.3f} (opcodes per request)")
     return 0
 
 
