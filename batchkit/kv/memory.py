@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from fractions import Fraction
 from typing import Any
 
 import numpy as np
@@ -44,8 +45,18 @@ def dtype_bytes(dtype: Any) -> float:
 def check_positive(**values: float) -> None:
     """Raise a ValueError naming the first value that is not a positive finite number."""
     for name, value in values.items():
-        if isinstance(value, bool) or not value > 0 or not math.isfinite(value):
+        # (An int is always finite; math.isfinite would overflow on one above 1e308.)
+        finite = isinstance(value, numbers.Integral) or math.isfinite(value)
+        if isinstance(value, bool) or not value > 0 or not finite:
             raise ValueError(f"{name} must be a positive number, got {value!r}")
+
+
+def ceil_bytes(count: int, per_element: float) -> int:
+    """``ceil(count * per_element)``, exactly: no float rounding, and no OverflowError for
+    a count beyond a float's range. A float factor is taken as written (``0.1`` is
+    1/10, not the binary float nearest to it), so that 10% of 80 GiB is 8 GiB."""
+    factor = Fraction(str(per_element)) if isinstance(per_element, float) else per_element
+    return math.ceil(Fraction(count) * factor)
 
 
 def check_counts(**values: int) -> None:
@@ -75,7 +86,7 @@ def kv_cache_bytes(
         layers=layers, kv_heads=kv_heads, head_dim=head_dim, seq_len=seq_len, batch_size=batch_size
     )
     elements = 2 * layers * kv_heads * head_dim * seq_len * batch_size
-    return math.ceil(elements * dtype_bytes(dtype))
+    return ceil_bytes(elements, dtype_bytes(dtype))
 
 
 def kv_block_bytes(

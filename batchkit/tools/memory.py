@@ -13,6 +13,7 @@ from dataclasses import dataclass
 # The KV-cache formula and dtype sizes live with the KV blocks; re-exported here.
 from batchkit.kv.memory import (
     DTYPE_BYTES,
+    ceil_bytes,
     check_counts,
     check_positive,
     dtype_bytes,
@@ -105,7 +106,7 @@ def activation_bytes(
         batch_size=batch_size,
     )  # fmt: skip
     per_token = 2 * hidden_size + 2 * intermediate
-    return math.ceil(per_token * seq_len * batch_size * dtype_bytes(dtype))
+    return ceil_bytes(per_token * seq_len * batch_size, dtype_bytes(dtype))
 
 
 @dataclass(frozen=True)
@@ -166,12 +167,12 @@ def memory_plan(
     weights = 0
     if n_params is not None:
         check_positive(params=n_params)
-        weights = math.ceil(n_params * dtype_bytes(weight_dtype or dtype))
+        weights = ceil_bytes(n_params, dtype_bytes(weight_dtype or dtype))
     gpu = parse_bytes(gpu_memory) if isinstance(gpu_memory, str) else gpu_memory
     if gpu is None:
         return MemoryPlan(kv_seq, kv_token, act_seq, weights, None, 0, None, None)
     check_positive(gpu_memory=gpu)
-    reserved = math.ceil(gpu * reserve)
+    reserved = ceil_bytes(gpu, reserve)
     available = gpu - reserved - weights
     fits = max(available, 0) // (kv_seq + act_seq)
     return MemoryPlan(kv_seq, kv_token, act_seq, weights, gpu, reserved, available, fits)

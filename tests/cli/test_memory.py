@@ -83,3 +83,15 @@ def test_bad_model_numbers() -> None:
         kv_cache_bytes(layers=1, kv_heads=1, head_dim=1, seq_len=1, dtype="fp13")
     with pytest.raises(ValueError, match="reserve"):
         memory_plan(**LLAMA2_7B, seq_len=1, reserve=1.0)
+
+
+def test_counts_beyond_a_floats_range_are_exact() -> None:
+    """Integers past 1e308 are valid sizes: the arithmetic stays in integers and
+    fractions (it used to raise OverflowError converting them to float)."""
+    huge = 10**400
+    plan = memory_plan(**LLAMA2_7B, seq_len=4096, gpu_memory=huge, reserve=0.1)
+    assert plan.reserved_bytes == huge // 10
+    assert plan.max_batch_size == (huge - huge // 10) // (2 * GiB)
+    assert kv_cache_bytes(layers=1, kv_heads=1, head_dim=1, seq_len=huge, dtype="int4") == huge
+    none_fit = memory_plan(**LLAMA2_7B, seq_len=1, gpu_memory=80 * GiB, params=huge)
+    assert none_fit.weight_bytes == 2 * huge and none_fit.max_batch_size == 0
