@@ -204,10 +204,19 @@ def _fast_tensors(
     if max_length is not None:
         items = [s[:max_length] for s in items]
     lengths = np.fromiter((s.shape[0] for s in items), dtype=np.int64, count=len(items))
-    with torch.no_grad():  # one copy, no autograd graph (cheaper than detach() per item)
-        values = torch.cat(list(items), dim=0)
+    values = cat_rows(torch, list(items))
     out_kind = output_kind("pt", return_tensors)
     return Ragged(to_kind(values, out_kind), lengths, out_kind)
+
+
+def cat_rows(torch: Any, tensors: list[Any]) -> Any:
+    """The tensors' rows in one fresh buffer. Without an autograd graph (cheaper than
+    detaching each item) unless an item requires grad while grad mode is on: then the
+    batch keeps the graph, so that a loss on it reaches the items."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return torch.cat(tensors, dim=0)
+    with torch.no_grad():
+        return torch.cat(tensors, dim=0)
 
 
 def scatter_rows(data: Any, host_mask: np.ndarray, mask: Any, values: Any) -> None:
@@ -220,7 +229,11 @@ def scatter_rows(data: Any, host_mask: np.ndarray, mask: Any, values: Any) -> No
     if isinstance(data, np.ndarray):
         data[host_mask] = values
         return
-    if data.device.type == "cpu" and str(values.dtype) in _NUMPY_VIEWABLE:
+    if (
+        data.device.type == "cpu"
+        and str(values.dtype) in _NUMPY_VIEWABLE
+        and not values.requires_grad  # (numpy would cut the graph; masked_scatter_ keeps it)
+    ):
         data.numpy()[host_mask] = values.numpy()
         return
     extra = (1,) * (data.ndim - mask.ndim)
@@ -240,7 +253,12 @@ def copy_rows(
 ) -> None:
     """``dst[dst_rows] = src[src_rows]`` for host index arrays. On CPU a torch dtype with
     a numpy view is copied through it: torch has no indexing kernel for some (uint16+)."""
-    if kind == "pt" and dst.device.type == "cpu" and str(dst.dtype) in _NUMPY_VIEWABLE:
+    if (
+        kind == "pt"
+        and dst.device.type == "cpu"
+        and str(dst.dtype) in _NUMPY_VIEWABLE
+        and not src.requires_grad  # (through numpy the copy would cut the autograd graph)
+    ):
         dst.numpy()[dst_rows] = src.numpy()[src_rows]
         return
     dst[from_host(kind, dst_rows, device)] = src[from_host(kind, src_rows, device)]
@@ -318,8 +336,7 @@ def to_ragged(
         for i, a in enumerate(arrays):
             if a.device != device:
                 raise ValueError(f"item {i}: on device {a.device}, but item 0 is on {device}")
-        with torch.no_grad():  # one copy, no autograd graph (cheaper than detach() per item)
-            values = torch.cat(arrays, dim=0)
+        values = cat_rows(torch, arrays)
         out_kind = output_kind("pt", return_tensors)
         return Ragged(to_kind(values, out_kind), lengths, out_kind)
 
