@@ -102,17 +102,40 @@ class LoopRuntime(Runtime):
             # Started outside the lock: with an eager task factory (Python 3.12+) the
             # function's first step runs inside create_task, and must not run under
             # it. (Also when a later poll raised: these hold their slots already.)
+            failure: BaseException | None = None
             for batch in ready:
                 assert loop is not None  # (a batch was polled: the loop was checked)
-                self._start(loop, batch)
+                try:
+                    self._start(loop, batch)
+                except BaseException as exc:  # noqa: BLE001 - e.g. a user's task factory
+                    self._not_started(batch, exc)
+                    failure = failure or exc
+            if failure is not None:
+                raise failure  # (to the loop's exception handler, once all are settled)
 
     def _start(self, loop: asyncio.AbstractEventLoop, batch: FormedBatch) -> None:
         """A task runs ``batch`` (and the batches ready as it ends). ``holding`` names the
         batch it owns, so that a task that ends early still settles it (see _ended)."""
         holding: list[FormedBatch | None] = [batch]
-        task = loop.create_task(self._run(holding, loop))
+        coro = self._run(holding, loop)
+        try:
+            task = loop.create_task(coro)
+        except BaseException:
+            coro.close()  # never started: no "never awaited" warning
+            raise
         self._tasks.add(task)
         task.add_done_callback(lambda t: self._ended(t, holding))
+
+    def _not_started(self, batch: FormedBatch, exc: BaseException) -> None:
+        """No task could be made for ``batch``: fail its callers, free its slot, and poll
+        again (the slot may be what the waiting requests need)."""
+        error = BatcherClosed(f"{self.name}: could not start a task for this batch: {exc!r}")
+        error.__cause__ = exc
+        with self.lock:
+            abandoned = self.abandon_locked(batch, error)
+            self._poll_due = False
+            self._wake_locked()
+        deliver(abandoned)
 
     async def _run(
         self, holding: list[FormedBatch | None], loop: asyncio.AbstractEventLoop

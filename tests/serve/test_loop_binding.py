@@ -249,3 +249,42 @@ def test_batch_tasks_are_created_outside_the_runtime_lock() -> None:
 
     assert asyncio.run(main()) == list(range(10))
     assert held_at_creation and not any(held_at_creation)
+
+
+def test_a_batch_whose_task_cannot_be_made_fails_only_its_callers() -> None:
+    """A task factory that raises for one batch: that batch's callers get a clear
+    BatcherClosed, the batches polled with it still start, and its slot is freed (later
+    calls are served, nothing hangs)."""
+
+    @batchkit.batched(max_batch_size=2, max_wait_ms=50, max_concurrent_batches=3)
+    async def ident(xs: list[int]) -> list[int]:
+        await asyncio.sleep(0.01)
+        return xs
+
+    refused: list[bool] = []
+
+    def factory(loop: asyncio.AbstractEventLoop, coro: Any) -> asyncio.Task[Any]:
+        if getattr(coro, "__qualname__", "") == "LoopRuntime._run" and not refused:
+            refused.append(True)
+            raise RuntimeError("no task for you")
+        return asyncio.Task(coro, loop=loop)
+
+    async def main() -> tuple[list[Any], int]:
+        loop = asyncio.get_running_loop()
+        loop.set_task_factory(factory)
+        loop.set_exception_handler(lambda loop, context: None)  # the raise is reported
+        outcomes = await asyncio.wait_for(
+            asyncio.gather(*(ident.acall(i) for i in range(6)), return_exceptions=True), 5
+        )
+        later = await asyncio.wait_for(ident.acall(99), 5)
+        await ident.aclose()
+        return outcomes, later
+
+    outcomes, later = asyncio.run(main())
+    failed = [o for o in outcomes if isinstance(o, BaseException)]
+    assert later == 99
+    assert len(failed) == 2  # exactly the first batch's two callers
+    assert all(isinstance(e, batchkit.BatcherClosed) for e in failed)
+    assert "no task for you" in str(failed[0])
+    assert [o for o in outcomes if not isinstance(o, BaseException)] == [2, 3, 4, 5]
+    assert ident.stats().in_flight == 0
