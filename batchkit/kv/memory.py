@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from decimal import Decimal
 from fractions import Fraction
 from typing import Any
 
@@ -51,20 +52,31 @@ def check_positive(**values: float) -> None:
             raise ValueError(f"{name} must be a positive number, got {value!r}")
 
 
-def ceil_bytes(count: int, per_element: float) -> int:
-    """``ceil(count * per_element)``, exactly: no float rounding, and no OverflowError for
-    a count beyond a float's range. A float factor is taken as written (``0.1`` is
-    1/10, not the binary float nearest to it), so that 10% of 80 GiB is 8 GiB."""
-    factor = Fraction(str(per_element)) if isinstance(per_element, float) else per_element
-    return math.ceil(Fraction(count) * factor)
-
-
 def check_counts(**values: int) -> None:
     """Raise a ValueError naming the first value that is not a positive integer
     (layers, heads, tokens: a fractional one is a mistake, not a size)."""
     for name, value in values.items():
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def ceil_bytes(count: float, per_element: float) -> int:
+    """``ceil(count * per_element)`` as a Python int, exactly: no float rounding, and no
+    OverflowError for a count beyond a float's range. A float factor is taken as written
+    (``0.1`` is 1/10, not the binary float nearest to it), so 10% of 80 GiB is 8 GiB."""
+    return int(math.ceil(_exact(count) * _exact(per_element)))
+
+
+def _exact(x: float) -> Fraction:
+    """``x`` as a fraction: ints, numpy ints, Fractions and Decimals exactly; floats
+    (numpy's too) by their shortest decimal form."""
+    if isinstance(x, numbers.Integral):
+        return Fraction(int(x))
+    if isinstance(x, (numbers.Rational, Decimal)):
+        return Fraction(x)
+    if not math.isfinite(x):
+        raise ValueError(f"expected a finite number, got {x!r}")
+    return Fraction(str(x)) if isinstance(x, (float, np.floating)) else Fraction(float(x))
 
 
 def kv_cache_bytes(

@@ -172,6 +172,7 @@ def memory_plan(
     if gpu is None:
         return MemoryPlan(kv_seq, kv_token, act_seq, weights, None, 0, None, None)
     check_positive(gpu_memory=gpu)
+    gpu = int(gpu)  # whole bytes (a float or numpy size given), so the plan is all ints
     reserved = ceil_bytes(gpu, reserve)
     available = gpu - reserved - weights
     fits = max(available, 0) // (kv_seq + act_seq)

@@ -95,3 +95,21 @@ def test_counts_beyond_a_floats_range_are_exact() -> None:
     assert kv_cache_bytes(layers=1, kv_heads=1, head_dim=1, seq_len=huge, dtype="int4") == huge
     none_fit = memory_plan(**LLAMA2_7B, seq_len=1, gpu_memory=80 * GiB, params=huge)
     assert none_fit.weight_bytes == 2 * huge and none_fit.max_batch_size == 0
+
+
+def test_numpy_and_decimal_inputs_give_python_ints() -> None:
+    """Sizes from numpy or Decimal arithmetic are accepted, and the plan holds plain ints
+    (JSON-serialisable), as with Python ints."""
+    import json
+    from decimal import Decimal
+
+    import numpy as np
+
+    kv = kv_cache_bytes(layers=np.int64(32), kv_heads=32, head_dim=128, seq_len=4096)
+    assert type(kv) is int and kv == 2 * GiB
+    plan = memory_plan(
+        **LLAMA2_7B, seq_len=4096, gpu_memory=np.float32(80 * 2**30), params=np.float32(7e9),
+        reserve=Decimal("0.1"),
+    )  # fmt: skip
+    assert plan.reserved_bytes == 8 * GiB and plan.max_batch_size == 29
+    json.dumps(plan.__dict__)  # every field a plain int
