@@ -8,7 +8,7 @@ caller already imported torch, so we look it up in ``sys.modules``. That keeps
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import chain
 from typing import Any, Literal
@@ -210,13 +210,18 @@ def _fast_tensors(
 
 
 def cat_rows(torch: Any, tensors: list[Any]) -> Any:
-    """The tensors' rows in one fresh buffer. Without an autograd graph (cheaper than
-    detaching each item) unless an item requires grad while grad mode is on: then the
-    batch keeps the graph, so that a loss on it reaches the items."""
+    """The tensors' rows in one fresh buffer (see :func:`join_tensors`)."""
+    return join_tensors(torch, torch.cat, tensors)
+
+
+def join_tensors(torch: Any, join: Callable[..., Any], tensors: Sequence[Any]) -> Any:
+    """``join(tensors, dim=0)`` (``torch.cat`` or ``torch.stack``). Without an autograd
+    graph (cheaper than detaching each item) unless an item requires grad while grad
+    mode is on: then the batch keeps the graph, so that a loss on it reaches the items."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return torch.cat(tensors, dim=0)
+        return join(tensors, dim=0)
     with torch.no_grad():
-        return torch.cat(tensors, dim=0)
+        return join(tensors, dim=0)
 
 
 def scatter_rows(data: Any, host_mask: np.ndarray, mask: Any, values: Any) -> None:

@@ -14,7 +14,13 @@ from typing import Any
 
 import numpy as np
 
-from batchkit._backend import ReturnTensors, check_return_tensors, is_tensor, require_torch
+from batchkit._backend import (
+    ReturnTensors,
+    check_return_tensors,
+    is_tensor,
+    join_tensors,
+    require_torch,
+)
 
 StackFn = Callable[[Sequence[Any], str], Any]
 UnstackFn = Callable[[Any], list[Any]]
@@ -46,8 +52,8 @@ def _stack_arrays(leaves: Sequence[Any], path: str, return_tensors: ReturnTensor
             )
     if tensor_in:
         torch = require_torch()
-        out = torch.stack([leaf.detach() for leaf in leaves])
-        return out.cpu().numpy() if return_tensors == "np" else out
+        out = join_tensors(torch, torch.stack, leaves)
+        return out.detach().cpu().numpy() if return_tensors == "np" else out
     out_np = np.stack(leaves)
     if return_tensors == "pt":
         return require_torch().from_numpy(out_np)

@@ -1,4 +1,5 @@
-"""Layouts keep autograd: a loss on the batch reaches each item exactly as it would alone.
+"""Layouts keep autograd: a loss on the batch reaches each item exactly as it would alone
+(rows a layout does not carry, like those cut for ``stack``, get a zero gradient).
 
 The collators copy through no-grad fast paths (numpy views, ``torch.no_grad``) when no
 item needs a gradient; an item that requires grad must take the differentiable route.
@@ -38,7 +39,18 @@ def _layouts() -> dict[str, Callable[[list[torch.Tensor]], tuple[torch.Tensor, A
         flat = batchkit.pack_varlen(items, pad_to_multiple_of=8)
         return flat.values, flat.unpack
 
-    return {"pad-right": pad("right"), "pad-left": pad("left"), "pack": pack, "varlen": varlen}
+    def stack(items: list[torch.Tensor]) -> tuple[torch.Tensor, Any]:
+        # stack needs one shape: every item cut to the shortest, as a fixed-shape key is
+        n = min(len(t) for t in items)
+        return batchkit.stack([t[:n] for t in items]), batchkit.unstack
+
+    return {
+        "pad-right": pad("right"),
+        "pad-left": pad("left"),
+        "pack": pack,
+        "varlen": varlen,
+        "stack": stack,
+    }
 
 
 LAYOUTS = _layouts()
@@ -56,10 +68,10 @@ def test_gradients_reach_each_item_as_alone(
     assert batch.requires_grad
     # An elementwise "model" on the whole batch, then a loss per item on its own slice.
     outputs = split(torch.tanh(batch) * 2)
-    sum((out * w).sum() for out, w in zip(outputs, weights)).backward()
-    for i, (item, w) in enumerate(zip(items, weights)):
+    sum((out * w[: len(out)]).sum() for out, w in zip(outputs, weights)).backward()
+    for i, (item, w, out) in enumerate(zip(items, weights, outputs)):
         alone = item.detach().clone().requires_grad_(True)
-        (torch.tanh(alone) * 2 * w).sum().backward()
+        (torch.tanh(alone[: len(out)]) * 2 * w[: len(out)]).sum().backward()
         assert item.grad is not None, f"item {i}: no gradient reached it"
         torch.testing.assert_close(item.grad, alone.grad)
 
