@@ -106,12 +106,20 @@ class FloorBatcher:
 
     async def _run(self) -> None:
         pending, size = self.pending, self.max_batch_size
-        while pending:
-            batch = pending[:size]
-            del pending[:size]
-            for (_, fut), out in zip(batch, await self.fn([x for x, _ in batch])):
-                fut.set_result(out)
-        self.running = False
+        try:
+            while pending:
+                batch = pending[:size]
+                del pending[:size]
+                try:
+                    outs = await self.fn([x for x, _ in batch])
+                except Exception as exc:  # noqa: BLE001 - (off the measured path)
+                    for _, fut in batch:
+                        fut.set_exception(exc)
+                    continue
+                for (_, fut), out in zip(batch, outs):
+                    fut.set_result(out)
+        finally:
+            self.running = False
 
     async def close(self) -> None:
         pass
@@ -154,10 +162,11 @@ class RayServeBatcher:
         fake_ray_replica_context()
 
         class Model:
+            # (max_concurrent_batches only when asked for: older Ray has no such option)
             @serve.batch(
                 max_batch_size=max_batch_size,
                 batch_wait_timeout_s=max_wait_s,
-                max_concurrent_batches=in_flight,
+                **({"max_concurrent_batches": in_flight} if in_flight != 1 else {}),
             )
             async def handle(self, xs: list[Any]) -> list[Any]:
                 return await fn(xs)
