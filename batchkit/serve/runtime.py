@@ -10,9 +10,10 @@ and :class:`~batchkit.serve.looped.LoopRuntime` (async functions; one event loop
 from __future__ import annotations
 
 import asyncio
+import collections
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -28,6 +29,8 @@ from batchkit.serve.stats import Stats
 Clock = Callable[[], float]
 DONE, RUNNING, WAITING = State.DONE, State.RUNNING, State.WAITING
 _new = object.__new__
+_set_result: Callable[[Any, Any], None] = asyncio.Future.set_result  # (C: in one map)
+_consume: Callable[[Iterable[Any]], None] = collections.deque(maxlen=0).extend  # (in C)
 # Compared by identity on the hot path: CPython keeps one 0 object (a bool, a numpy
 # int or any other look-alike fails the check and takes the checked path).
 _DEFAULT_PRIORITY = 0
@@ -266,19 +269,22 @@ class Runtime(BlockingAdmission, BatchSteps):
         requests, values, errors = batch.requests, run.values, run.errors
         if not errors and not batch.answered:  # the hot path: every item succeeded
             if on_loop is not None:
-                # (set_result only schedules the callers' wake-ups: no code of theirs runs
-                # under this lock.) A cancelled caller's future is left alone.
-                others = []
-                for req, value in zip(requests, values):
+                for req in requests:
                     req.state = DONE
-                    if req.loop is on_loop:
-                        future = req.future
-                        if not future.done():  # type: ignore[union-attr]
-                            future.set_result(value)  # type: ignore[union-attr]
-                    else:  # admitted from another loop as this one took over: deliver()
-                        req.value = value
-                        others.append(req)
-                return others
+                futures = [req.future for req in requests if req.loop is on_loop]
+                if len(futures) == len(requests):  # all await on this loop: the usual case
+                    # (set_result only schedules the callers' wake-ups: no code of theirs
+                    # runs under this lock.) One C-level pass; a cancelled caller's future
+                    # refuses its result, and the rest are then resolved one by one.
+                    try:
+                        _consume(map(_set_result, futures, values))
+                    except (asyncio.InvalidStateError, TypeError):  # (TypeError: a loop's
+                        # own future type, not asyncio's; its set_result is called below)
+                        for future, value in zip(futures, values):
+                            if not future.done():  # type: ignore[union-attr]
+                                future.set_result(value)  # type: ignore[union-attr]
+                    return []
+                return self._resolve_mixed(requests, values, on_loop)
             for req, value in zip(requests, values):
                 req.state = DONE
                 req.value = value
@@ -296,6 +302,23 @@ class Runtime(BlockingAdmission, BatchSteps):
                 stats.failed += 1
             done.append(req)
         return done
+
+    @staticmethod
+    def _resolve_mixed(
+        requests: Sequence[Request], values: list[Any], on_loop: asyncio.AbstractEventLoop
+    ) -> list[Request]:
+        """Resolve the futures awaiting on ``on_loop``; return the others (admitted from
+        another loop as this one took over), their values stored, to :func:`deliver`."""
+        others = []
+        for req, value in zip(requests, values):
+            if req.loop is on_loop:
+                future = req.future
+                if not future.done():  # type: ignore[union-attr]
+                    future.set_result(value)  # type: ignore[union-attr]
+            else:
+                req.value = value
+                others.append(req)
+        return others
 
     def abandon_locked(self, batch: FormedBatch, error: BaseException) -> list[Request]:
         """Under the lock: ``batch`` will never report (its task or loop is gone). Fail

@@ -288,3 +288,33 @@ def test_a_batch_whose_task_cannot_be_made_fails_only_its_callers() -> None:
     assert "no task for you" in str(failed[0])
     assert [o for o in outcomes if not isinstance(o, BaseException)] == [2, 3, 4, 5]
     assert ident.stats().in_flight == 0
+
+
+def test_callers_cancelled_while_their_batch_runs_do_not_cost_the_others() -> None:
+    """Futures are resolved in one C-level pass; a cancelled caller's future refuses its
+    result mid-pass, and every other caller (before and after it) still gets its own."""
+    release = asyncio.Event()
+
+    @batchkit.batched(max_batch_size=8, max_wait_ms=1)
+    async def ident(xs: list[int]) -> list[int]:
+        await release.wait()
+        return xs
+
+    async def main() -> list[Any]:
+        tasks = [asyncio.ensure_future(ident.acall(i)) for i in range(8)]
+        while ident.stats().in_flight == 0:
+            await asyncio.sleep(0.001)
+        for i in (0, 3, 7):  # first, middle and last of the running batch
+            tasks[i].cancel()
+        await asyncio.sleep(0)
+        release.set()
+        out = await asyncio.gather(*tasks, return_exceptions=True)
+        await ident.aclose()
+        return out
+
+    out = asyncio.run(main())
+    for i, got in enumerate(out):
+        if i in (0, 3, 7):
+            assert isinstance(got, asyncio.CancelledError)
+        else:
+            assert got == i
