@@ -164,12 +164,13 @@ def prototype_pad_tensors(
 def breakdown_pad_tensors(tensors: list[torch.Tensor], repeats: int, min_time: float) -> None:
     """Stage-by-stage timing of ``batchkit.pad(tensors, return_tensors="pt")``.
 
-    Replays the stages of ``to_ragged`` and ``pad_ragged`` (batchkit/_backend.py,
+    Replays the stages of ``to_ragged`` and ``pad_ragged`` (batchkit/collate/ragged.py,
     batchkit/collate/pad.py) on the same inputs, next to the prototype's
     replacement for each, all interleaved.
     """
-    from batchkit._backend import _item_array, kind_of, to_ragged
+    from batchkit._backend import kind_of
     from batchkit.collate.pad import pad_ragged
+    from batchkit.collate.ragged import _item_array, to_ragged
 
     ragged = to_ragged(tensors, return_tensors="pt")
     lengths = ragged.lengths

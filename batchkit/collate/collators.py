@@ -13,15 +13,14 @@ from typing import Any, Literal
 import numpy as np
 
 from batchkit._backend import (
-    Ragged,
     ReturnTensors,
     check_return_tensors,
     is_tensor,
     to_kind,
     to_numpy,
-    to_ragged,
 )
 from batchkit.collate.pad import Padded, check_side, pad_ragged
+from batchkit.collate.ragged import Ragged, to_ragged
 from batchkit.collate.stack import stack
 from batchkit.collate.varlen import varlen_from_ragged
 

@@ -29,9 +29,9 @@ from batchkit._backend import (
     copy_rows,
     from_host,
     full,
-    to_ragged,
 )
 from batchkit.collate.pad import check_max_length, is_positive_int
+from batchkit.collate.ragged import to_ragged
 from batchkit.collate.varlen import positions_restarting
 
 Strategy = Literal["best_fit", "first_fit", "in_order"]

@@ -10,14 +10,13 @@ from typing import Any, Literal
 import numpy as np
 
 from batchkit._backend import (
-    Ragged,
     ReturnTensors,
     check_leading_axes,
     from_host,
     full,
     scatter_rows,
-    to_ragged,
 )
+from batchkit.collate.ragged import Ragged, to_ragged
 
 Side = Literal["left", "right"]
 

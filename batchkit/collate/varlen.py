@@ -9,15 +9,14 @@ from typing import Any
 import numpy as np
 
 from batchkit._backend import (
-    Ragged,
     ReturnTensors,
     check_leading_axes,
     concat,
     from_host,
     full,
-    to_ragged,
 )
 from batchkit.collate.pad import round_up
+from batchkit.collate.ragged import Ragged, to_ragged
 
 
 def positions_restarting(lengths: np.ndarray) -> np.ndarray:

@@ -1,0 +1,239 @@
+"""Variable-length items as one flat buffer (:class:`Ragged`), the layout every
+sequence collator starts from, and :func:`to_ragged`, which validates the items (lists,
+arrays or tensors) and concatenates them, with fast paths for the common inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import chain
+from typing import Any
+
+import numpy as np
+
+from batchkit._backend import (
+    ReturnTensors,
+    _torch,
+    cat_rows,
+    check_return_tensors,
+    is_tensor,
+    kind_of,
+    output_kind,
+    to_kind,
+)
+
+_SCALAR_TYPES = (bool, int, float, np.generic)
+
+
+@dataclass(frozen=True, slots=True)
+class Ragged:
+    """Variable-length items as one flat buffer: the layout every collator starts from.
+
+    ``values`` is ``[T, *feat]`` (numpy or torch), the items concatenated along
+    their first (sequence) axis; ``lengths`` is a host int64 array ``[N]``.
+    """
+
+    values: Any
+    lengths: np.ndarray
+    kind: str  # "np" or "pt": the backend of ``values``
+
+    @property
+    def num_items(self) -> int:
+        """N, the number of items."""
+        return int(self.lengths.shape[0])
+
+    @property
+    def feature_shape(self) -> tuple[int, ...]:
+        """Trailing axes shared by every item."""
+        return tuple(self.values.shape[1:])
+
+    @property
+    def device(self) -> Any:
+        """The torch device of ``values`` (None for numpy)."""
+        return getattr(self.values, "device", None) if self.kind == "pt" else None
+
+    def offsets(self) -> np.ndarray:
+        """Host int64 ``[N+1]``: item ``i`` is ``values[offsets[i]:offsets[i+1]]``."""
+        out = np.zeros(self.num_items + 1, dtype=np.int64)
+        np.cumsum(self.lengths, out=out[1:])
+        return out
+
+
+def _describe(x: Any) -> str:
+    shape = tuple(getattr(x, "shape", ()))
+    return f"{type(x).__name__} of shape {shape} and dtype {getattr(x, 'dtype', '?')}"
+
+
+def _check_numeric(arr: Any, index: int) -> None:
+    dtype = arr.dtype
+    if isinstance(arr, np.ndarray) and dtype.kind not in "biufc":
+        raise TypeError(f"item {index}: expected numbers, got dtype {dtype}")
+
+
+def _item_array(item: Any, index: int, kind: str) -> Any:
+    """One item as an array with a sequence axis, with errors naming the item."""
+    if item is None:
+        raise TypeError(f"item {index}: got None, expected a sequence")
+    try:
+        item_kind = kind_of(item)
+    except TypeError as exc:
+        raise TypeError(f"item {index}: {exc}") from None
+    if item_kind != kind:
+        raise TypeError(
+            f"item {index}: mixed input types; item 0 is a {kind} item but item {index} is a "
+            f"{item_kind} item (convert them to one type first)"
+        )
+    if kind == "list":
+        try:
+            arr = np.asarray(item)
+        except ValueError as exc:
+            raise ValueError(f"item {index}: ragged nested list ({exc})") from None
+        if arr.dtype == object:
+            raise ValueError(f"item {index}: ragged or non-numeric nested list")
+    else:
+        arr = item
+    if arr.ndim == 0:
+        raise ValueError(f"item {index}: a scalar has no sequence axis; got {_describe(arr)}")
+    _check_numeric(arr, index)
+    return arr
+
+
+def _fast_flat_list(items: Sequence[Any]) -> np.ndarray | None:
+    """Flat python lists of scalars in one conversion; None when the fast path doesn't apply."""
+    first = next((s for s in items if len(s)), None)
+    if first is None or not isinstance(first[0], _SCALAR_TYPES):
+        return None
+    try:
+        flat = np.array(list(chain.from_iterable(items)))
+    except (ValueError, TypeError):
+        return None
+    if flat.ndim != 1 or flat.dtype.kind not in "biuf":
+        return None
+    return flat
+
+
+def _check_list_items(items: Sequence[Any]) -> None:
+    """Every item of a python-list batch must itself be a list or tuple (errors name the item)."""
+    for i, item in enumerate(items):
+        if not isinstance(item, (list, tuple)):
+            _item_array(item, i, "list")  # raises the precise TypeError for this item
+
+
+def _fast_tensors(
+    items: Sequence[Any], return_tensors: ReturnTensors, max_length: int | None
+) -> Ragged | None:
+    """Tensors of one device and feature shape in a single check pass; None otherwise
+    (the general path then names the offending item)."""
+    torch = _torch()
+    first = items[0]
+    device, feat, tensor_type = first.device, first.shape[1:], torch.Tensor
+    for s in items:
+        if not isinstance(s, tensor_type) or s.ndim == 0:
+            return None
+        if s.shape[1:] != feat or s.device != device:
+            return None
+    if max_length is not None:
+        items = [s[:max_length] for s in items]
+    lengths = np.fromiter((s.shape[0] for s in items), dtype=np.int64, count=len(items))
+    values = cat_rows(torch, list(items))
+    out_kind = output_kind("pt", return_tensors)
+    return Ragged(to_kind(values, out_kind), lengths, out_kind)
+
+
+def to_ragged(
+    items: Sequence[Any],
+    *,
+    return_tensors: ReturnTensors = None,
+    max_length: int | None = None,
+) -> Ragged:
+    """Validate and concatenate items (lists, arrays or tensors) into a :class:`Ragged`.
+
+    Items longer than ``max_length`` are cut to their first ``max_length`` steps
+    (callers decide beforehand whether that is allowed). Inputs are never mutated:
+    the flat buffer is always a fresh copy. Python lists holding no numbers at all
+    (every item empty) give int64, the dtype of token ids.
+    """
+    check_return_tensors(return_tensors)
+    if isinstance(items, (np.ndarray,)) or is_tensor(items):
+        items = list(items)  # a padded 2-D array given as a batch of rows
+    if not isinstance(items, Sequence) or isinstance(items, (str, bytes)):
+        raise TypeError(f"expected a sequence of items, got {type(items).__name__}")
+    if len(items) == 0:
+        raise ValueError("expected at least one item, got an empty batch")
+    if items[0] is None:
+        raise TypeError("item 0: got None, expected a sequence")
+    try:
+        kind = kind_of(items[0])
+    except TypeError as exc:
+        raise TypeError(f"item 0: {exc}") from None
+
+    if kind == "list":
+        _check_list_items(items)
+        # Cut to 0 after conversion, below: an emptied list would lose its feature axis.
+        if max_length:
+            items = [s[:max_length] if len(s) > max_length else s for s in items]
+        lengths = np.fromiter((len(s) for s in items), dtype=np.int64, count=len(items))
+        flat = _fast_flat_list(items) if max_length != 0 else None
+        if flat is not None:
+            out_kind = output_kind("list", return_tensors)
+            if out_kind == "pt" and flat.dtype.kind == "f":
+                flat = flat.astype(np.float32)  # torch's default float, as torch.tensor() gives
+            return Ragged(to_kind(flat, out_kind), lengths, out_kind)
+        arrays = [_item_array(s, i, "list") for i, s in enumerate(items)]
+    else:
+        if kind == "pt":
+            fast = _fast_tensors(items, return_tensors, max_length)
+            if fast is not None:
+                return fast
+        arrays = [_item_array(s, i, kind) for i, s in enumerate(items)]
+    if max_length is not None:
+        arrays = [a[:max_length] for a in arrays]
+
+    # Feature axes must agree; an empty item may come without them (``[]``).
+    feat = next((tuple(a.shape[1:]) for a in arrays if a.shape[0] or a.ndim > 1), ())
+    for i, a in enumerate(arrays):
+        if tuple(a.shape[1:]) != feat:
+            if a.shape[0] == 0 and a.ndim == 1:
+                arrays[i] = a.reshape((0, *feat))
+                continue
+            raise ValueError(
+                f"item {i}: feature shape {tuple(a.shape[1:])} differs from the batch's "
+                f"{feat} (item shapes are [length, *features])"
+            )
+    lengths = np.fromiter((a.shape[0] for a in arrays), dtype=np.int64, count=len(arrays))
+    if 0 < np.count_nonzero(lengths) < len(arrays):
+        # An empty item has no values to give a dtype (``[]`` is float64, ``torch.tensor([])``
+        # float32): it must not promote the others' (int64 ids would lose precision).
+        arrays = _empties_as_values(arrays, lengths, kind)
+
+    if kind == "pt":
+        torch = _torch()
+        device = arrays[0].device
+        for i, a in enumerate(arrays):
+            if a.device != device:
+                raise ValueError(f"item {i}: on device {a.device}, but item 0 is on {device}")
+        values = cat_rows(torch, arrays)
+        out_kind = output_kind("pt", return_tensors)
+        return Ragged(to_kind(values, out_kind), lengths, out_kind)
+
+    values = np.concatenate(arrays, axis=0)
+    if kind == "list" and values.size == 0:
+        values = values.astype(np.int64)  # no numbers to infer from: token ids, as HF gives
+    out_kind = output_kind(kind, return_tensors)
+    if out_kind == "pt" and kind == "list" and values.dtype == np.float64:
+        values = values.astype(np.float32)
+    return Ragged(to_kind(values, out_kind), lengths, out_kind)
+
+
+def _empties_as_values(arrays: list[Any], lengths: np.ndarray, kind: str) -> list[Any]:
+    """``arrays`` with the empty ones cast to the dtype the non-empty ones promote to."""
+    filled = [a for a, n in zip(arrays, lengths) if n]
+    if kind == "pt":
+        torch = _torch()
+        dtype = filled[0].dtype
+        for a in filled[1:]:
+            dtype = torch.promote_types(dtype, a.dtype)
+        return [a if n else a.to(dtype) for a, n in zip(arrays, lengths)]
+    dtype = np.result_type(*filled)
+    return [a if n else a.astype(dtype) for a, n in zip(arrays, lengths)]
