@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any
 
@@ -113,6 +113,24 @@ def resolve_futures(requests: list[Request]) -> None:
             fut.set_exception(error)
         else:
             fut.set_result(req.value)
+
+
+def resolve_on_loop(
+    requests: Sequence[Request], values: list[Any], loop: asyncio.AbstractEventLoop
+) -> list[Request]:
+    """On ``loop``: resolve the futures of the requests awaiting there with ``values``
+    (a cancelled caller's is left alone); return the others (admitted from another loop
+    as this one took over), their values stored, for :func:`deliver`."""
+    others = []
+    for req, value in zip(requests, values):
+        if req.loop is loop:
+            future = req.future
+            if not future.done():  # type: ignore[union-attr]
+                future.set_result(value)  # type: ignore[union-attr]
+        else:
+            req.value = value
+            others.append(req)
+    return others
 
 
 def deliver(requests: list[Request]) -> None:

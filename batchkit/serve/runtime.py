@@ -22,7 +22,7 @@ from batchkit.serve.backpressure import BlockingAdmission, RoomWaiters
 from batchkit.serve.errors import BatcherClosed, QueueFull, RequestTimeout
 from batchkit.serve.events import BatchEvent, DropEvent, DropReason, Listener, notify
 from batchkit.serve.recovery import BatchRun, BatchSteps
-from batchkit.serve.request import Request, State, await_request, deliver
+from batchkit.serve.request import Request, State, await_request, deliver, resolve_on_loop
 from batchkit.serve.scheduler import FormedBatch, Scheduler
 from batchkit.serve.stats import Stats
 
@@ -284,7 +284,7 @@ class Runtime(BlockingAdmission, BatchSteps):
                             if not future.done():  # type: ignore[union-attr]
                                 future.set_result(value)  # type: ignore[union-attr]
                     return []
-                return self._resolve_mixed(requests, values, on_loop)
+                return resolve_on_loop(requests, values, on_loop)
             for req, value in zip(requests, values):
                 req.state = DONE
                 req.value = value
@@ -302,23 +302,6 @@ class Runtime(BlockingAdmission, BatchSteps):
                 stats.failed += 1
             done.append(req)
         return done
-
-    @staticmethod
-    def _resolve_mixed(
-        requests: Sequence[Request], values: list[Any], on_loop: asyncio.AbstractEventLoop
-    ) -> list[Request]:
-        """Resolve the futures awaiting on ``on_loop``; return the others (admitted from
-        another loop as this one took over), their values stored, to :func:`deliver`."""
-        others = []
-        for req, value in zip(requests, values):
-            if req.loop is on_loop:
-                future = req.future
-                if not future.done():  # type: ignore[union-attr]
-                    future.set_result(value)  # type: ignore[union-attr]
-            else:
-                req.value = value
-                others.append(req)
-        return others
 
     def abandon_locked(self, batch: FormedBatch, error: BaseException) -> list[Request]:
         """Under the lock: ``batch`` will never report (its task or loop is gone). Fail
