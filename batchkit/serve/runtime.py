@@ -279,10 +279,8 @@ class Runtime(BlockingAdmission, BatchSteps):
                     try:
                         _consume(map(_set_result, futures, values))
                     except (asyncio.InvalidStateError, TypeError):  # (TypeError: a loop's
-                        # own future type, not asyncio's; its set_result is called below)
-                        for future, value in zip(futures, values):
-                            if not future.done():  # type: ignore[union-attr]
-                                future.set_result(value)  # type: ignore[union-attr]
+                        # own future type, not asyncio's): the checked per-future pass
+                        return resolve_on_loop(requests, values, on_loop)
                     return []
                 return resolve_on_loop(requests, values, on_loop)
             for req, value in zip(requests, values):
