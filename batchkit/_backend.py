@@ -89,11 +89,6 @@ def to_kind(x: np.ndarray | Any, kind: str, device: Any = None) -> Any:
     return x if device is None else x.to(device)
 
 
-def cat_rows(torch: Any, tensors: list[Any]) -> Any:
-    """The tensors' rows in one fresh buffer (see :func:`join_tensors`)."""
-    return join_tensors(torch, torch.cat, tensors)
-
-
 def join_tensors(torch: Any, join: Callable[..., Any], tensors: Sequence[Any]) -> Any:
     """``join(tensors, dim=0)`` (``torch.cat`` or ``torch.stack``). Without an autograd
     graph (cheaper than detaching each item) unless an item requires grad while grad
@@ -114,11 +109,7 @@ def scatter_rows(data: Any, host_mask: np.ndarray, mask: Any, values: Any) -> No
     if isinstance(data, np.ndarray):
         data[host_mask] = values
         return
-    if (
-        data.device.type == "cpu"
-        and str(values.dtype) in _NUMPY_VIEWABLE
-        and not values.requires_grad  # (numpy would cut the graph; masked_scatter_ keeps it)
-    ):
+    if _copies_via_numpy(data, values):
         data.numpy()[host_mask] = values.numpy()
         return
     extra = (1,) * (data.ndim - mask.ndim)
@@ -133,17 +124,24 @@ _NUMPY_VIEWABLE = frozenset(
 )
 
 
+def _copies_via_numpy(dst: Any, src: Any) -> bool:
+    """Whether a CPU tensor copy ``src`` -> ``dst`` may go through numpy views (faster,
+    and the only route for some dtypes): not when ``src`` carries an autograd graph,
+    which numpy would cut."""
+    return (
+        dst.device.type == "cpu"
+        and str(dst.dtype) in _NUMPY_VIEWABLE
+        and str(src.dtype) in _NUMPY_VIEWABLE
+        and not src.requires_grad
+    )
+
+
 def copy_rows(
     dst: Any, dst_rows: np.ndarray, src: Any, src_rows: np.ndarray, kind: str, device: Any
 ) -> None:
     """``dst[dst_rows] = src[src_rows]`` for host index arrays. On CPU a torch dtype with
     a numpy view is copied through it: torch has no indexing kernel for some (uint16+)."""
-    if (
-        kind == "pt"
-        and dst.device.type == "cpu"
-        and str(dst.dtype) in _NUMPY_VIEWABLE
-        and not src.requires_grad  # (through numpy the copy would cut the autograd graph)
-    ):
+    if kind == "pt" and _copies_via_numpy(dst, src):
         dst.numpy()[dst_rows] = src.numpy()[src_rows]
         return
     dst[from_host(kind, dst_rows, device)] = src[from_host(kind, src_rows, device)]

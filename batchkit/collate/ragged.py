@@ -15,9 +15,9 @@ import numpy as np
 from batchkit._backend import (
     ReturnTensors,
     _torch,
-    cat_rows,
     check_return_tensors,
     is_tensor,
+    join_tensors,
     kind_of,
     output_kind,
     to_kind,
@@ -136,7 +136,7 @@ def _fast_tensors(
     if max_length is not None:
         items = [s[:max_length] for s in items]
     lengths = np.fromiter((s.shape[0] for s in items), dtype=np.int64, count=len(items))
-    values = cat_rows(torch, list(items))
+    values = join_tensors(torch, torch.cat, list(items))
     out_kind = output_kind("pt", return_tensors)
     return Ragged(to_kind(values, out_kind), lengths, out_kind)
 
@@ -213,7 +213,7 @@ def to_ragged(
         for i, a in enumerate(arrays):
             if a.device != device:
                 raise ValueError(f"item {i}: on device {a.device}, but item 0 is on {device}")
-        values = cat_rows(torch, arrays)
+        values = join_tensors(torch, torch.cat, arrays)
         out_kind = output_kind("pt", return_tensors)
         return Ragged(to_kind(values, out_kind), lengths, out_kind)
 
