@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
+from batchkit.errors import BatcherClosed, QueueFull
 from batchkit.generate.driver import StepDriver, StepFn
 from batchkit.generate.handle import GenerationHandle
 from batchkit.generate.scheduler import Scheduler
@@ -22,7 +23,6 @@ from batchkit.generate.sequence import Sequence
 from batchkit.generate.stats import GenerationStats
 from batchkit.generate.tokens import is_index, token_ids
 from batchkit.kv.allocator import BlockAllocator
-from batchkit.serve.errors import BatcherClosed, QueueFull
 
 
 class ContinuousBatcher(StepDriver):

@@ -15,10 +15,10 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from batchkit.errors import BatcherClosed, RequestTimeout
 from batchkit.generate.handle import GenerationHandle
 from batchkit.generate.scheduler import Scheduler
 from batchkit.generate.sequence import SeqStatus, Sequence, StepBatch
-from batchkit.serve.errors import BatcherClosed, RequestTimeout
 
 StepFn = Callable[[StepBatch], Any]
 

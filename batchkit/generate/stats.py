@@ -6,7 +6,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from batchkit.serve.stats import SAMPLE_WINDOW, Percentiles
+from batchkit.percentiles import SAMPLE_WINDOW, Percentiles
 
 if TYPE_CHECKING:
     from batchkit.kv.allocator import BlockAllocator

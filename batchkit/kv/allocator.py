@@ -18,8 +18,8 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from batchkit.errors import BatchkitError
 from batchkit.kv.prefix import PrefixCache
-from batchkit.serve.errors import BatchkitError
 
 
 class OutOfBlocks(BatchkitError, RuntimeError):

@@ -1,10 +1,11 @@
 """The runtime: ``@batched``, its queue-and-worker core, errors and stats."""
 
+from batchkit.errors import BatcherClosed, BatchkitError, QueueFull, RequestTimeout
+from batchkit.percentiles import Percentiles
 from batchkit.serve.batched import BatchedFunction, batched
-from batchkit.serve.errors import BatcherClosed, BatchkitError, QueueFull, RequestTimeout
 from batchkit.serve.events import BatchEvent, DropEvent, Listener
 from batchkit.serve.scheduler import Scheduler
-from batchkit.serve.stats import DispatchReason, Percentiles, Stats
+from batchkit.serve.stats import DispatchReason, Stats
 
 __all__ = [
     "BatchEvent",

@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeAlias, TypeVar
 
-from batchkit.serve.errors import RequestTimeout
+from batchkit.errors import RequestTimeout
 from batchkit.serve.events import DropReason
 from batchkit.serve.request import Request
 

@@ -12,7 +12,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from batchkit.serve.errors import BatcherClosed
+from batchkit.errors import BatcherClosed
 from batchkit.serve.recovery import BatchRun
 from batchkit.serve.request import deliver
 from batchkit.serve.runtime import Options, Runtime, closed_error

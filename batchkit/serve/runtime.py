@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from batchkit.batchers.base import Batcher
+from batchkit.errors import BatcherClosed, QueueFull, RequestTimeout
 from batchkit.serve.backpressure import BlockingAdmission, RoomWaiters
-from batchkit.serve.errors import BatcherClosed, QueueFull, RequestTimeout
 from batchkit.serve.events import BatchEvent, DropEvent, DropReason, Listener, notify
 from batchkit.serve.recovery import BatchRun, BatchSteps
 from batchkit.serve.request import Request, State, await_request, deliver, resolve_on_loop

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from batchkit.batchers.base import Batcher
 from batchkit.batchers.dynamic import DynamicBatcher
-from batchkit.serve.errors import QueueFull
+from batchkit.errors import QueueFull
 from batchkit.serve.request import WAITING, Request, State
 from batchkit.serve.stats import DispatchReason, StatsRecorder
 

@@ -7,12 +7,11 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING
 
-import numpy as np
+from batchkit.percentiles import SAMPLE_WINDOW, Percentiles
 
 if TYPE_CHECKING:
     from batchkit.serve.request import Request
 
-SAMPLE_WINDOW = 4096  # latency percentiles cover the most recent samples
 
 
 class DispatchReason(str, Enum):
@@ -22,27 +21,6 @@ class DispatchReason(str, Enum):
     MAX_WAIT = "max_wait"
     IDLE = "idle"  # no batch was running: waiting requests go at once
     CLOSING = "closing"
-
-
-@dataclass(frozen=True)
-class Percentiles:
-    """p50/p90/p99/max of a latency sample, in seconds (NaN when empty)."""
-
-    p50: float
-    p90: float
-    p99: float
-    max: float
-    count: int
-
-    @classmethod
-    def of(cls, samples: deque[float]) -> Percentiles:
-        """Summarise a window of samples."""
-        if not samples:
-            nan = float("nan")
-            return cls(nan, nan, nan, nan, 0)
-        arr = np.fromiter(samples, dtype=np.float64, count=len(samples))
-        p50, p90, p99 = np.percentile(arr, [50, 90, 99])
-        return cls(float(p50), float(p90), float(p99), float(arr.max()), len(arr))
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ import numpy as np
 from batchkit.batchers.base import Batcher, check_positive_int
 from batchkit.batchers.dynamic import DynamicBatcher
 from batchkit.batchers.static import StaticBatcher
-from batchkit.serve.errors import QueueFull
+from batchkit.errors import QueueFull
 from batchkit.serve.request import Request, State
 from batchkit.serve.scheduler import FormedBatch, Scheduler
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-import batchkit.serve.errors as errors
+import batchkit.errors as errors
 from batchkit.generate import ContinuousBatcher, StepBatch
 from batchkit.kv import BlockAllocator
 from tests.generate._toy import PagedToy, SlottedToy, solo

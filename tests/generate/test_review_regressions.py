@@ -14,7 +14,7 @@ import pytest
 
 from batchkit.generate import ContinuousBatcher, StepBatch
 from batchkit.kv import BlockAllocator
-from batchkit.serve.errors import BatcherClosed
+from batchkit.errors import BatcherClosed
 from tests.generate._toy import PagedToy, SlottedToy, solo
 
 

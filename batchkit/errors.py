@@ -1,4 +1,5 @@
-"""The exceptions callers of ``@batched`` can see (beyond the function's own)."""
+"""batchkit's own exceptions, shared by every layer (serving, continuous batching, KV
+blocks): callers see these beyond their function's own errors."""
 
 from __future__ import annotations
 

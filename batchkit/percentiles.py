@@ -1,0 +1,32 @@
+"""Percentiles of a window of latency samples: what serving and continuous batching
+both report, so it lives below both."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+SAMPLE_WINDOW = 4096  # latency percentiles cover the most recent samples
+
+
+@dataclass(frozen=True)
+class Percentiles:
+    """p50/p90/p99/max of a latency sample, in seconds (NaN when empty)."""
+
+    p50: float
+    p90: float
+    p99: float
+    max: float
+    count: int
+
+    @classmethod
+    def of(cls, samples: deque[float]) -> Percentiles:
+        """Summarise a window of samples."""
+        if not samples:
+            nan = float("nan")
+            return cls(nan, nan, nan, nan, 0)
+        arr = np.fromiter(samples, dtype=np.float64, count=len(samples))
+        p50, p90, p99 = np.percentile(arr, [50, 90, 99])
+        return cls(float(p50), float(p90), float(p99), float(arr.max()), len(arr))
