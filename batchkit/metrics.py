@@ -282,7 +282,7 @@ class _ScrapeTimeGauges:
             self.in_flight_name, "Batches running now.", labels=["batcher"]
         )
         for name, f in tracked.items():
-            waiting, running = f.runtime.load()
+            waiting, running = f.load()
             depth.add_metric([name], waiting)
             in_flight.add_metric([name], running)
         return [depth, in_flight]

@@ -2,25 +2,60 @@
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import inspect
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Generic, Literal, TypeVar, overload
+from typing import Any, Generic, Literal, Protocol, TypeVar, overload
 
 from batchkit.batchers.base import Batcher, check_positive_int
 from batchkit.batchers.dynamic import DynamicBatcher
+from batchkit.serve.core import ServingCore
+from batchkit.serve.event_loop import LoopDriver
 from batchkit.serve.events import Listener
-from batchkit.serve.looped import LoopRuntime
-from batchkit.serve.request import await_request
-from batchkit.serve.runtime import Clock, Options, Runtime
+from batchkit.serve.options import Clock, OomRecovery, Options, empty_cuda_cache
 from batchkit.serve.stats import Stats
-from batchkit.serve.threaded import ThreadRuntime
+from batchkit.serve.threads import ThreadDriver
 
 R = TypeVar("R")
+
+
+class Driver(Protocol):
+    """What runs a batched function's batches and waits for its callers: worker threads
+    (:class:`~batchkit.serve.threads.ThreadDriver`) or one event loop
+    (:class:`~batchkit.serve.event_loop.LoopDriver`), over one serving core."""
+
+    core: ServingCore
+
+    def call(self, item: Any, *, priority: int = 0, timeout: float | None = None) -> Any:
+        """``f(x)``: a sync function's result, an async function's awaitable."""
+        ...
+
+    def call_many(
+        self, items: Iterable[Any], *, priority: int = 0, timeout: float | None = None
+    ) -> list[Any]:
+        """``f.map(items)``, blocking."""
+        ...
+
+    async def acall(self, item: Any, *, priority: int = 0, timeout: float | None = None) -> Any:
+        """``await f.acall(x)``."""
+        ...
+
+    async def amap(
+        self, items: Iterable[Any], *, priority: int = 0, timeout: float | None = None
+    ) -> list[Any]:
+        """``await f.amap(items)``."""
+        ...
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stop accepting, drain, then fail what is left after ``timeout``."""
+        ...
+
+    async def aclose(self, timeout: float | None = None) -> None:
+        """:meth:`close` from asyncio."""
+        ...
 
 
 class BatchedFunction(Generic[R]):
@@ -41,21 +76,21 @@ class BatchedFunction(Generic[R]):
         self.__qualname__ = getattr(fn, "__qualname__", self.__name__)
         self.__doc__ = getattr(fn, "__doc__", None)
         self.__wrapped__ = fn
-        self._runtime_lock = threading.RLock()
+        self._bind_lock = threading.RLock()
         self._bound_by_instance: weakref.WeakKeyDictionary[Any, BatchedFunction[R]] = (
             weakref.WeakKeyDictionary()
         )
         # Created now (cheap: no thread starts before the first call), so that
-        # ``f.acall`` is the runtime's own ``async def acall`` (same signature) even when
+        # ``f.acall`` is the driver's own ``async def acall`` (same signature) even when
         # a caller keeps the bound method: one coroutine per call instead of two.
-        kind = LoopRuntime if self.is_async else ThreadRuntime
-        self._runtime: Runtime = kind(fn, options, self.__qualname__)
-        self.acall = self._runtime.acall  # type: ignore[method-assign]
+        core = ServingCore(options, self.__qualname__)
+        self._driver: Driver = (LoopDriver if self.is_async else ThreadDriver)(fn, core)
+        self.acall = self._driver.acall  # type: ignore[method-assign]
 
     @property
-    def runtime(self) -> Runtime:
-        """The queue and workers behind this function."""
-        return self._runtime
+    def runtime(self) -> Driver:
+        """The driver behind this function: its workers, and its queue (``runtime.core``)."""
+        return self._driver
 
     # -- methods: one queue per instance --------------------------------------
     def __set_name__(self, owner: type, name: str) -> None:
@@ -64,7 +99,7 @@ class BatchedFunction(Generic[R]):
     def __get__(self, instance: Any, owner: type | None = None) -> Any:
         if instance is None:
             return self
-        with self._runtime_lock:  # two threads' first access must share one queue
+        with self._bind_lock:  # two threads' first access must share one queue
             return self._bound_for(instance, owner)
 
     def _bound_for(self, instance: Any, owner: type | None) -> BatchedFunction[R]:
@@ -90,11 +125,7 @@ class BatchedFunction(Generic[R]):
     # -- one item ------------------------------------------------------------
     def __call__(self, item: Any, *, priority: int = 0, timeout: float | None = None) -> Any:
         """Run one item in a batch. Sync function: its result; async function: an awaitable."""
-        runtime = self.runtime
-        if isinstance(runtime, LoopRuntime):
-            return runtime.acall(item, priority=priority, timeout=timeout)
-        assert isinstance(runtime, ThreadRuntime)
-        return runtime.call(item, priority, timeout)
+        return self._driver.call(item, priority=priority, timeout=timeout)
 
     async def acall(self, item: Any, *, priority: int = 0, timeout: float | None = None) -> Any:
         """Run one item in a batch, from asyncio (sync or async function alike).
@@ -102,7 +133,7 @@ class BatchedFunction(Generic[R]):
         ``timeout``: seconds before the item must have started running, else
         :class:`~batchkit.RequestTimeout`. Lower ``priority`` values are served first.
         """
-        return await self.runtime.acall(item, priority=priority, timeout=timeout)
+        return await self._driver.acall(item, priority=priority, timeout=timeout)
 
     # -- many items ------------------------------------------------------------
     def map(
@@ -110,78 +141,39 @@ class BatchedFunction(Generic[R]):
     ) -> list[Any]:
         """Run many items; results in input order. Raises the first failed item's error
         (in input order) once every item has finished."""
-        if self.is_async:
-            raise TypeError(f"{self.__name__} is async: use 'await {self.__name__}.amap(items)'")
-        runtime = self.runtime
-        assert isinstance(runtime, ThreadRuntime)
-        reqs = [runtime.make_request(x, priority, None) for x in items]
-        # Every item's timeout runs from this call, as if each were called alone now (a
-        # blocked enqueue included): at the deadline, items not yet started are withdrawn.
-        deadline = None if timeout is None else time.monotonic() + timeout
-        if runtime.room_mode_block:
-            runtime.submit_all_blocking(reqs, timeout)
-        else:
-            runtime.submit_many(reqs)
-        for i, req in enumerate(reqs):
-            left = None if deadline is None else deadline - time.monotonic()
-            if not req.wait(left):
-                assert timeout is not None
-                for late in reqs[i:]:
-                    runtime.give_up(late, runtime.timeout_error(timeout), timed_out=True)
-                deadline = None
-                req.wait(None)  # answered now: by the timeout, or by its running batch
-        return [req.outcome() for req in reqs]
+        return self._driver.call_many(items, priority=priority, timeout=timeout)
 
     async def amap(
         self, items: Iterable[Any], *, priority: int = 0, timeout: float | None = None
     ) -> list[Any]:
         """:meth:`map` from asyncio, for sync and async functions."""
-        runtime = self.runtime
-        loop = asyncio.get_running_loop()
-        runtime.bind(loop)
-        reqs = [runtime.make_request(x, priority, loop) for x in items]
-        started = time.monotonic()
-        if runtime.room_mode_block:
-            await runtime.asubmit_all_blocking(reqs, timeout)
-        else:
-            runtime.submit_many(reqs)
-        left = None if timeout is None else max(timeout - (time.monotonic() - started), 0.0)
-        waits = [asyncio.ensure_future(await_request(runtime, r, left)) for r in reqs]
-        outcomes = await asyncio.gather(*waits, return_exceptions=True)
-        for out in outcomes:
-            if isinstance(out, BaseException):
-                raise out
-        return list(outcomes)
+        return await self._driver.amap(items, priority=priority, timeout=timeout)
 
     # -- introspection and lifetime ---------------------------------------------
     def add_listener(self, listener: Listener) -> None:
         """Observe every batch and every dropped request (see :mod:`batchkit.serve.events`)."""
-        runtime = self.runtime
-        with runtime.lock:
-            runtime.listeners = [*runtime.listeners, listener]
+        self._driver.core.add_listener(listener)
 
     def remove_listener(self, listener: Listener) -> None:
         """Stop observing."""
-        runtime = self.runtime
-        with runtime.lock:
-            runtime.listeners = [x for x in runtime.listeners if x is not listener]
+        self._driver.core.remove_listener(listener)
 
     def stats(self) -> Stats:
         """A snapshot: requests, batches, batch sizes, waits, latencies, dispatch reasons."""
-        return self.runtime.stats()
+        return self._driver.core.stats()
+
+    def load(self) -> tuple[int, int]:
+        """``(queue depth, batches in flight)`` now, cheaply (what a metrics scrape reads)."""
+        return self._driver.core.load()
 
     def close(self, timeout: float | None = None) -> None:
         """Stop accepting (later calls raise ``BatcherClosed``), finish what is queued and
         running; after ``timeout`` seconds, fail what is left with ``BatcherClosed``."""
-        runtime = self.runtime
-        if isinstance(runtime, (ThreadRuntime, LoopRuntime)):
-            runtime.close(timeout)
+        self._driver.close(timeout)
 
     async def aclose(self, timeout: float | None = None) -> None:
         """:meth:`close` from asyncio."""
-        runtime = self.runtime
-        if isinstance(runtime, (ThreadRuntime, LoopRuntime)):
-            await runtime.aclose(timeout)
+        await self._driver.aclose(timeout)
 
     def __enter__(self) -> BatchedFunction[R]:
         return self
@@ -199,23 +191,26 @@ class BatchedFunction(Generic[R]):
         return f"<batched {self.__qualname__} {self.options.policy!r}>"
 
 
-_UNSET: Any = object()
+OnOom = Callable[[], None]
 
 
-def _oom_types(
-    oom_errors: tuple[type[BaseException], ...] | None,
-) -> tuple[type[BaseException], ...] | None:
-    """None (the default): the built-in out-of-memory types; () turns splitting off."""
+def _oom_recovery(
+    oom_errors: type[BaseException] | tuple[type[BaseException], ...] | None,
+    on_oom: OnOom | Literal[False] | None,
+) -> OomRecovery:
+    """``oom_errors``: None (the default) the built-in out-of-memory types; ``()`` turns
+    splitting off. ``on_oom``: None the default hook; False none."""
+    if on_oom is not None and on_oom is not False and not callable(on_oom):
+        raise TypeError(f"on_oom must be callable, None or False, got {type(on_oom).__name__}")
+    hook = empty_cuda_cache if on_oom is None else (on_oom or None)
     if oom_errors is None:
-        return ()
+        return OomRecovery(on_oom=hook)
     if isinstance(oom_errors, type):
         oom_errors = (oom_errors,)
-    if len(oom_errors) == 0:
-        return None
     for t in oom_errors:
         if not (isinstance(t, type) and issubclass(t, BaseException)):
             raise TypeError(f"oom_errors must hold exception types, got {t!r}")
-    return tuple(oom_errors)
+    return OomRecovery(enabled=len(oom_errors) > 0, extra_types=tuple(oom_errors), on_oom=hook)
 
 
 @overload
@@ -223,8 +218,8 @@ def batched(fn: Callable[[Any], R], /) -> BatchedFunction[R]: ...
 @overload
 def batched(
     *,
-    max_batch_size: int = ...,
-    max_wait_ms: float = ...,
+    max_batch_size: int | None = ...,
+    max_wait_ms: float | None = ...,
     batcher: Batcher | None = ...,
     collate: Callable[[list[Any]], Any] | None = ...,
     split: Callable[[Any], Sequence[Any]] | None = ...,
@@ -232,6 +227,7 @@ def batched(
     max_concurrent_batches: int = ...,
     when_full: Literal["reject", "block"] = ...,
     oom_errors: tuple[type[BaseException], ...] | None = ...,
+    on_oom: OnOom | Literal[False] | None = ...,
     isolate_errors: bool = ...,
     clock: Clock | None = ...,
 ) -> Callable[[Callable[[Any], R]], BatchedFunction[R]]: ...
@@ -241,8 +237,8 @@ def batched(
     fn: Callable[[Any], Any] | None = None,
     /,
     *,
-    max_batch_size: int = _UNSET,
-    max_wait_ms: float = _UNSET,
+    max_batch_size: int | None = None,
+    max_wait_ms: float | None = None,
     batcher: Batcher | None = None,
     collate: Callable[[list[Any]], Any] | None = None,
     split: Callable[[Any], Sequence[Any]] | None = None,
@@ -250,6 +246,7 @@ def batched(
     max_concurrent_batches: int = 1,
     when_full: Literal["reject", "block"] = "reject",
     oom_errors: tuple[type[BaseException], ...] | None = None,
+    on_oom: OnOom | Literal[False] | None = None,
     isolate_errors: bool = False,
     clock: Clock | None = None,
 ) -> Any:
@@ -266,16 +263,19 @@ def batched(
     ``torch.cuda.OutOfMemoryError``, plus any ``oom_errors`` types) is split in
     halves and retried down to single items, and the size that worked becomes the
     bucket's effective maximum (probed upward again later); ``oom_errors=()`` turns
-    this off. ``isolate_errors=True`` re-runs a failing batch in halves so that only
-    the items that fail alone get the exception. A batch whose ``collate`` fails is
-    always split the same way: a malformed item fails only its own caller.
+    this off. Before each retry, everything the failed attempt held is released (its
+    argument, and the locals of its traceback's frames), then ``on_oom()`` runs: by
+    default it empties the CUDA cache when torch has initialised CUDA; ``on_oom=False``
+    turns it off. ``isolate_errors=True`` re-runs a failing batch in halves so that
+    only the items that fail alone get the exception. A batch whose ``collate`` fails
+    is always split the same way: a malformed item fails only its own caller.
     """
-    if batcher is not None and (max_batch_size is not _UNSET or max_wait_ms is not _UNSET):
+    if batcher is not None and (max_batch_size is not None or max_wait_ms is not None):
         raise ValueError("pass max_batch_size/max_wait_ms to the batcher, not to @batched")
     if batcher is None:
         batcher = DynamicBatcher(
-            32 if max_batch_size is _UNSET else max_batch_size,
-            5.0 if max_wait_ms is _UNSET else max_wait_ms,
+            32 if max_batch_size is None else max_batch_size,
+            5.0 if max_wait_ms is None else max_wait_ms,
         )
     elif not isinstance(batcher, Batcher):
         raise TypeError(f"batcher must be a batchkit Batcher, got {type(batcher).__name__}")
@@ -285,7 +285,6 @@ def batched(
         raise ValueError(f'when_full must be "reject" or "block", got {when_full!r}')
     if when_full == "block" and max_queue_size is None:
         raise ValueError('when_full="block" needs a max_queue_size')
-    oom_types = _oom_types(oom_errors)
     for name, cb in (("collate", collate), ("split", split)):
         if cb is not None and not callable(cb):
             raise TypeError(f"{name} must be callable, got {type(cb).__name__}")
@@ -296,7 +295,7 @@ def batched(
         max_queue_size=max_queue_size,
         max_concurrent_batches=max_concurrent_batches,
         clock=clock or time.monotonic,
-        oom_errors=oom_types,
+        oom=_oom_recovery(oom_errors, on_oom),
         isolate_errors=bool(isolate_errors),
         when_full=when_full,
     )

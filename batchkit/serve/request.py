@@ -1,17 +1,15 @@
-"""One caller's request: its item, where it waits, how its outcome reaches it, and how
-an asyncio caller awaits it (with its timeout and cancellation)."""
+"""One caller's request: its item, where it waits, and how its outcome reaches it
+(a thread caller is woken; an asyncio caller's future is resolved on its own loop)."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import threading
 from collections.abc import Hashable, Sequence
 from enum import IntEnum
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from batchkit.serve.runtime import Runtime
+from batchkit.loops import call_on_loop
 
 
 class State(IntEnum):
@@ -23,15 +21,11 @@ class State(IntEnum):
     DROPPED = 3  # timed out, cancelled or failed by close before it ran
 
 
-# Module constants: ``State.WAITING`` is a slower, metaclass lookup.
-WAITING, RUNNING, DONE = State.WAITING, State.RUNNING, State.DONE
-
-
 class Request:
     """A queued item. Thread callers wait on a lock; asyncio callers on a future.
 
-    The lock-as-event trick (acquired at creation, released once on completion)
-    is the cheapest blocking wait CPython offers: one C-level lock per request.
+    The lock-as-event (acquired at creation, released once on completion) is the
+    cheapest blocking wait CPython offers: one C-level lock per request.
     """
 
     __slots__ = (
@@ -48,8 +42,6 @@ class Request:
         "loop",
         "_done",
     )
-    # seq: arrival order, set by Scheduler.add; it breaks ties between the heads of
-    # different buckets at equal priority (so a keyless policy's bulk arrivals keep 0).
 
     def __init__(
         self,
@@ -64,9 +56,11 @@ class Request:
         self.key = key
         self.bucket = bucket
         self.priority = priority
+        # Arrival order, set by Scheduler.add; it breaks ties between the heads of
+        # different buckets at equal priority (bulk arrivals of one bucket keep 0).
         self.seq = 0
         self.enqueued_at = enqueued_at  # the arrival time: set at admission
-        self.state = WAITING
+        self.state = State.WAITING
         self.value: Any = None
         self.error: BaseException | None = None
         self.loop = loop
@@ -80,7 +74,8 @@ class Request:
 
     def wait(self, timeout: float | None) -> bool:
         """Block a thread caller until done; False if ``timeout`` seconds passed first."""
-        assert self._done is not None, "asyncio requests are awaited, not waited on"
+        if self._done is None:
+            raise TypeError("an asyncio request is awaited (its future), not waited on")
         if self._done.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
             self._done.release()  # let a second wait() (after a timeout race) pass too
             return True
@@ -98,7 +93,7 @@ class Request:
         return self.value
 
 
-def resolve_futures(requests: list[Request]) -> None:
+def resolve_futures(requests: Sequence[Request]) -> None:
     """On the requests' event loop: copy each outcome into its future (if still wanted)."""
     for req in requests:
         fut = req.future
@@ -116,25 +111,26 @@ def resolve_futures(requests: list[Request]) -> None:
 
 
 def resolve_on_loop(
-    requests: Sequence[Request], values: list[Any], loop: asyncio.AbstractEventLoop
+    requests: Sequence[Request], values: Sequence[Any], loop: asyncio.AbstractEventLoop
 ) -> list[Request]:
     """On ``loop``: resolve the futures of the requests awaiting there with ``values``
-    (a cancelled caller's is left alone); return the others (admitted from another loop
-    as this one took over), their values stored, for :func:`deliver`."""
+    (a cancelled caller's is left alone); return the others (thread callers, or
+    admitted from another loop), their values stored, for :func:`deliver`."""
     others = []
     for req, value in zip(requests, values):
-        if req.loop is loop:
-            future = req.future
-            if not future.done():  # type: ignore[union-attr]
-                future.set_result(value)  # type: ignore[union-attr]
+        future = req.future
+        if req.loop is loop and future is not None:
+            if not future.done():
+                future.set_result(value)
         else:
             req.value = value
             others.append(req)
     return others
 
 
-def deliver(requests: list[Request]) -> None:
-    """Wake thread callers now; resolve asyncio futures on their own loops (one hop per loop)."""
+def deliver(requests: Sequence[Request]) -> None:
+    """Wake thread callers now; resolve asyncio futures on their own loops (one hop per
+    loop; a closed loop has nobody left to answer)."""
     by_loop: dict[asyncio.AbstractEventLoop, list[Request]] = {}
     for req in requests:
         if req.loop is None:
@@ -142,30 +138,4 @@ def deliver(requests: list[Request]) -> None:
         else:
             by_loop.setdefault(req.loop, []).append(req)
     for loop, reqs in by_loop.items():
-        if asyncio._get_running_loop() is loop:
-            resolve_futures(reqs)
-        else:
-            # A closed loop raises RuntimeError: nobody is left there to answer.
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(resolve_futures, reqs)
-
-
-async def await_request(runtime: Runtime, req: Request, timeout: float | None) -> Any:
-    """Await an asyncio request, honouring its timeout and its caller's cancellation."""
-    fut = req.future
-    assert fut is not None and req.loop is not None
-    timer = None
-    if timeout is not None:
-
-        def expire() -> None:
-            runtime.give_up(req, runtime.timeout_error(timeout), timed_out=True)
-
-        timer = req.loop.call_later(max(timeout, 0.0), expire)
-    try:
-        return await fut
-    except asyncio.CancelledError:
-        runtime.give_up(req, asyncio.CancelledError(), timed_out=False)
-        raise
-    finally:
-        if timer is not None:
-            timer.cancel()
+        call_on_loop(loop, resolve_futures, reqs)

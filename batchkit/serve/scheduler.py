@@ -6,20 +6,14 @@ caller, so its behaviour is tested deterministically with a fake clock.
 from __future__ import annotations
 
 import itertools
-import operator
 from collections import deque
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 
 from batchkit.batchers.base import Batcher
-from batchkit.batchers.dynamic import DynamicBatcher
 from batchkit.errors import QueueFull
-from batchkit.serve.request import WAITING, Request, State
+from batchkit.serve.request import Request, State
 from batchkit.serve.stats import DispatchReason, StatsRecorder
-
-# The built-in select() methods return a prefix of their candidates and leave the list
-# as it was: their batch is the queue's front without checking it item by item.
-_PREFIX_SELECTS = frozenset({Batcher.select, DynamicBatcher.select})
 
 PROBE_AFTER = 32  # successful batches at a learned cap before trying a larger one
 
@@ -33,9 +27,6 @@ class FormedBatch:
     padded_size: int
     dispatched_at: float
     answered: bool = False  # a timed-out close already answered its requests
-
-
-RUNNING, DROPPED = State.RUNNING, State.DROPPED  # module constants: enum lookups are slow
 
 
 class Bucket:
@@ -66,7 +57,7 @@ class Bucket:
     def _fronts(self) -> Iterator[tuple[int, deque[Request]]]:
         for priority in sorted(self.queues):
             queue = self.queues[priority]
-            while queue and queue[0].state is not WAITING:
+            while queue and queue[0].state is not State.WAITING:
                 queue.popleft()
             if queue:
                 yield priority, queue
@@ -94,7 +85,7 @@ class Bucket:
         out: list[Request] = []
         for _, queue in self._fronts():
             for req in queue:
-                if req.state is WAITING:
+                if req.state is State.WAITING:
                     out.append(req)
                     if limit is not None and len(out) == limit:
                         return out
@@ -103,22 +94,22 @@ class Bucket:
     def taken(self, count: int, *, front: bool = False) -> None:
         """Bookkeeping after ``count`` requests left: compact, refresh the key maximum.
 
-        ``front``: they were the first ``count`` entries of the one deque, which is
-        then popped at C speed instead of checked entry by entry.
+        ``front``: they were the first ``count`` entries of the one deque, which are
+        then popped without checking them one by one.
         """
         self.live -= count
         if front:
             for queue in self.queues.values():
-                deque(itertools.starmap(queue.popleft, itertools.repeat((), count)), 0)
+                for _ in range(count):
+                    queue.popleft()
         elif len(self.queues) == 1:
             # Usually the batch was the queue's front: pop it now, so the queue stays clean.
             for queue in self.queues.values():
-                popleft = queue.popleft
-                while queue and queue[0].state is not WAITING:
-                    popleft()
+                while queue and queue[0].state is not State.WAITING:
+                    queue.popleft()
         for priority, queue in self.queues.items():
             if len(queue) > 2 * self.live + 64:
-                self.queues[priority] = deque(r for r in queue if r.state is WAITING)
+                self.queues[priority] = deque(r for r in queue if r.state is State.WAITING)
         if self.live == 0:
             self.max_key = 0.0
         elif count and self.track_max_key:
@@ -190,10 +181,11 @@ class Scheduler:
         count = len(arrivals)
         self.stats.requests += count
         bucket, queue = self._lane(None, 0)
-        # Exactly ``count`` popped, in one C-level extend (no thread switch inside it):
-        # an append racing this step, from a loop that lost the batcher in a rebind
-        # race, is kept for the next step (extend + clear could drop it between them).
-        queue.extend(itertools.starmap(arrivals.popleft, itertools.repeat((), count)))
+        # Exactly ``count`` popped: an append racing this step, from a loop that lost
+        # the batcher in a rebind race, is kept for the next step (a copy and a clear
+        # could drop it between them).
+        for _ in range(count):
+            queue.append(arrivals.popleft())
         bucket.live += count
         self._placed += count
 
@@ -217,10 +209,10 @@ class Scheduler:
 
     def drop(self, req: Request) -> bool:
         """Withdraw a request that has not started; False if it already runs or ended."""
-        if req.state is not WAITING:
+        if req.state is not State.WAITING:
             return False
         self.ingest()
-        req.state = DROPPED
+        req.state = State.DROPPED
         bucket = self.buckets[req.bucket]
         bucket.taken(1)
         self._placed -= 1
@@ -234,7 +226,7 @@ class Scheduler:
         dropped = []
         for bucket in self.buckets.values():
             for req in bucket.candidates(None):
-                req.state = DROPPED
+                req.state = State.DROPPED
                 dropped.append(req)
             bucket.queues.clear()
             bucket.live = 0
@@ -243,7 +235,6 @@ class Scheduler:
             self.on_room()
         return dropped
 
-    # -- dispatch ----------------------------------------------------------
     # -- learned limits ------------------------------------------------------
     def learn_cap(self, bucket: Hashable, size: int) -> None:
         """A batch of this bucket ran out of memory; ``size`` items fit."""
@@ -266,11 +257,7 @@ class Scheduler:
                 self.caps[bucket] = raised
 
     def _limit(self, name: Hashable) -> int:
-        return (
-            self.caps.get(name, self.policy.max_batch_size)
-            if self.caps
-            else (self.policy.max_batch_size)
-        )
+        return self.caps.get(name, self.policy.max_batch_size)
 
     # -- dispatch ----------------------------------------------------------
     def _reason(self, name: Hashable, bucket: Bucket, now: float) -> DispatchReason | None:
@@ -327,21 +314,17 @@ class Scheduler:
     ) -> FormedBatch:
         queue = bucket.clean_queue()
         candidates = bucket.candidates(self.policy.candidate_limit)
-        select = self.policy.select  # (looked up here: it may be replaced on the instance)
-        chosen = select(candidates)
+        chosen = self.policy.select(candidates)
         if self.caps and name in self.caps:
             cap = self.caps[name]
             del chosen[cap:]
             while len(chosen) > 1 and self.policy.padded_size(len(chosen)) > cap:
                 chosen.pop()
         for req in chosen:
-            req.state = RUNNING
+            req.state = State.RUNNING
         # The usual batch, the front of the one clean deque, leaves it at once. (Checked
-        # against the deque itself: a policy's select() may have reordered its list.)
-        front = queue is not None and (
-            getattr(select, "__func__", None) in _PREFIX_SELECTS
-            or all(map(operator.is_, chosen, queue))
-        )
+        # against the deque itself: a policy's select() may reorder or skip.)
+        front = queue is not None and _is_prefix(chosen, queue)
         bucket.taken(len(chosen), front=front)
         self._placed -= len(chosen)
         self.in_flight += 1
@@ -363,3 +346,8 @@ class Scheduler:
     def drained(self) -> bool:
         """Nothing waiting and nothing running."""
         return self.num_waiting == 0 and self.in_flight == 0
+
+
+def _is_prefix(chosen: Sequence[Request], queue: deque[Request]) -> bool:
+    """Whether ``chosen`` is exactly the first ``len(chosen)`` requests of ``queue``."""
+    return len(chosen) <= len(queue) and all(a is b for a, b in zip(chosen, queue))

@@ -47,3 +47,11 @@ def test_stack_unstack() -> None:
     assert len(back) == 4
     for a, b in zip(back, items, strict=True):
         assert (a["x"] == b["x"]).all() and a["y"][0] == b["y"][0] and a["y"][1] == b["y"][1]
+
+
+def test_unstack_of_items_holding_empty_lists() -> None:
+    items = [{"tags": [], "y": 1}, {"tags": [], "y": 2}]
+    back = batchkit.unstack(batchkit.stack(items))
+    assert [b["tags"] for b in back] == [[], []] and [int(b["y"]) for b in back] == [1, 2]
+    with pytest.raises(ValueError, match="size is unknown"):  # no leaf tells the count
+        batchkit.unstack(batchkit.stack([{"tags": []}, {"tags": []}]))

@@ -509,3 +509,50 @@ def test_batch_event_counts_requests_a_timed_out_close_answered() -> None:
         while not events and time.monotonic() < deadline:
             time.sleep(0.001)
     assert events and events[0].failed == 1
+
+
+def test_a_listener_may_call_back_into_the_runtime() -> None:
+    seen = []
+    f = batchkit.batched(max_batch_size=4)(lambda xs: xs)
+
+    class Reentrant:
+        def on_batch(self, event):
+            seen.append(f.stats().batches)
+            f.remove_listener(self)  # a one-shot listener
+
+        def on_drop(self, event):
+            pass
+
+    f.add_listener(Reentrant())
+    with ThreadPoolExecutor(1) as pool:
+        assert pool.submit(f, 1).result(5) == 1
+        assert pool.submit(f, 2).result(5) == 2
+    assert seen == [1]
+    f.close()
+
+
+def test_stats_count_running_requests_a_timed_out_close_failed() -> None:
+    gate = threading.Event()
+    f = batchkit.batched(max_batch_size=1)(lambda xs: (gate.wait(5), xs)[1])
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(f, 1)
+        wait_until(lambda: f.stats().in_flight > 0)
+        f.close(timeout=0.05)
+        with pytest.raises(BatcherClosed):
+            fut.result(5)
+    assert f.stats().failed == 1
+    gate.set()
+
+
+def test_an_int_clock_reading_after_a_float_keeps_stats_working() -> None:
+    """Queue waits are ``now - enqueued_at`` with full ``-`` semantics (int - float)."""
+    times = iter([0.5] + [2] * 100)
+
+    @batchkit.batched(max_batch_size=4, max_wait_ms=1, clock=lambda: next(times))
+    def f(xs: list[int]) -> list[int]:
+        return [x * 2 for x in xs]
+
+    assert f(3) == 6
+    stats = f.stats()
+    assert stats.queue_wait.count == 1 and stats.queue_wait.max == 1.5
+    f.close()

@@ -251,3 +251,53 @@ def _catch_timeout(f, x):
 def test_numpy_outputs_split_per_row() -> None:
     f = batchkit.batched(max_batch_size=4)(lambda xs: np.asarray(xs) * 2)
     assert f.map([1, 2, 3]) == [2, 4, 6]
+
+
+def test_strict_sizes_cap_is_learned_in_padded_sizes_and_probed_upward() -> None:
+    policy = DynamicBatcher(8, 5, preferred_batch_sizes=(1, 2, 4, 8), strict_sizes=True)
+    seen = []
+
+    def fn(xs):
+        seen.append(len(xs))
+        if len(xs) > 4:
+            raise MemoryError
+        return xs
+
+    f = batchkit.batched(batcher=policy)(fn)
+    assert f.map(range(6)) == list(range(6))
+    assert f.stats().effective_max_batch_size == {"default": 4}
+    seen.clear()
+    for _ in range(40):
+        f.map(range(8))
+    # Full batches of 4 at the cap, then a probe at the next allowed size (8), which runs
+    # out of memory and is split back into 4s; nothing else is ever tried.
+    assert 8 in seen and set(seen) == {4, 8}
+    f.close()
+
+
+class _LenLies:
+    """A sequence whose len() is the batch size but which iterates fewer items (as a
+    DataFrame iterates its columns)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(["only-one"])
+
+
+def test_an_output_that_iterates_fewer_results_than_its_len_fails_its_callers() -> None:
+    """Not a silent shift of results between callers: every caller of the batch fails."""
+
+    @batchkit.batched(max_batch_size=3, max_wait_ms=50)
+    def f(xs: list[int]) -> _LenLies:
+        return _LenLies(len(xs))
+
+    with pytest.raises(ValueError, match="yielded 1"):
+        f.map([0, 1, 2])  # one batch of three
+    stats = f.stats()
+    assert stats.batches == 1 and stats.failed == 3
+    f.close()

@@ -334,3 +334,75 @@ def test_a_batch_that_is_not_the_queue_front_leaves_the_others_waiting() -> None
     assert batch is not None and sorted(r.item for r in batch.requests) == ["a", "aa"]
     sched.finish(batch, 0.0)
     assert sched.drained
+
+
+def test_the_public_scheduler_accepts_a_request_without_an_arrival_time() -> None:
+    from batchkit.serve.scheduler import Scheduler
+
+    sched = Scheduler(DynamicBatcher(4, max_wait_ms=10))
+    sched.add(Request("x", 0.0, None, 0))
+    batch, _ = sched.poll(0.0)
+    assert batch is not None and [r.item for r in batch.requests] == ["x"]
+
+
+def test_a_select_that_reorders_its_list_still_takes_what_it_chose() -> None:
+    from batchkit.serve.scheduler import Scheduler
+
+    class ShortestFirst(DynamicBatcher):
+        candidate_limit = None
+
+        def select(self, candidates):
+            candidates.sort(key=lambda r: r.key)  # in place
+            return candidates[:2]
+
+    sched = Scheduler(ShortestFirst(max_batch_size=2, max_wait_ms=0, key=len))
+    for item in ["ccc", "a", "bb"]:
+        sched.add(Request(item, float(len(item)), None, 0))
+    served = []
+    while True:
+        batch, _ = sched.poll(0.0)
+        if batch is None:
+            break
+        served += [r.item for r in batch.requests]
+        sched.finish(batch, 0.0)
+    assert served == ["a", "bb", "ccc"]  # was ['a', 'bb', 'bb']: ccc lost, bb run twice
+
+
+def test_a_select_replaced_on_the_policy_instance_is_not_taken_for_a_prefix() -> None:
+    """The queue-front shortcut trusts only the built-in select methods; one replaced on
+    the instance (a mock, a monkeypatch) that is not a prefix used to pop the wrong
+    entries: request 2 ran three times, 0 and 1 were lost."""
+    from batchkit.batchers.dynamic import DynamicBatcher
+
+    policy = DynamicBatcher(max_batch_size=4, max_wait_ms=1000)
+    policy.select = lambda cands: [cands[-1]]  # type: ignore[method-assign]
+    sched = Scheduler(policy)
+    for i in range(3):
+        sched.add(Request(i, 0.0, None, 0))
+    served = []
+    while (batch := sched.poll(0.0)[0]) is not None:
+        served += [r.item for r in batch.requests]
+        sched.finish(batch, 0.0)
+    assert served == [2, 1, 0]
+
+
+def test_a_keyless_policy_in_several_buckets_serves_the_oldest_head_first() -> None:
+    """Scheduler users (simulate(keys=...)) may bucket a keyless policy's requests: the
+    arrival order must still break ties between buckets."""
+    from batchkit.batchers.bucketed import BucketedBatcher
+
+    policy = BucketedBatcher([4, 8], key=None, max_batch_size=1, max_wait_ms=0)
+    sched = Scheduler(policy)
+
+    def add(item: str, key: float) -> None:
+        sched.add(Request(item, key, policy.bucket_of(key), 0))
+
+    add("first-short", 2.0)  # makes bucket 0 the first in dict order
+    batch, _ = sched.poll(0.0)
+    assert batch is not None
+    sched.finish(batch, 0.0)
+    add("older-long", 6.0)
+    add("newer-short", 2.0)
+    sched.closing = True
+    batch, _ = sched.poll(0.0)
+    assert batch is not None and [r.item for r in batch.requests] == ["older-long"]

@@ -6,7 +6,10 @@ import asyncio
 import threading
 from typing import Any
 
+import pytest
+
 import batchkit
+from batchkit import BatcherClosed, DynamicBatcher
 
 
 def test_two_threads_with_their_own_loops_never_cross_answers() -> None:
@@ -66,10 +69,10 @@ def test_admission_rechecks_the_loop_under_the_lock() -> None:
         runtime.bind(loop_a)  # A's check passes: nothing is waiting
         req_b = Request(1, 0.0, None, 0, loop_b)
         runtime.bind(loop_b)  # B rebinds the idle batcher...
-        runtime.submit(req_b)  # ...and enqueues
+        runtime.core.submit(req_b)  # ...and enqueues
         req_a = Request(2, 0.0, None, 0, loop_a)
         try:
-            runtime.submit(req_a)
+            runtime.core.submit(req_a)
         except RuntimeError as exc:
             assert "another event loop" in str(exc)
         else:
@@ -117,55 +120,29 @@ def test_an_idle_batcher_stays_with_its_loop_while_that_loop_runs() -> None:
     assert ident.stats().requests == 2
 
 
-def test_stats_counts_arrivals_but_leaves_them_to_the_scheduling_thread() -> None:
-    """A loop's callers append to the arrivals without the lock; f.stats(), run from
-    any thread, must count them without moving them (a move racing an append loses it)."""
+def test_stats_count_a_caller_admitted_before_its_scheduling_pass_once() -> None:
+    """A loop's callers are admitted without the lock and placed by the loop's next
+    scheduling pass; f.stats() in between counts them (once), from any thread."""
 
     @batchkit.batched(max_batch_size=8, max_wait_ms=1)
     async def ident(xs: list[int]) -> list[int]:
         return xs
 
     async def main() -> None:
+        assert await ident.acall(1) == 1  # binds the loop
         call = asyncio.ensure_future(ident.acall(7))
         await asyncio.sleep(0)  # the call is admitted; the scheduling pass comes next
-        arrivals = ident.runtime.sched.arrivals
-        assert len(arrivals) == 1
-        stats = ident.stats()
-        assert (stats.requests, stats.queue_depth) == (1, 1)
-        assert len(arrivals) == 1  # still there, for the loop's own scheduling pass
+        stats = await asyncio.to_thread(ident.stats)
+        assert (stats.requests, stats.queue_depth) == (2, 1)
         assert await call == 7
 
     asyncio.run(main())
-    assert ident.stats().requests == 1
-
-
-def test_the_inlined_default_lane_request_matches_the_constructor() -> None:
-    """acall builds default-lane requests without calling Request(): every slot must
-    be set as Request.__init__ sets it (an unset slot fails only when first read)."""
-    from batchkit.serve.request import Request
-
-    @batchkit.batched(max_batch_size=8, max_wait_ms=1)
-    async def ident(xs: list[int]) -> list[int]:
-        return xs
-
-    async def main() -> None:
-        await ident.acall(0)  # binds the loop: the next call takes the inlined path
-        call = asyncio.ensure_future(ident.acall(7))
-        await asyncio.sleep(0)
-        inlined = ident.runtime.sched.arrivals[0]
-        loop = asyncio.get_running_loop()
-        reference = Request(7, 0.0, None, 0, loop, inlined.enqueued_at)
-        for name in Request.__slots__:
-            if name != "future":
-                assert getattr(inlined, name) == getattr(reference, name), name
-        assert inlined.future.get_loop() is loop  # type: ignore[union-attr]
-        assert await call == 7
-
-    asyncio.run(main())
+    stats = ident.stats()
+    assert stats.requests == stats.items_run == 2
 
 
 def test_a_caller_admitted_as_another_loop_takes_over_is_answered_on_its_own_loop() -> None:
-    """A race forced step by step (review, session 5): loop A is stopped, not closed;
+    """A race forced step by step: loop A is stopped, not closed;
     thread T2 checks that the idle batcher may move to loop B, and in that window A is
     run again and its caller is admitted on the lock-free path. B then serves A's item;
     A's caller must still get its result, resolved on A's loop (thread-safely: A runs
@@ -191,7 +168,7 @@ def test_a_caller_admitted_as_another_loop_takes_over_is_answered_on_its_own_loo
                 admitted.wait(5)
             return value
 
-    ident.runtime.sched.__class__ = PausingScheduler
+    ident.runtime.core.sched.__class__ = PausingScheduler
     b_result: list[object] = []
 
     def take_over() -> None:
@@ -225,30 +202,33 @@ def test_a_caller_admitted_as_another_loop_takes_over_is_answered_on_its_own_loo
     assert stats.requests == stats.items_run == 3
 
 
-def test_batch_tasks_are_created_outside_the_runtime_lock() -> None:
+def test_batch_tasks_are_created_outside_the_batcher_lock() -> None:
     """With an eager task factory (Python 3.12+) a task's first step runs inside
-    create_task: the batch function would start under the runtime lock. So no batch task
-    may be created while it is held; a factory that records it checks that here."""
-    held_at_creation: list[bool] = []
+    create_task: the batch function would start under the batcher's lock, and every
+    other thread's f.stats() (or enqueue) would wait for it. A factory that asks for the
+    stats from another thread while the task is created checks that it never waits."""
+    blocked: list[bool] = []
 
     @batchkit.batched(max_batch_size=4, max_wait_ms=1)
     async def ident(xs: list[int]) -> list[int]:
         await asyncio.sleep(0)
         return xs
 
-    lock = ident.runtime.lock
-
     def factory(loop: asyncio.AbstractEventLoop, coro: Any) -> asyncio.Task[Any]:
-        if getattr(coro, "__qualname__", "").startswith("LoopRuntime."):
-            held_at_creation.append(lock._is_owned())  # type: ignore[attr-defined]
+        probe = threading.Thread(target=ident.stats)
+        probe.start()
+        probe.join(timeout=2)
+        blocked.append(probe.is_alive())
+        probe.join()
         return asyncio.Task(coro, loop=loop)
 
     async def main() -> list[int]:
-        asyncio.get_running_loop().set_task_factory(factory)
-        return list(await asyncio.gather(*(ident.acall(i) for i in range(10))))
+        callers = [asyncio.ensure_future(ident.acall(i)) for i in range(10)]
+        asyncio.get_running_loop().set_task_factory(factory)  # only batch tasks from here
+        return list(await asyncio.gather(*callers))
 
     assert asyncio.run(main()) == list(range(10))
-    assert held_at_creation and not any(held_at_creation)
+    assert blocked and not any(blocked)
 
 
 def test_a_batch_whose_task_cannot_be_made_fails_only_its_callers() -> None:
@@ -264,19 +244,21 @@ def test_a_batch_whose_task_cannot_be_made_fails_only_its_callers() -> None:
     refused: list[bool] = []
 
     def factory(loop: asyncio.AbstractEventLoop, coro: Any) -> asyncio.Task[Any]:
-        if getattr(coro, "__qualname__", "") == "LoopRuntime._run" and not refused:
+        if not refused:  # the first batch task
             refused.append(True)
+            coro.close()
             raise RuntimeError("no task for you")
         return asyncio.Task(coro, loop=loop)
 
     async def main() -> tuple[list[Any], int]:
         loop = asyncio.get_running_loop()
-        loop.set_task_factory(factory)
+        callers = [asyncio.ensure_future(ident.acall(i)) for i in range(6)]
+        later_call = ident.acall(99)
+        loop.set_task_factory(factory)  # only batch tasks are created from here on
         loop.set_exception_handler(lambda loop, context: None)  # the raise is reported
-        outcomes = await asyncio.wait_for(
-            asyncio.gather(*(ident.acall(i) for i in range(6)), return_exceptions=True), 5
-        )
-        later = await asyncio.wait_for(ident.acall(99), 5)
+        outcomes = await asyncio.wait_for(asyncio.gather(*callers, return_exceptions=True), 5)
+        loop.set_task_factory(None)
+        later = await asyncio.wait_for(later_call, 5)
         await ident.aclose()
         return outcomes, later
 
@@ -291,8 +273,8 @@ def test_a_batch_whose_task_cannot_be_made_fails_only_its_callers() -> None:
 
 
 def test_callers_cancelled_while_their_batch_runs_do_not_cost_the_others() -> None:
-    """Futures are resolved in one C-level pass; a cancelled caller's future refuses its
-    result mid-pass, and every other caller (before and after it) still gets its own."""
+    """A cancelled caller's future refuses its result as the batch's futures are
+    resolved; every other caller (before and after it) still gets its own."""
     release = asyncio.Event()
 
     @batchkit.batched(max_batch_size=8, max_wait_ms=1)
@@ -318,3 +300,129 @@ def test_callers_cancelled_while_their_batch_runs_do_not_cost_the_others() -> No
             assert isinstance(got, asyncio.CancelledError)
         else:
             assert got == i
+
+
+def test_concurrent_acloses_both_return() -> None:
+    @batchkit.batched(max_batch_size=1)
+    async def f(xs):
+        await asyncio.sleep(0.05)
+        return xs
+
+    async def main():
+        task = asyncio.create_task(f(1))
+        await asyncio.sleep(0.01)
+        closers = [asyncio.create_task(f.aclose()) for _ in range(2)]
+        assert await task == 1
+        done, pending = await asyncio.wait(closers, timeout=2)
+        assert not pending
+
+    asyncio.run(main())
+
+
+def test_a_batch_left_on_a_closed_loop_does_not_block_the_next_loop() -> None:
+    @batchkit.batched(max_batch_size=1)
+    async def f(xs):
+        await asyncio.sleep(0.5)
+        return xs
+
+    first = asyncio.new_event_loop()
+    task = first.create_task(f(1))
+    first.run_until_complete(asyncio.sleep(0.05))
+    first.close()
+    assert asyncio.run(asyncio.wait_for(f(2), 5)) == 2
+    del task
+
+
+def test_refused_aclose_changes_nothing() -> None:
+    @batchkit.batched(max_batch_size=1)
+    async def f(xs):
+        await asyncio.sleep(0.2)
+        return xs
+
+    results = []
+
+    def other_thread() -> None:
+        with pytest.raises(RuntimeError, match="loop it serves"):
+            asyncio.run(f.aclose())
+
+    async def main():
+        task = asyncio.create_task(f(1))
+        await asyncio.sleep(0.02)
+        await asyncio.to_thread(other_thread)
+        results.append(await task)
+        results.append(await f(2))  # still open
+        await f.aclose()
+
+    asyncio.run(main())
+    assert results == [1, 2]
+
+
+def test_stop_iteration_from_collate_fails_its_callers_and_not_the_batcher() -> None:
+    def collate(items):
+        if "bad" in items:
+            raise StopIteration("bad item")
+        return items
+
+    @batchkit.batched(max_batch_size=4, max_wait_ms=1, collate=collate)
+    async def f(xs):
+        return xs
+
+    async def main() -> None:
+        with pytest.raises(RuntimeError, match="raised StopIteration: bad item") as info:
+            await asyncio.wait_for(f("bad"), 2)  # hung: a future refuses StopIteration
+        assert isinstance(info.value.__cause__, StopIteration)
+        assert await asyncio.wait_for(f("ok"), 2) == "ok"  # hung: the poll flag stayed set
+        await asyncio.wait_for(f.aclose(), 2)
+
+    asyncio.run(main())
+
+
+def test_a_policy_failing_once_does_not_silence_later_arrivals() -> None:
+    class Flaky(DynamicBatcher):
+        calls = 0
+
+        def select(self, candidates):
+            Flaky.calls += 1
+            if Flaky.calls == 1:
+                raise RuntimeError("transient")
+            return super().select(candidates)
+
+    @batchkit.batched(batcher=Flaky(max_batch_size=4, max_wait_ms=1))
+    async def f(xs):
+        return xs
+
+    async def main() -> None:
+        first = asyncio.ensure_future(f(1))
+        await asyncio.sleep(0.05)
+        assert await asyncio.wait_for(f(2), 2) == 2
+        assert await asyncio.wait_for(first, 2) == 1
+        await f.aclose()
+
+    loop = asyncio.new_event_loop()
+    loop.set_exception_handler(lambda loop, ctx: None)  # the one failing pump is logged
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()
+
+
+def test_a_cancelled_batch_task_answers_its_callers_and_frees_its_slot() -> None:
+    @batchkit.batched(max_batch_size=4, max_wait_ms=1)
+    async def f(xs):
+        return xs
+
+    async def main() -> None:
+        first = asyncio.ensure_future(f(1))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        runs = asyncio.all_tasks() - {asyncio.current_task(), first}  # the batch's task
+        assert runs
+        for t in runs:
+            t.cancel()  # before its first step: its batch was never settled
+        with pytest.raises(BatcherClosed, match="task running this batch was cancelled"):
+            await asyncio.wait_for(first, 2)
+        assert await asyncio.wait_for(f(2), 2) == 2  # hung: the slot stayed busy
+        assert f.stats().failed == 1
+        await f.aclose()
+
+    asyncio.run(main())

@@ -1,0 +1,143 @@
+"""Waiting for queue room (``when_full="block"``): callers blocked on a full queue,
+woken first-come-first-served as requests leave it.
+
+Thread callers wait on a lock, asyncio callers on a future of their own loop; a
+waiter that is woken retries its enqueue (and waits again if it lost a race). The
+serving core holds one :class:`BlockingAdmission` and gives it the one thing it needs
+from the core: a way to try an enqueue under the core's lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import TypeAlias
+
+from batchkit.errors import RequestTimeout
+from batchkit.serve.request import Request
+
+Waiter: TypeAlias = "threading.Lock | asyncio.Future[None]"  # a string: Lock is a factory
+TryAdmit = Callable[[Request], bool]
+"""Under the lock: enqueue the request and return True, or return False (no room); may
+raise (e.g. ``BatcherClosed``)."""
+OnTimeout = Callable[[float], RequestTimeout]
+"""Under the lock: count a caller that gave up waiting and make its error."""
+
+
+class RoomWaiters:
+    """A FIFO of blocked callers. Not thread-safe: used under the core's lock."""
+
+    def __init__(self) -> None:
+        self._waiters: deque[Waiter] = deque()
+
+    def __len__(self) -> int:
+        return len(self._waiters)
+
+    def add_thread(self) -> threading.Lock:
+        """A lock that is released when room may be free."""
+        lock = threading.Lock()
+        lock.acquire()
+        self._waiters.append(lock)
+        return lock
+
+    def add_async(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future[None]:
+        """A future resolved (on ``loop``) when room may be free."""
+        fut: asyncio.Future[None] = loop.create_future()
+        self._waiters.append(fut)
+        return fut
+
+    def discard(self, waiter: Waiter) -> bool:
+        """Withdraw a waiter that gave up; False if it was already woken."""
+        try:
+            self._waiters.remove(waiter)
+        except ValueError:
+            return False
+        return True
+
+    def wake(self, count: int) -> None:
+        """Wake up to ``count`` waiters, oldest first (skipping any whose loop is gone)."""
+        while count > 0 and self._waiters:
+            if _wake(self._waiters.popleft()):
+                count -= 1
+
+    def wake_all(self) -> None:
+        """Wake everyone (on close: they will see ``BatcherClosed``)."""
+        self.wake(len(self._waiters))
+
+
+def _wake(waiter: Waiter) -> bool:
+    """Wake one waiter; False if nobody can be woken (its event loop is closed)."""
+    if isinstance(waiter, asyncio.Future):
+        try:
+            waiter.get_loop().call_soon_threadsafe(_resolve, waiter)
+        except RuntimeError:  # a closed loop: nobody is waiting there any more
+            return False
+        return True
+    waiter.release()
+    return True
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+class BlockingAdmission:
+    """Callers wait for queue room (within their timeout) instead of getting ``QueueFull``."""
+
+    def __init__(
+        self,
+        lock: threading.RLock,
+        try_admit: TryAdmit,
+        on_timeout: OnTimeout,
+        clock: Callable[[], float],
+    ) -> None:
+        self.lock = lock
+        self.clock = clock  # deadlines are read on the batcher's clock (real waits)
+        self.waiters = RoomWaiters()
+        self._try_admit = try_admit
+        self._on_timeout = on_timeout
+
+    def room_freed(self, free: int | None) -> None:
+        """Under the lock: ``free`` places are open in the queue (None: unbounded)."""
+        if self.waiters:
+            self.waiters.wake(len(self.waiters) if free is None else free)
+
+    def submit(self, req: Request, timeout: float | None) -> None:
+        """A thread caller's enqueue: wait for room up to ``timeout`` seconds."""
+        deadline = None if timeout is None else self.clock() + timeout
+        while True:
+            with self.lock:
+                if self._try_admit(req):
+                    return
+                waiter = self.waiters.add_thread()
+            left = -1.0 if deadline is None else max(deadline - self.clock(), 0.0)
+            if not waiter.acquire(timeout=left):
+                with self.lock:
+                    if self.waiters.discard(waiter):
+                        raise self._on_timeout(timeout or 0.0)
+                # Woken just as the timeout passed: try once more.
+
+    async def asubmit(self, req: Request, timeout: float | None) -> None:
+        """:meth:`submit` for asyncio callers (the loop is never blocked)."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else self.clock() + timeout
+        while True:
+            with self.lock:
+                if self._try_admit(req):
+                    return
+                fut = self.waiters.add_async(loop)
+            left = None if deadline is None else max(deadline - self.clock(), 0.0)
+            try:
+                await asyncio.wait_for(fut, left)
+            except asyncio.TimeoutError:
+                with self.lock:
+                    if self.waiters.discard(fut):
+                        raise self._on_timeout(timeout or 0.0) from None
+            except asyncio.CancelledError:
+                with self.lock:
+                    if not self.waiters.discard(fut):
+                        self.waiters.wake(1)  # pass the wake-up on to the next waiter
+                raise

@@ -1,0 +1,147 @@
+"""How a caller waits for its answer: one item or many, from a thread (blocking) or
+from asyncio (awaiting, never blocking the loop), with its timeout and cancellation.
+
+Plain functions over a :class:`~batchkit.serve.core.ServingCore`; both drivers use
+them. A ``timeout`` bounds the wait before the item starts running, read on the
+batcher's clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from batchkit.errors import RequestTimeout
+from batchkit.serve.core import ServingCore
+from batchkit.serve.request import Request
+
+
+def _started(core: ServingCore, timeout: float | None) -> float:
+    """When a wait bounded by ``timeout`` starts (the clock is read only if there is one)."""
+    return 0.0 if timeout is None else core.clock()
+
+
+def _left(core: ServingCore, timeout: float | None, started: float) -> float | None:
+    """What is left of ``timeout`` since ``started`` (on the core's clock)."""
+    return None if timeout is None else max(timeout - (core.clock() - started), 0.0)
+
+
+# -- from a thread ------------------------------------------------------------------
+def call(core: ServingCore, item: Any, priority: int, timeout: float | None) -> Any:
+    """One item from a thread: block until its result (or error)."""
+    req = core.make_request(item, priority, None)
+    started = _started(core, timeout)
+    if core.admission is not None:
+        core.admission.submit(req, timeout)
+    else:
+        core.submit(req)
+    if not req.wait(_left(core, timeout, started)):
+        assert timeout is not None
+        if core.give_up(req, core.timeout_error(timeout), timed_out=True):
+            raise req.error  # type: ignore[misc]
+        req.wait(None)  # it started running: its result is on the way
+    return req.outcome()
+
+
+def call_many(
+    core: ServingCore, items: Iterable[Any], priority: int, timeout: float | None
+) -> list[Any]:
+    """Many items from a thread; results in input order. Raises the first failed
+    item's error (in input order) once every item has finished."""
+    reqs = [core.make_request(x, priority, None) for x in items]
+    # Every item's timeout runs from this call, as if each were called alone now (a
+    # blocked enqueue included): at the deadline, items not yet started are withdrawn.
+    started = _started(core, timeout)
+    if core.admission is not None:
+        for i, req in enumerate(reqs):
+            try:
+                core.admission.submit(req, _left(core, timeout, started))
+            except BaseException as exc:
+                error = _withdraw(core, reqs[:i], exc, timeout)
+                if error is exc:
+                    raise
+                raise error from None
+    else:
+        core.submit_many(reqs)
+    for i, req in enumerate(reqs):
+        if not req.wait(_left(core, timeout, started)):
+            assert timeout is not None
+            for late in reqs[i:]:
+                core.give_up(late, core.timeout_error(timeout), timed_out=True)
+            timeout = None
+            req.wait(None)  # answered now: by the timeout, or by its running batch
+    return [req.outcome() for req in reqs]
+
+
+def _withdraw(
+    core: ServingCore, reqs: Sequence[Request], error: BaseException, timeout: float | None
+) -> BaseException:
+    """Withdraw the items of a ``map`` admitted before ``error`` stopped it; the error
+    for the caller (a timeout names the caller's ``timeout``, not what was left)."""
+    timed_out = isinstance(error, RequestTimeout)
+    for req in reqs:
+        core.give_up(req, error, timed_out=timed_out)
+    if timed_out and timeout is not None:
+        return core.timeout_error(timeout)
+    return error
+
+
+# -- from asyncio --------------------------------------------------------------------
+async def acall(core: ServingCore, item: Any, priority: int, timeout: float | None) -> Any:
+    """One item from asyncio: await its result, honouring timeout and cancellation."""
+    req = core.make_request(item, priority, asyncio.get_running_loop())
+    started = _started(core, timeout)
+    if core.admission is not None:
+        await core.admission.asubmit(req, timeout)
+    else:
+        core.submit(req)
+    return await await_request(core, req, _left(core, timeout, started))
+
+
+async def amap(
+    core: ServingCore, items: Iterable[Any], priority: int, timeout: float | None
+) -> list[Any]:
+    """:func:`call_many` from asyncio."""
+    loop = asyncio.get_running_loop()
+    reqs = [core.make_request(x, priority, loop) for x in items]
+    started = _started(core, timeout)
+    if core.admission is not None:
+        for i, req in enumerate(reqs):
+            try:
+                await core.admission.asubmit(req, _left(core, timeout, started))
+            except BaseException as exc:
+                error = _withdraw(core, reqs[:i], exc, timeout)
+                if error is exc:
+                    raise
+                raise error from None
+    else:
+        core.submit_many(reqs)
+    left = _left(core, timeout, started)
+    waits = [asyncio.ensure_future(await_request(core, r, left)) for r in reqs]
+    outcomes = await asyncio.gather(*waits, return_exceptions=True)
+    for out in outcomes:
+        if isinstance(out, BaseException):
+            raise out
+    return list(outcomes)
+
+
+async def await_request(core: ServingCore, req: Request, timeout: float | None) -> Any:
+    """Await an asyncio request, honouring its timeout and its caller's cancellation."""
+    fut, loop = req.future, req.loop
+    assert fut is not None and loop is not None
+    timer = None
+    if timeout is not None:
+        timer = loop.call_later(timeout, _expire, core, req, timeout)
+    try:
+        return await fut
+    except asyncio.CancelledError:
+        core.give_up(req, asyncio.CancelledError(), timed_out=False)
+        raise
+    finally:
+        if timer is not None:
+            timer.cancel()
+
+
+def _expire(core: ServingCore, req: Request, timeout: float) -> None:
+    core.give_up(req, core.timeout_error(timeout), timed_out=True)

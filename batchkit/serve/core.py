@@ -1,0 +1,318 @@
+"""The serving core: admitting requests, and handing every caller its own outcome
+exactly once ("where a caller is answered").
+
+One :class:`ServingCore` per batched function holds the lock, the scheduler
+(:mod:`batchkit.serve.scheduler`: where a batch is formed), the closed flag, the
+listeners and the counters. A driver (:mod:`batchkit.serve.threads` or
+:mod:`batchkit.serve.event_loop`) runs the batches it forms (:mod:`batchkit.serve.execute`:
+how a batch runs) and reports back here. The core knows nothing of threads or event
+loops: a driver gives it two callbacks, :attr:`ServingCore.wake` and
+:attr:`ServingCore.check_loop`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from batchkit.errors import BatcherClosed, QueueFull, RequestTimeout
+from batchkit.serve.admission import BlockingAdmission
+from batchkit.serve.events import BatchEvent, DropEvent, DropReason, Listener, notify
+from batchkit.serve.execute import BatchRun, start_run
+from batchkit.serve.options import Options
+from batchkit.serve.request import Request, State, deliver, resolve_on_loop
+from batchkit.serve.scheduler import FormedBatch, Scheduler
+from batchkit.serve.stats import Stats
+
+LoopCheck = Callable[["asyncio.AbstractEventLoop | None"], None]
+
+
+def _nothing() -> None:
+    pass
+
+
+class ServingCore:
+    """Admission, outcome assignment and delivery for one batched function."""
+
+    def __init__(self, options: Options, name: str) -> None:
+        self.options = options
+        self.name = name
+        self.clock = options.clock
+        self.sched = Scheduler(
+            options.policy,
+            max_queue_size=options.max_queue_size,
+            max_concurrent_batches=options.max_concurrent_batches,
+        )
+        # Re-entrant: listeners run under it and may call f.stats() or remove themselves.
+        self.lock = threading.RLock()
+        self.closed = False
+        self.listeners: list[Listener] = []
+        self.keyless = options.policy.key is None  # one bucket, no key to compute
+        # A keyless policy's default-priority requests skip Scheduler.add: they are
+        # appended to its arrivals and placed in bulk at the next scheduling step. Not
+        # with a bounded queue, which must refuse at once (QueueFull).
+        self.bulk_arrivals = self.keyless and options.max_queue_size is None
+        # Set by the driver. wake(): under the lock, something changed: make sure a
+        # batch leaves if one is ready. check_loop(loop): under the lock, before an
+        # enqueue, refuse (raise) a caller's loop the driver cannot serve.
+        self.wake: Callable[[], None] = _nothing
+        self.check_loop: LoopCheck | None = None
+        self.admission: BlockingAdmission | None = None  # when_full="block"
+        if options.when_full == "block":
+            self.admission = BlockingAdmission(
+                self.lock, self._admit_if_room_locked, self._gave_up_waiting_locked, self.clock
+            )
+            self.sched.on_room = self._room_freed_locked
+
+    # -- admission -----------------------------------------------------------
+    def make_request(
+        self, item: Any, priority: int, loop: asyncio.AbstractEventLoop | None
+    ) -> Request:
+        """A request for ``item``; the policy's key runs here, so its errors reach this caller."""
+        if priority.__class__ is not int:  # bool and other look-alikes are refused too
+            raise TypeError(f"priority must be an int, got {type(priority).__name__}")
+        if self.keyless:
+            return Request(item, 0.0, None, priority, loop)
+        policy = self.options.policy
+        key = policy.key_of(item)
+        return Request(item, key, policy.bucket_of(key), priority, loop)
+
+    def submit(self, req: Request) -> None:
+        """Enqueue, or raise ``BatcherClosed``/``QueueFull`` without enqueuing."""
+        with self.lock:
+            self.admit_locked(req)
+
+    def admit_locked(self, req: Request) -> None:
+        """Under the lock: :meth:`submit`."""
+        if self.closed:
+            raise BatcherClosed(f"{self.name} is closed")
+        if self.check_loop is not None:
+            self.check_loop(req.loop)
+        req.enqueued_at = self.clock()
+        if self.bulk_arrivals and req.priority == 0:
+            self.sched.arrivals.append(req)
+        else:
+            try:
+                self.sched.add(req)
+            except QueueFull:
+                self.dropped("rejected", 1)
+                raise
+        self.wake()
+
+    def submit_many(self, reqs: Sequence[Request]) -> None:
+        """Enqueue several requests atomically: all of them, or none (``QueueFull``)."""
+        with self.lock:
+            if self.closed:
+                raise BatcherClosed(f"{self.name} is closed")
+            if not reqs:
+                return
+            if self.check_loop is not None:
+                self.check_loop(reqs[0].loop)  # one call's requests share a loop
+            limit = self.sched.max_queue_size
+            if limit is not None and self.sched.num_waiting + len(reqs) > limit:
+                self.sched.stats.rejected += len(reqs)
+                self.dropped("rejected", len(reqs))
+                raise QueueFull(
+                    f"{len(reqs)} items do not fit: {self.sched.num_waiting} requests are "
+                    f"waiting (max_queue_size={limit})"
+                )
+            now = self.clock()
+            for req in reqs:
+                req.enqueued_at = now
+                self.sched.add(req)
+            self.wake()
+
+    def _admit_if_room_locked(self, req: Request) -> bool:
+        limit = self.sched.max_queue_size
+        if not self.closed and limit is not None and self.sched.num_waiting >= limit:
+            return False
+        self.admit_locked(req)  # raises BatcherClosed when closed
+        return True
+
+    def _room_freed_locked(self) -> None:
+        limit = self.sched.max_queue_size
+        if self.admission is not None:
+            self.admission.room_freed(None if limit is None else limit - self.sched.num_waiting)
+
+    def _gave_up_waiting_locked(self, timeout: float) -> RequestTimeout:
+        self.sched.stats.timeouts += 1
+        self.dropped("timeout", 1)
+        return self.timeout_error(timeout)
+
+    def give_up(self, req: Request, error: BaseException, *, timed_out: bool) -> bool:
+        """Withdraw a request its caller no longer waits for; False if it already started."""
+        with self.lock:
+            if not self.sched.drop(req):
+                return False
+            if timed_out:
+                self.sched.stats.timeouts += 1
+            else:
+                self.sched.stats.cancelled += 1
+            self.dropped("timeout" if timed_out else "cancelled", 1)
+            req.error = error
+            deliver([req])  # wakes a thread caller; a cancelled future is left alone
+            self.wake()
+        return True
+
+    def timeout_error(self, timeout: float) -> RequestTimeout:
+        """The error for a request whose ``timeout`` passed before it ran."""
+        return RequestTimeout(f"{self.name}: request did not start within timeout={timeout}s")
+
+    def closed_error(self) -> BatcherClosed:
+        """The error for requests still unanswered when a close times out."""
+        return BatcherClosed(f"{self.name} closed before this request was served")
+
+    # -- outcomes --------------------------------------------------------------
+    def finish_locked(
+        self,
+        batch: FormedBatch,
+        run: BatchRun,
+        *,
+        on_loop: asyncio.AbstractEventLoop | None = None,
+    ) -> list[Request]:
+        """Under the lock: free the slot and settle each still-running request once.
+
+        Returns the settled requests, for the caller to :func:`deliver` (outside the
+        lock). ``on_loop``: the event loop this runs on; when every item succeeded, the
+        futures of the requests awaiting on it are resolved here, and only the others
+        are returned.
+        """
+        now = self.clock()
+        self.sched.finish(batch, now)
+        self._learn_from_locked(batch, run)
+        if self.listeners:
+            self._report_batch(batch, run, now)
+        if not run.errors and not batch.answered:  # the usual case: every item succeeded
+            for req in batch.requests:
+                req.state = State.DONE
+            if on_loop is not None:
+                return resolve_on_loop(batch.requests, run.values, on_loop)
+            for req, value in zip(batch.requests, run.values):
+                req.value = value
+            return batch.requests
+        done = []
+        for i, req in enumerate(batch.requests):
+            if req.state is not State.RUNNING:
+                continue  # already answered (a close that timed out)
+            req.state = State.DONE
+            error = run.errors.get(i)
+            if error is None:
+                req.value = run.values[i]
+            else:
+                req.error = error
+                self.sched.stats.failed += 1
+            done.append(req)
+        return done
+
+    def _learn_from_locked(self, batch: FormedBatch, run: BatchRun) -> None:
+        """Count the run's calls and splits; learn or probe the bucket's size cap."""
+        stats, sched = self.sched.stats, self.sched
+        stats.calls += run.calls
+        stats.isolated += run.isolated
+        bucket = batch.requests[0].bucket
+        if run.hit_oom:
+            stats.oom_splits += run.oom_splits
+            sched.learn_cap(bucket, max(run.largest_ok, 1))
+        elif sched.caps:
+            sched.note_success(bucket, batch.padded_size)
+
+    def abandon_locked(self, batch: FormedBatch, error: BaseException) -> list[Request]:
+        """Under the lock: ``batch`` will never report (its task or loop is gone). Fail
+        its unanswered requests with ``error``, tell listeners, free its slot; returns
+        the requests failed here (to deliver)."""
+        abandoned = self._answer_running_locked(batch, error)
+        now = self.clock()
+        self.sched.finish(batch, now)
+        if self.listeners:  # every request failed (answered here or by a close before)
+            self._report_batch(batch, start_run(batch.requests, self.options), now)
+        return abandoned
+
+    def fail_all_locked(self, error: BaseException) -> None:
+        """Under the lock: answer every waiting and running request with ``error``.
+
+        Running batches go on; their results are discarded when they end.
+        """
+        failed = self.sched.drop_all()
+        if self.admission is not None:
+            self.admission.waiters.wake_all()
+        self.sched.stats.closed += len(failed)
+        self.dropped("closed", len(failed))
+        for req in failed:
+            req.error = error
+        for batch in self.sched.running.values():
+            failed += self._answer_running_locked(batch, error)
+        deliver(failed)
+
+    def _answer_running_locked(self, batch: FormedBatch, error: BaseException) -> list[Request]:
+        """Fail ``batch``'s still-running requests with ``error`` (counted); its end must
+        not answer them again. Returns them, to deliver."""
+        answered = [r for r in batch.requests if r.state is State.RUNNING]
+        for req in answered:
+            req.state, req.error = State.DONE, error
+        self.sched.stats.failed += len(answered)
+        batch.answered = True
+        return answered
+
+    def close_locked(self) -> None:
+        """Under the lock: accept nothing more; serve what waits (batches leave at once)."""
+        self.closed = self.sched.closing = True
+        if self.admission is not None:
+            self.admission.waiters.wake_all()  # blocked callers see BatcherClosed
+
+    # -- observers and stats ------------------------------------------------------
+    def add_listener(self, listener: Listener) -> None:
+        """Observe every batch and every dropped request."""
+        with self.lock:
+            self.listeners = [*self.listeners, listener]
+
+    def remove_listener(self, listener: Listener) -> None:
+        """Stop observing."""
+        with self.lock:
+            self.listeners = [x for x in self.listeners if x is not listener]
+
+    def _report_batch(self, batch: FormedBatch, run: BatchRun, now: float) -> None:
+        keys = [r.key for r in batch.requests]
+        event = BatchEvent(
+            name=self.name,
+            size=len(batch.requests),
+            padded_size=batch.padded_size,
+            reason=batch.reason.value,
+            queue_waits=tuple(batch.dispatched_at - r.enqueued_at for r in batch.requests),
+            latency=now - batch.dispatched_at,
+            # Requests a timed-out close already answered with BatcherClosed failed too.
+            failed=sum(
+                1
+                for i, req in enumerate(batch.requests)
+                if i in run.errors or req.state is not State.RUNNING
+            ),
+            tokens=float(sum(keys)),
+            padded_tokens=float(batch.padded_size * max(keys, default=0.0)),
+        )
+        notify(self.listeners, "on_batch", event)
+
+    def dropped(self, reason: DropReason, count: int) -> None:
+        """Tell listeners that ``count`` requests ended without running."""
+        if self.listeners and count:
+            notify(self.listeners, "on_drop", DropEvent(self.name, reason, count))
+
+    def load(self) -> tuple[int, int]:
+        """``(queue depth, batches in flight)`` now: what :meth:`stats` reports, without
+        its percentiles (a metrics scrape reads this for every function)."""
+        with self.lock:
+            return self.sched.num_waiting, self.sched.in_flight
+
+    def stats(self) -> Stats:
+        """A snapshot of the counters."""
+        with self.lock:
+            # Arrivals are counted, not placed: an event loop's callers append to them
+            # without the lock, so only the scheduling thread may move them.
+            return self.sched.stats.snapshot(
+                unplaced=len(self.sched.arrivals),
+                queue_depth=self.sched.num_waiting,
+                in_flight=self.sched.in_flight,
+                caps={
+                    "default" if b is None else str(b): cap for b, cap in self.sched.caps.items()
+                },
+            )

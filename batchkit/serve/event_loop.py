@@ -1,0 +1,295 @@
+"""The driver for async functions: everything on one event loop, no threads.
+
+Arrivals in the same loop iteration coalesce into one scheduling pass (scheduled
+with ``call_soon``), so a burst of concurrent callers forms one batch; the max-wait
+expiry is a single ``call_later`` timer. Batches run as tasks, at most
+``max_concurrent_batches`` at a time. An async function serves one loop at a time
+(its callers'); a batcher idle on a finished loop moves to the next one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+from batchkit.errors import BatcherClosed
+from batchkit.loops import on_loop_thread, schedule_on_loop
+from batchkit.serve import callers
+from batchkit.serve.core import ServingCore
+from batchkit.serve.execute import BatchRun, Outcome, run_steps
+from batchkit.serve.request import Request, deliver
+from batchkit.serve.scheduler import FormedBatch
+
+
+async def call_async(fn: Callable[[Any], Awaitable[Any]], argument: Any) -> Outcome:
+    """Await ``fn(argument)``; its output or what it raised (a cancellation is raised)."""
+    try:
+        return True, await fn(argument)
+    except asyncio.CancelledError:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - a failing batch must not kill the loop
+        return False, exc
+
+
+class LoopDriver:
+    """Runs an async batch function on the event loop of its callers."""
+
+    def __init__(self, fn: Callable[[Any], Awaitable[Any]], core: ServingCore) -> None:
+        self.fn = fn
+        self.core = core
+        self.loop: asyncio.AbstractEventLoop | None = None  # the loop it serves
+        # While set, the scheduler is changed only by the thread running this loop, so
+        # its default-lane callers are admitted without the lock (see acall).
+        self._owner_loop: asyncio.AbstractEventLoop | None = None
+        # A pump is scheduled, or every slot is busy (the batch that ends next polls):
+        # arrivals then need not schedule one.
+        self._poll_due = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._drained: asyncio.Event | None = None
+        core.wake = self._wake
+        core.check_loop = self._check_loop_locked
+
+    # -- which loop ------------------------------------------------------------
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Serve callers on ``loop`` (refused while busy on another loop)."""
+        if self.loop is loop:
+            return
+        core = self.core
+        with core.lock:
+            old = self.loop
+            if old is not None and old.is_closed() and not core.sched.drained:
+                # Its batches will never finish: answer their callers, free their slots.
+                core.fail_all_locked(core.closed_error())
+                for batch in list(core.sched.running.values()):
+                    core.abandon_locked(batch, core.closed_error())
+            # While the old loop runs, its callers are admitted without the lock (see
+            # _owner_loop), so it is never left then, even when idle.
+            if old is not None and not old.is_closed():
+                busy = "serves another event loop, which is still running"
+                if not old.is_running():
+                    busy = "is busy on another event loop" if not core.sched.drained else ""
+                if busy:
+                    raise RuntimeError(
+                        f"{core.name} {busy}; an async batched function serves one loop at "
+                        "a time"
+                    )
+            self.loop = loop
+            self._owner_loop = loop if core.bulk_arrivals and not core.closed else None
+            self._poll_due = False
+            self._timer = None
+            self._drained = None
+
+    def _check_loop_locked(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        if loop is not self.loop:
+            if loop is None:
+                raise RuntimeError(f"{self.core.name} is async: call it from an event loop")
+            self.bind(loop)
+
+    # -- scheduling passes --------------------------------------------------------
+    def _wake(self) -> None:
+        """Something changed: schedule a pump unless one is due. Called under the lock,
+        or without it by the owner loop's own callers (only that thread changes the
+        scheduler then)."""
+        if self._poll_due or self.loop is None:
+            return
+        sched = self.core.sched
+        if sched.in_flight >= sched.max_concurrent_batches and not self.core.closed:
+            return  # every slot is busy: the batch that ends next polls the scheduler
+        schedule_on_loop(self.loop, self._pump)
+        self._poll_due = True  # (only once the pump is surely scheduled)
+
+    def _pump(self) -> None:
+        """Start every batch that is ready; arm the timer for the next max-wait expiry."""
+        loop = self.loop
+        if loop is None or not on_loop_thread(loop):
+            return  # a stale pump or timer of a loop this batcher no longer serves
+        ready: list[FormedBatch] = []
+        try:
+            with self.core.lock:
+                self._poll_ready_locked(loop, ready)
+        finally:
+            # Started outside the lock: with an eager task factory (Python 3.12+) the
+            # function's first step runs inside create_task, and must not run under
+            # it. (Also when a later poll raised: these hold their slots already.)
+            self._start_all(loop, ready)
+
+    def _poll_ready_locked(self, loop: asyncio.AbstractEventLoop, ready: list[FormedBatch]) -> None:
+        sched = self.core.sched
+        wake_at = None
+        try:
+            while True:
+                batch, wake_at = sched.poll(self.core.clock())
+                if batch is None:
+                    break
+                ready.append(batch)
+        finally:
+            # Busy slots stay busy until a batch ends, and its task polls then. (Set
+            # even if polling raised: a stuck flag would silence every arrival.)
+            self._poll_due = sched.in_flight >= sched.max_concurrent_batches
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if wake_at is not None:
+            self._timer = loop.call_later(max(wake_at - self.core.clock(), 0.0), self._pump)
+        if self.core.closed and sched.drained and self._drained is not None:
+            self._drained.set()
+
+    def _start_all(self, loop: asyncio.AbstractEventLoop, ready: list[FormedBatch]) -> None:
+        failure: BaseException | None = None
+        for batch in ready:
+            try:
+                self._start(loop, batch)
+            except BaseException as exc:  # noqa: BLE001 - e.g. a user's task factory
+                self._not_started(batch, exc)
+                failure = failure or exc
+        if failure is not None:
+            raise failure  # (to the loop's exception handler, once all are settled)
+
+    # -- batch tasks -----------------------------------------------------------------
+    def _start(self, loop: asyncio.AbstractEventLoop, batch: FormedBatch) -> None:
+        """A task runs ``batch`` (and the batches ready as it ends). ``holding`` names the
+        batch it owns, so that a task that ends early still settles it (see _ended)."""
+        holding: list[FormedBatch | None] = [batch]
+        coro = self._run_batches(holding, loop)
+        try:
+            task = loop.create_task(coro)
+        except BaseException:
+            coro.close()  # never started: no "never awaited" warning
+            raise
+        self._tasks.add(task)
+        task.add_done_callback(lambda t: self._ended(t, holding))
+
+    def _not_started(self, batch: FormedBatch, exc: BaseException) -> None:
+        """No task could be made for ``batch``: fail its callers, free its slot, and poll
+        again (the slot may be what the waiting requests need)."""
+        error = BatcherClosed(f"{self.core.name}: could not start a task for this batch: {exc!r}")
+        error.__cause__ = exc
+        with self.core.lock:
+            abandoned = self.core.abandon_locked(batch, error)
+            self._poll_due = False
+            self._wake()
+        deliver(abandoned)
+
+    async def _run_batches(
+        self, holding: list[FormedBatch | None], loop: asyncio.AbstractEventLoop
+    ) -> None:
+        """Run batches back to back in this task while one is ready as the last ends."""
+        batch = holding[0]
+        while batch is not None:
+            run = await self._execute(batch)
+            # Take the next batch before waking this one's callers: its call starts in this
+            # same step, so the accelerator is not left idle while the callers resume.
+            with self.core.lock:
+                answered = self.core.finish_locked(batch, run, on_loop=loop)
+                batch, _ = self.core.sched.poll(self.core.clock())
+                holding[0] = batch
+            if answered:  # those not resolved already (failed, or another loop's)
+                deliver(answered)
+        self._pump()  # re-arm the max-wait timer; start batches that became ready
+
+    def _ended(self, task: asyncio.Task[None], holding: list[FormedBatch | None]) -> None:
+        """A batch task is done. If it ended holding a batch (cancelled, even before its
+        first step, or a bug), answer that batch's callers and free its slot."""
+        self._tasks.discard(task)
+        batch = holding[0]
+        if batch is None:
+            return
+        holding[0] = None
+        core = self.core
+        with core.lock:
+            if id(batch) not in core.sched.running:
+                return  # settled already (e.g. by a rebind after its loop closed)
+            reason = "was cancelled" if task.cancelled() else f"failed: {task.exception()!r}"
+            error = BatcherClosed(f"{core.name}: the task running this batch {reason}")
+            abandoned = core.abandon_locked(batch, error)
+        deliver(abandoned)
+        self._pump()  # its slot is free: start what waits (a no-op off the loop)
+
+    async def _execute(self, batch: FormedBatch) -> BatchRun:
+        """Await the function as :func:`run_steps` asks (parts too, if split).
+
+        A failing call is recorded, never raised; a cancellation of this task is raised
+        (its batch is then settled by _ended).
+        """
+        steps = run_steps(batch.requests, self.core.options, self.core.name)
+        outcome: Outcome | None = None
+        try:
+            while True:
+                argument = steps.send(outcome)  # type: ignore[arg-type]
+                outcome = None  # (released before the next call: see ThreadDriver._run)
+                outcome = await call_async(self.fn, argument)
+                del argument
+        except StopIteration as done:
+            run: BatchRun = done.value
+            return run
+
+    # -- callers -------------------------------------------------------------------
+    async def acall(self, item: Any, *, priority: int = 0, timeout: float | None = None) -> Any:
+        """One item from asyncio: await its result, honouring timeout and cancellation."""
+        loop = asyncio.get_running_loop()
+        if loop is self._owner_loop and priority.__class__ is int and priority == 0:
+            # The usual call: this thread alone changes the scheduler, so no lock; the
+            # request is placed in bulk at the next scheduling pass.
+            req = Request(item, 0.0, None, 0, loop, self.core.clock())
+            self.core.sched.arrivals.append(req)
+            self._wake()
+            return await callers.await_request(self.core, req, timeout)
+        self.bind(loop)
+        return await callers.acall(self.core, item, priority, timeout)
+
+    def call(self, item: Any, *, priority: int = 0, timeout: float | None = None) -> Any:
+        """``f(x)`` of an async function: the awaitable of :meth:`acall`."""
+        return self.acall(item, priority=priority, timeout=timeout)
+
+    def call_many(
+        self, items: Iterable[Any], *, priority: int = 0, timeout: float | None = None
+    ) -> list[Any]:
+        """Refused: an async function's many items are awaited."""
+        name = self.core.name
+        raise TypeError(f"{name} is async: use 'await {name}.amap(items)'")
+
+    async def amap(
+        self, items: Iterable[Any], *, priority: int = 0, timeout: float | None = None
+    ) -> list[Any]:
+        """Many items from asyncio."""
+        self.bind(asyncio.get_running_loop())
+        return await callers.amap(self.core, items, priority, timeout)
+
+    # -- shutdown ------------------------------------------------------------------
+    async def aclose(self, timeout: float | None = None) -> None:
+        """Stop accepting, serve what is queued and running; after ``timeout``, fail the rest."""
+        loop = asyncio.get_running_loop()
+        core = self.core
+        with core.lock:
+            if self.loop is not None and self.loop is not loop and not self.loop.is_closed():
+                raise RuntimeError(f"{core.name}: aclose() must run on the loop it serves")
+            self.bind(loop)  # a closed previous loop's leftovers are answered here
+            core.close_locked()
+            self._owner_loop = None  # later callers take the checked path: BatcherClosed
+            if self._drained is None:  # shared by concurrent aclose() calls
+                self._drained = asyncio.Event()
+            drained = self._drained
+            if core.sched.drained:
+                drained.set()
+                return
+            self._wake()
+        try:
+            await asyncio.wait_for(drained.wait(), timeout)
+        except asyncio.TimeoutError:
+            with core.lock:
+                core.fail_all_locked(core.closed_error())
+
+    def close(self, timeout: float | None = None) -> None:
+        """Close from a thread. From inside the loop, use ``await aclose()`` instead."""
+        loop, core = self.loop, self.core
+        if loop is None or loop.is_closed() or not loop.is_running():
+            with core.lock:  # no loop will ever run what is left: answer it now
+                core.close_locked()
+                self._owner_loop = None
+                core.fail_all_locked(core.closed_error())
+            return
+        if on_loop_thread(loop):
+            raise RuntimeError(f"{core.name}: use 'await aclose()' inside the event loop")
+        asyncio.run_coroutine_threadsafe(self.aclose(timeout), loop).result()

@@ -1,0 +1,235 @@
+"""Running one formed batch until every request has exactly one outcome: the one
+recipe both drivers follow (collate, call, check the output, split and retry).
+
+A batch may be split in halves and its parts re-run:
+
+- on out-of-memory (``MemoryError``, ``torch.cuda.OutOfMemoryError``, plus the
+  ``oom_errors`` types given to ``@batched``), down to single items; the size that
+  worked becomes the bucket's effective maximum;
+- when ``collate`` fails: a malformed item must fail only its own caller;
+- when the function raises and ``isolate_errors=True``: a binary search for the
+  poison items. With ``k`` failing items among ``n``, at most about
+  ``2 * k * log2(n)`` extra calls are made; with none, no extra call at all.
+
+Anything else (a wrong number of results, an error without isolation) fails the
+whole part, which is the whole batch unless an out-of-memory split happened.
+
+Before a part is retried, everything the failed attempt held is released: its
+argument, and the locals of every frame in its exception's traceback (chained
+exceptions included), so that on a GPU the retry finds the memory the failed
+forward pass used. See :func:`release_frames`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import traceback
+from collections.abc import Generator, Iterable, Sequence
+from enum import Enum
+from typing import Any
+
+from batchkit.serve.options import OomRecovery, Options
+from batchkit.serve.request import Request
+
+log = logging.getLogger("batchkit")
+
+Part = tuple[int, int]  # [start, stop) positions in the batch
+Outcome = tuple[bool, Any]  # (True, the function's output) or (False, what it raised)
+
+
+class Stage(Enum):
+    """Where a part failed."""
+
+    COLLATE = "collate"
+    CALL = "call"
+    OUTPUT = "output"  # split() or the length check
+
+
+def release_frames(exc: BaseException, *, drop_traceback: bool) -> None:
+    """Free what ``exc``'s traceback keeps alive: clear the locals of its finished
+    frames (and of its chained exceptions'); with ``drop_traceback``, also detach the
+    tracebacks (the exception is discarded: a retry follows)."""
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [exc]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if current.__traceback__ is not None:
+            traceback.clear_frames(current.__traceback__)  # skips frames still running
+            if drop_traceback:
+                current.__traceback__ = None
+        pending += (current.__cause__, current.__context__)
+
+
+class BatchRun:
+    """The parts of one batch still to run, and the outcomes settled so far.
+
+    Outcomes are kept by position: ``values[i]`` is the result for
+    ``requests[i]`` unless ``errors`` holds an exception for ``i``.
+    """
+
+    __slots__ = (
+        "requests",
+        "oom",
+        "isolate_errors",
+        "_todo",
+        "values",
+        "errors",
+        "calls",
+        "oom_splits",
+        "isolated",
+        "largest_ok",
+    )
+
+    def __init__(
+        self, requests: Sequence[Request], *, oom: OomRecovery, isolate_errors: bool
+    ) -> None:
+        self.requests = requests
+        self.oom = oom
+        self.isolate_errors = isolate_errors
+        self._todo: list[Part] = [(0, len(requests))]
+        self.values: list[Any] = [None] * len(requests)
+        self.errors: dict[int, BaseException] = {}  # position -> that request's error
+        self.calls = 0
+        self.oom_splits = 0  # parts split because they ran out of memory
+        self.isolated = 0  # items that failed alone after a split
+        self.largest_ok = 0  # the largest call (padded size) the function completed
+
+    def next_part(self) -> Part | None:
+        """The next part to run (left halves first), or None when all are settled."""
+        return self._todo.pop() if self._todo else None
+
+    def succeeded(self, part: Part, results: Iterable[Any], padded: int) -> None:
+        """The function, called with ``padded`` items, returned ``results``: one per item
+        of ``part`` first (the padding's results after them are ignored). A result that
+        is an exception instance is that item's error."""
+        start, stop = part
+        chunk = list(itertools.islice(results, stop - start))
+        if len(chunk) != stop - start:  # len() said otherwise: e.g. a table iterating columns
+            raise ValueError(
+                f"the output's len() is {padded} but iterating it yielded {len(chunk)} results"
+            )
+        self.largest_ok = max(self.largest_ok, padded)  # caps count what the function saw
+        self.values[start:stop] = chunk
+        for i, value in enumerate(chunk, start):
+            if isinstance(value, BaseException):
+                self.errors[i] = value
+
+    def failed(self, part: Part, exc: BaseException, stage: Stage) -> None:
+        """``part`` raised ``exc`` at ``stage``: split it and retry, or settle it with ``exc``.
+
+        A discarded exception's frames are released before the retry; after an
+        out-of-memory failure the ``on_oom`` hook runs next.
+        """
+        start, stop = part
+        size = stop - start
+        oom = stage is Stage.CALL and self.oom.is_oom(exc)
+        retry = size > 1 and (
+            oom or stage is Stage.COLLATE or (stage is Stage.CALL and self.isolate_errors)
+        )
+        if retry:
+            release_frames(exc, drop_traceback=True)
+            self.oom_splits += oom
+            middle = start + (size + 1) // 2
+            self._todo.append((middle, stop))
+            self._todo.append((start, middle))  # popped first: keeps the input order
+        else:
+            if oom:  # kept for its callers, but its frames' tensors must not stay alive
+                release_frames(exc, drop_traceback=False)
+            if size < len(self.requests):
+                self.isolated += size
+            for i in range(start, stop):
+                self.errors[i] = exc
+        if oom:
+            _run_oom_hook(self.oom)
+
+    @property
+    def hit_oom(self) -> bool:
+        """Whether any part ran out of memory."""
+        return self.oom_splits > 0
+
+
+def _run_oom_hook(oom: OomRecovery) -> None:
+    if oom.on_oom is None:
+        return
+    try:
+        oom.on_oom()
+    except Exception:  # noqa: BLE001 - a failing hook must not cost the callers their retry
+        log.exception("batchkit on_oom hook %r failed", oom.on_oom)
+
+
+def start_run(requests: Sequence[Request], options: Options) -> BatchRun:
+    """The bookkeeping for running ``requests``, with their split-and-retry rules."""
+    return BatchRun(requests, oom=options.oom, isolate_errors=options.isolate_errors)
+
+
+def run_steps(
+    requests: Sequence[Request], options: Options, name: str
+) -> Generator[Any, Outcome, BatchRun]:
+    """The recipe for running a batch, for both drivers.
+
+    Yields each argument to call the function with, and is sent back the call's
+    :data:`Outcome`; returns the settled run once every request has its outcome (after
+    any split-and-retry). No reference to a finished call's argument or outcome is kept
+    while the next call runs (the driver sends the outcome straight back, too).
+    """
+    run = start_run(requests, options)
+    while (part := run.next_part()) is not None:
+        padded = options.policy.padded_size(part[1] - part[0])
+        argument = prepare(run, part, padded, options)
+        if argument is _COLLATE_FAILED:
+            continue
+        run.calls += 1
+        ok, result = yield argument
+        del argument
+        if ok:
+            settle(run, part, padded, result, options, name)
+        else:
+            run.failed(part, result, Stage.CALL)
+        del result
+    return run
+
+
+_COLLATE_FAILED: Any = object()
+
+
+def prepare(run: BatchRun, part: Part, padded: int, options: Options) -> Any:
+    """The function's argument for ``part``, or ``_COLLATE_FAILED`` (recorded)."""
+    start, stop = part
+    items = [req.item for req in run.requests[start:stop]]
+    if padded > len(items):  # strict sizes: repeat the last item; its results are dropped
+        items.extend([items[-1]] * (padded - len(items)))
+    collate = options.collate
+    try:
+        return collate(items) if collate is not None else items
+    except BaseException as exc:  # noqa: BLE001 - a bad item must not cost the others
+        run.failed(part, exc, Stage.COLLATE)
+        return _COLLATE_FAILED
+
+
+def settle(
+    run: BatchRun, part: Part, padded: int, output: Any, options: Options, name: str
+) -> None:
+    """Record the function's output for ``part`` (split, length-checked, per slot)."""
+    try:
+        run.succeeded(part, per_item_results(output, padded, options, name), padded)
+    except BaseException as exc:  # noqa: BLE001 - e.g. a bug in split()
+        run.failed(part, exc, Stage.OUTPUT)
+
+
+def per_item_results(output: Any, padded: int, options: Options, name: str) -> Sequence[Any]:
+    """The per-item results in ``output``, checked to be ``padded`` of them."""
+    results = options.split(output) if options.split is not None else output
+    try:
+        count = len(results)
+    except TypeError:
+        raise TypeError(
+            f"{name} returned {type(results).__name__}, expected a sequence of "
+            f"{padded} results (one per item)"
+        ) from None
+    if count != padded:
+        raise ValueError(f"{name} returned {count} results for a batch of {padded} items")
+    return results  # type: ignore[no-any-return]

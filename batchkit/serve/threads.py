@@ -1,0 +1,160 @@
+"""The driver for sync functions: ``max_concurrent_batches`` worker threads.
+
+Each idle worker sleeps on one condition variable until an arrival, a finished
+batch or the oldest request's max-wait expiry; there is no polling loop. Batches
+run outside the lock, so callers keep enqueuing (and batches keep forming) while
+the function runs. Thread callers block on their request; asyncio callers await a
+future resolved on their own loop, so the event loop is never blocked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from batchkit.serve import callers
+from batchkit.serve.core import ServingCore
+from batchkit.serve.execute import BatchRun, Outcome, run_steps
+from batchkit.serve.request import deliver
+from batchkit.serve.scheduler import FormedBatch
+
+
+def call_sync(fn: Callable[[Any], Any], argument: Any) -> Outcome:
+    """Call ``fn(argument)``; its output or what it raised (the worker survives anything)."""
+    try:
+        return True, fn(argument)
+    except BaseException as exc:  # noqa: BLE001 - the worker must survive anything
+        return False, exc
+
+
+class ThreadDriver:
+    """Runs a sync batch function on worker threads (started on first use)."""
+
+    def __init__(self, fn: Callable[[Any], Any], core: ServingCore) -> None:
+        self.fn = fn
+        self.core = core
+        self.cond = threading.Condition(core.lock)
+        self.workers: list[threading.Thread] = []
+        self.idle_workers = 0
+        self._warned_on_loop = False
+        core.wake = self._wake_locked
+
+    def _wake_locked(self) -> None:
+        if not self.workers:
+            self._start_workers_locked()
+        if self.idle_workers:
+            self.cond.notify()
+
+    def _start_workers_locked(self) -> None:
+        for i in range(self.core.options.max_concurrent_batches):
+            worker = threading.Thread(
+                target=self._work, name=f"batchkit-{self.core.name}-{i}", daemon=True
+            )
+            self.workers.append(worker)
+            worker.start()
+
+    def _work(self) -> None:
+        """One worker: take a batch, run it outside the lock, settle it, repeat."""
+        core, sched, cond, clock = self.core, self.core.sched, self.cond, self.core.clock
+        batch: FormedBatch | None = None
+        with cond:
+            while True:
+                if batch is None:
+                    batch, wake_at = sched.poll(clock())
+                if batch is None:
+                    if core.closed and sched.num_waiting == 0:
+                        cond.notify_all()  # wake close() and the other workers
+                        return
+                    self.idle_workers += 1
+                    cond.wait(None if wake_at is None else max(wake_at - clock(), 0.0))
+                    self.idle_workers -= 1
+                    continue
+                cond.release()
+                try:
+                    run = self._run(batch)
+                finally:
+                    cond.acquire()
+                done = core.finish_locked(batch, run)
+                # Take the next batch before waking this one's callers, and wake them
+                # outside the lock: they call again at once and must not queue on it.
+                batch, wake_at = sched.poll(clock())
+                if sched.drained or (self.idle_workers and sched.num_waiting):
+                    cond.notify_all()
+                cond.release()
+                try:
+                    deliver(done)
+                finally:
+                    cond.acquire()
+
+    def _run(self, batch: FormedBatch) -> BatchRun:
+        """Call the function as :func:`run_steps` asks (parts too, if split); never raises."""
+        steps = run_steps(batch.requests, self.core.options, self.core.name)
+        outcome: Outcome | None = None
+        try:
+            while True:
+                argument = steps.send(outcome)  # type: ignore[arg-type]
+                # Neither the last call's outcome nor its argument is kept while the
+                # steps decide on a retry or the next call runs (see execute.py).
+                outcome = None
+                outcome = call_sync(self.fn, argument)
+                del argument
+        except StopIteration as done:
+            run: BatchRun = done.value
+            return run
+
+    # -- callers -----------------------------------------------------------
+    def call(self, item: Any, *, priority: int = 0, timeout: float | None = None) -> Any:
+        """One item from a thread: block until its result (or error)."""
+        if not self._warned_on_loop and asyncio._get_running_loop() is not None:
+            self._warn_blocking_on_loop()
+        return callers.call(self.core, item, priority, timeout)
+
+    def _warn_blocking_on_loop(self) -> None:
+        self._warned_on_loop = True
+        name = self.core.name
+        warnings.warn(
+            f"{name}(x) blocks this thread, which is running an event loop: nothing else "
+            f"on the loop runs meanwhile, so its calls cannot batch together (batches of "
+            f"one). Use 'await {name}.acall(x)' from asyncio.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+
+    def call_many(
+        self, items: Iterable[Any], *, priority: int = 0, timeout: float | None = None
+    ) -> list[Any]:
+        """Many items from a thread (see :func:`batchkit.serve.callers.call_many`)."""
+        return callers.call_many(self.core, items, priority, timeout)
+
+    async def acall(self, item: Any, *, priority: int = 0, timeout: float | None = None) -> Any:
+        """One item from asyncio; the function runs on a worker thread, never on the loop."""
+        return await callers.acall(self.core, item, priority, timeout)
+
+    async def amap(
+        self, items: Iterable[Any], *, priority: int = 0, timeout: float | None = None
+    ) -> list[Any]:
+        """Many items from asyncio."""
+        return await callers.amap(self.core, items, priority, timeout)
+
+    # -- shutdown ------------------------------------------------------------
+    def close(self, timeout: float | None = None) -> None:
+        """Stop accepting, serve what is queued and running; after ``timeout``, fail the rest."""
+        core = self.core
+        with self.cond:
+            core.close_locked()
+            self.cond.notify_all()
+            finished = self.cond.wait_for(lambda: core.sched.drained, timeout)
+            if not finished:
+                core.fail_all_locked(core.closed_error())
+                self.cond.notify_all()
+        if finished:
+            for worker in self.workers:
+                if worker is not threading.current_thread():
+                    worker.join()
+
+    async def aclose(self, timeout: float | None = None) -> None:
+        """:meth:`close` without blocking the event loop."""
+        await asyncio.get_running_loop().run_in_executor(None, self.close, timeout)
