@@ -17,7 +17,8 @@ whole part, which is the whole batch unless an out-of-memory split happened.
 Before a part is retried, everything the failed attempt held is released: its
 argument, and the locals of every frame in its exception's traceback (chained
 exceptions included), so that on a GPU the retry finds the memory the failed
-forward pass used. See :func:`release_frames`.
+forward pass used. An error handed to callers keeps its traceback, without frame
+locals (so a caller holding it holds no tensors). See :func:`release_frames`.
 """
 
 from __future__ import annotations
@@ -130,15 +131,15 @@ class BatchRun:
         retry = size > 1 and (
             oom or stage is Stage.COLLATE or (stage is Stage.CALL and self.isolate_errors)
         )
+        # A retried part's exception is discarded; a settled one is kept for its callers
+        # with its traceback, but no frame of it keeps locals (tensors) alive.
+        release_frames(exc, drop_traceback=retry)
         if retry:
-            release_frames(exc, drop_traceback=True)
             self.oom_splits += oom
             middle = start + (size + 1) // 2
             self._todo.append((middle, stop))
             self._todo.append((start, middle))  # popped first: keeps the input order
         else:
-            if oom:  # kept for its callers, but its frames' tensors must not stay alive
-                release_frames(exc, drop_traceback=False)
             if size < len(self.requests):
                 self.isolated += size
             for i in range(start, stop):

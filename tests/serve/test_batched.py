@@ -556,3 +556,26 @@ def test_an_int_clock_reading_after_a_float_keeps_stats_working() -> None:
     stats = f.stats()
     assert stats.queue_wait.count == 1 and stats.queue_wait.max == 1.5
     f.close()
+
+
+def test_a_blocking_call_from_an_event_loop_thread_warns_once_naming_acall() -> None:
+    """f(x) blocks the loop's thread: its calls cannot batch together (batches of one)."""
+    f = batchkit.batched(max_batch_size=4, max_wait_ms=1)(lambda xs: xs)
+
+    async def main() -> list[int]:
+        return [f(1), f(2)]
+
+    with pytest.warns(RuntimeWarning, match=r"acall") as record:
+        assert asyncio.run(main()) == [1, 2]
+    assert len(record) == 1
+    f.close()
+
+
+def test_a_blocking_call_from_a_plain_thread_does_not_warn() -> None:
+    import warnings
+
+    f = batchkit.batched(max_batch_size=4, max_wait_ms=1)(lambda xs: xs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert f(1) == 1
+    f.close()
