@@ -44,6 +44,7 @@ Usage::
     python benchmarks/online.py            # ~2 min on 2 cores
     python benchmarks/online.py --quick    # ~40 s, noisier
     python benchmarks/online.py --only overhead,threads
+    python benchmarks/online.py --systems batchkit,minimal --json samples.json
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ import argparse
 import asyncio
 import gc
 import itertools
+import json
 import random
 import statistics
 import sys
@@ -247,15 +249,16 @@ def rotated(names: tuple[str, ...] | list[str], r: int) -> list[str]:
 
 async def run_async(args: argparse.Namespace, only: set[str]) -> dict[str, dict[str, list[float]]]:
     """Interleaved repeats of the asyncio scenarios; per scenario, per system, samples."""
+    systems, pipelined = args.systems, args.pipelined
     res: dict[str, dict[str, list[float]]] = {
-        k: {s: [] for s in (*SYSTEMS, *PIPELINED)} for k in ("overhead", "efficiency", "p50", "p99")
+        k: {s: [] for s in (*systems, *pipelined)} for k in ("overhead", "efficiency", "p50", "p99")
     }
     res["efficiency"]["direct (ref)"] = []
     res["efficiency"]["direct-sync (ref)"] = []
     res["overhead"]["floor (ref)"] = []
     rng = random.Random(1234)
     rate = 0.5 * IDEAL
-    with_device = (*SYSTEMS, *PIPELINED)
+    with_device = (*systems, *pipelined)
 
     async def sample(name: str, accel, body, warm: int = 0):
         system = make_system(name, accel)
@@ -275,7 +278,7 @@ async def run_async(args: argparse.Namespace, only: set[str]) -> dict[str, dict[
     for r in range(args.repeats):
         gc.collect()
         if "overhead" in only:
-            for name in rotated((*SYSTEMS, "floor (ref)"), r):
+            for name in rotated((*systems, "floor (ref)"), r):
                 dt = await sample(
                     name, identity, lambda c: closed_loop(c, args.n_overhead, CALLERS)
                 )
@@ -313,7 +316,7 @@ async def run_async(args: argparse.Namespace, only: set[str]) -> dict[str, dict[
 
 
 def run_threads(args: argparse.Namespace) -> dict[str, list[float]]:
-    names = ("batchkit-sync", "mxbai-sync")
+    names = tuple(n for n in ("batchkit-sync", "mxbai-sync") if n in args.systems)
     out: dict[str, list[float]] = {n: [] for n in names}
 
     def make(name: str):
@@ -361,8 +364,20 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="fewer/smaller repeats (< 40 s)")
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--only", default="overhead,efficiency,latency,threads")
+    p.add_argument(
+        "--systems",
+        default=",".join((*SYSTEMS, *PIPELINED)),
+        help="comma-separated rows to run (the reference rows always run)",
+    )
+    p.add_argument("--json", metavar="PATH", help="also write every sample to PATH")
     args = p.parse_args()
     only = set(args.only.split(","))
+    chosen = set(args.systems.split(","))
+    unknown = chosen - {*SYSTEMS, *PIPELINED}
+    if unknown:
+        p.error(f"unknown systems: {sorted(unknown)}")
+    args.systems = tuple(s for s in SYSTEMS if s in chosen)
+    args.pipelined = tuple(s for s in PIPELINED if s in chosen)
     if args.quick:
         args.repeats = args.repeats or 3
         args.n_overhead, args.n_eff, args.n_lat, args.n_threads = 2560, 480, 500, 2560
@@ -386,7 +401,9 @@ def main() -> int:
             f"\n{'system':<17} {'overhead req/s':>22} {'efficiency':>20} "
             f"{'p50 / T':>16} {'p99 / T':>16}"
         )
-        for name in (*SYSTEMS, *PIPELINED, "floor (ref)", "direct (ref)", "direct-sync (ref)"):
+        for name in (
+            *args.systems, *args.pipelined, "floor (ref)", "direct (ref)", "direct-sync (ref)"
+        ):
             cells = []
             for key, fmt in (
                 ("overhead", "{:>9.0f}"),
@@ -404,7 +421,9 @@ def main() -> int:
 
     print()
     ok = True
-    if res is not None and "overhead" in only:
+    if args.json:
+        Path(args.json).write_text(json.dumps({"async": res, "threads": thr}))
+    if res is not None and "overhead" in only and {"minimal", "ray-serve"} <= set(args.systems):
         ov = {k: med(v) for k, v in res["overhead"].items()}
         for name in ("batchkit", "batchkit-sync"):
             ok &= check(
@@ -419,7 +438,9 @@ def main() -> int:
                 f"task, reaches {ov['minimal'] / ov['ray-serve']:.2f}x in this run; the "
                 f"floor, {ov['floor (ref)'] / ov['ray-serve']:.2f}x)",
             )
-    if res is not None and "efficiency" in only:
+    if res is not None and "efficiency" in only and {"batchkit", "batchkit-sync"} <= set(
+        args.systems
+    ):
         for name, ref in (("batchkit", "direct (ref)"), ("batchkit-sync", "direct-sync (ref)")):
             e, r = med(res["efficiency"][name]), med(res["efficiency"][ref])
             ok &= check(
@@ -428,7 +449,7 @@ def main() -> int:
                 f"{e:.3f} of ideal; {e / r:.3f} of what back-to-back calls reach on "
                 f"this machine ({ref}: {r:.3f})",
             )
-    if res is not None and "efficiency" in only:
+    if res is not None and "efficiency" in only and "batchkit x2" in args.pipelined:
         # Not a target: what a second batch in flight buys (and, in the p50/p99
         # columns, costs) when the function hands the work to one device.
         e = med(res["efficiency"]["batchkit x2"])
@@ -448,9 +469,11 @@ def main() -> int:
             f"samples {q[0] * 1e3:.2f}-{q[-1] * 1e3:.2f} ms): counted in every p99 above"
         )
         for name in ("batchkit", "batchkit-sync"):
+            if name not in args.systems:
+                continue
             q = med(res["p99"][name])
             ok &= check(f"p99 {name} <= 1.5 T", q <= 1.5, f"{q:.2f} T = {q * FULL_T * 1e3:.1f} ms")
-    if thr is not None:
+    if thr is not None and len(thr) == 2:
         a, b = med(thr["batchkit-sync"]), med(thr["mxbai-sync"])
         ok &= check(
             "threads batchkit-sync >= 2x mxbai-sync",

@@ -213,10 +213,9 @@ def test_queue_full_is_immediate() -> None:
         wait_until(lambda: f.stats().in_flight > 0)
         queued = [pool.submit(f, x) for x in "ab"]
         wait_until(lambda: f.stats().queue_depth >= 2)
-        start = time.monotonic()
-        with pytest.raises(QueueFull):
+        with pytest.raises(QueueFull):  # at once: the gate opens only after it
             f("c")
-        assert time.monotonic() - start < 1.0
+        assert not gate.is_set()
         gate.set()
         assert running.result(5) == "r" and [q.result(5) for q in queued] == ["a", "b"]
     assert f.stats().rejected == 1
@@ -295,13 +294,11 @@ def test_close_drains_then_rejects() -> None:
 
 def test_close_timeout_answers_everyone_even_if_function_hangs() -> None:
     gate = threading.Event()
-    f = batchkit.batched(max_batch_size=1)(lambda xs: (gate.wait(10), xs)[1])
+    f = batchkit.batched(max_batch_size=1)(lambda xs: (gate.wait(), xs)[1])
     with ThreadPoolExecutor(3) as pool:
         futs = [pool.submit(f, x) for x in "abc"]
         wait_until(lambda: f.stats().in_flight > 0 and f.stats().queue_depth >= 2)
-        start = time.monotonic()
-        f.close(timeout=0.05)
-        assert time.monotonic() - start < 2
+        f.close(timeout=0.05)  # returns although the function hangs until the gate opens
         for fu in futs:
             with pytest.raises(BatcherClosed):
                 fu.result(2)

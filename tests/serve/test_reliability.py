@@ -226,14 +226,13 @@ def test_block_mode_from_asyncio() -> None:
 
 def test_deadlines_fire_while_the_function_hangs() -> None:
     release = threading.Event()
-    f = batchkit.batched(max_batch_size=1)(lambda xs: (release.wait(10), xs)[1])
+    f = batchkit.batched(max_batch_size=1)(lambda xs: (release.wait(), xs)[1])
     with ThreadPoolExecutor(8) as pool:
         hung = pool.submit(f, "hang")
         wait_until(lambda: f.stats().in_flight > 0)
-        start = time.monotonic()
         late = [pool.submit(_catch_timeout, f, i) for i in range(5)]
-        assert all(isinstance(x.result(5), RequestTimeout) for x in late)
-        assert time.monotonic() - start < 5
+        # Answered while the function still hangs (it does until `release` is set).
+        assert all(isinstance(x.result(30), RequestTimeout) for x in late)
         assert f.stats().timeouts == 5
         f.close(timeout=0.05)  # the hung batch's caller is answered too
         with pytest.raises(BatcherClosed):
