@@ -30,6 +30,7 @@ from batchkit.collate import (
 from batchkit.generate import ContinuousBatcher, GenerationHandle, GenerationStats, StepBatch
 from batchkit.kv import BlockAllocator, BlockTable, OutOfBlocks, StepLayout
 from batchkit.serve import (
+    END,
     BatchedFunction,
     BatcherClosed,
     BatchkitError,
@@ -45,6 +46,7 @@ from batchkit.tools.simulate import LatencyModel, SimResult, simulate
 __version__ = "0.1.0"
 
 __all__ = [
+    "END",
     "Batch",
     "BatchSampler",
     "BatchedFunction",

@@ -22,11 +22,16 @@ class Percentiles:
     count: int
 
     @classmethod
+    def empty(cls) -> Percentiles:
+        """No samples: every figure NaN."""
+        nan = float("nan")
+        return cls(nan, nan, nan, nan, 0)
+
+    @classmethod
     def of(cls, samples: deque[float]) -> Percentiles:
         """Summarise a window of samples."""
         if not samples:
-            nan = float("nan")
-            return cls(nan, nan, nan, nan, 0)
+            return cls.empty()
         arr = np.fromiter(samples, dtype=np.float64, count=len(samples))
         p50, p90, p99 = np.percentile(arr, [50, 90, 99])
         return cls(float(p50), float(p90), float(p99), float(arr.max()), len(arr))

@@ -3,11 +3,13 @@
 from batchkit.errors import BatcherClosed, BatchkitError, QueueFull, RequestTimeout
 from batchkit.percentiles import Percentiles
 from batchkit.serve.batched import BatchedFunction, batched
+from batchkit.serve.channels import END
 from batchkit.serve.events import BatchEvent, DropEvent, Listener
 from batchkit.serve.scheduler import Scheduler
 from batchkit.serve.stats import DispatchReason, Stats
 
 __all__ = [
+    "END",
     "BatchEvent",
     "BatchedFunction",
     "BatcherClosed",

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from typing import Any, Generic, Literal, Protocol, TypeVar, overload
 
 from batchkit.batchers.base import Batcher, check_positive_int
@@ -57,6 +58,18 @@ class Driver(Protocol):
         """:meth:`close` from asyncio."""
         ...
 
+    def stream(
+        self, item: Any, *, priority: int = 0, timeout: float | None = None
+    ) -> Iterator[Any]:
+        """``f.stream(x)``: a streaming function's chunks, from a thread."""
+        ...
+
+    def astream(
+        self, item: Any, *, priority: int = 0, timeout: float | None = None
+    ) -> AsyncIterator[Any]:
+        """``f.astream(x)``: its chunks, from asyncio."""
+        ...
+
 
 class BatchedFunction(Generic[R]):
     """A batch function wrapped so that callers pass one item and get one result.
@@ -68,10 +81,14 @@ class BatchedFunction(Generic[R]):
 
     def __init__(self, fn: Callable[..., Any], options: Options) -> None:
         self.fn = fn
-        self.options = options
-        self.is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
-            getattr(fn, "__call__", None)  # noqa: B004 - an object with an async __call__
+        call = getattr(fn, "__call__", None)  # noqa: B004 - an object with an async __call__
+        self.streams = any(
+            inspect.isgeneratorfunction(f) or inspect.isasyncgenfunction(f) for f in (fn, call)
         )
+        self.is_async = any(
+            inspect.iscoroutinefunction(f) or inspect.isasyncgenfunction(f) for f in (fn, call)
+        )
+        self.options = options = dataclasses.replace(options, streaming=self.streams)
         self.__name__ = getattr(fn, "__name__", "batched")
         self.__qualname__ = getattr(fn, "__qualname__", self.__name__)
         self.__doc__ = getattr(fn, "__doc__", None)
@@ -85,7 +102,8 @@ class BatchedFunction(Generic[R]):
         # a caller keeps the bound method: one coroutine per call instead of two.
         core = ServingCore(options, self.__qualname__)
         self._driver: Driver = (LoopDriver if self.is_async else ThreadDriver)(fn, core)
-        self.acall = self._driver.acall  # type: ignore[method-assign]
+        if not self.streams:
+            self.acall = self._driver.acall  # type: ignore[method-assign]
 
     @property
     def runtime(self) -> Driver:
@@ -125,7 +143,23 @@ class BatchedFunction(Generic[R]):
     # -- one item ------------------------------------------------------------
     def __call__(self, item: Any, *, priority: int = 0, timeout: float | None = None) -> Any:
         """Run one item in a batch. Sync function: its result; async function: an awaitable."""
+        if self.streams:
+            raise self._streams_error()
         return self._driver.call(item, priority=priority, timeout=timeout)
+
+    def _streams_error(self) -> TypeError:
+        name = self.__name__
+        if self.is_async:
+            return TypeError(f"{name} streams: use 'async for chunk in {name}.astream(x)'")
+        return TypeError(
+            f"{name} streams: use 'for chunk in {name}.stream(x)' (or "
+            f"'async for chunk in {name}.astream(x)' from asyncio)"
+        )
+
+    def _plain_error(self, how: str) -> TypeError:
+        name = self.__name__
+        call = f"await {name}.acall(x)" if self.is_async else f"{name}(x) or await {name}.acall(x)"
+        return TypeError(f"{name} is not a generator function, so it does not {how}: use {call}")
 
     async def acall(self, item: Any, *, priority: int = 0, timeout: float | None = None) -> Any:
         """Run one item in a batch, from asyncio (sync or async function alike).
@@ -133,7 +167,37 @@ class BatchedFunction(Generic[R]):
         ``timeout``: seconds before the item must have started running, else
         :class:`~batchkit.RequestTimeout`. Lower ``priority`` values are served first.
         """
+        if self.streams:
+            raise self._streams_error()
         return await self._driver.acall(item, priority=priority, timeout=timeout)
+
+    # -- streams ----------------------------------------------------------------
+    def stream(
+        self, item: Any, *, priority: int = 0, timeout: float | None = None
+    ) -> Iterator[Any]:
+        """One item's chunks, from a thread, as the batch's generator yields them.
+
+        For a sync generator function. The item is queued at once (streams made one
+        after another batch together); ``timeout`` bounds the wait before its batch
+        starts. Stopping early (``break``, ``close()``) drops the rest of this stream
+        only; once every caller of a batch has left, its generator is closed.
+        """
+        if not self.streams:
+            raise self._plain_error("stream")
+        return self._driver.stream(item, priority=priority, timeout=timeout)
+
+    def astream(
+        self, item: Any, *, priority: int = 0, timeout: float | None = None
+    ) -> AsyncIterator[Any]:
+        """One item's chunks, from asyncio (sync or async generator function alike).
+
+        Call it inside a coroutine; a sync generator runs on a worker thread and its
+        chunks reach this loop without blocking it. ``aclose()``, ``break`` or a
+        cancelled task leaves the stream (see :meth:`stream`).
+        """
+        if not self.streams:
+            raise self._plain_error("astream")
+        return self._driver.astream(item, priority=priority, timeout=timeout)
 
     # -- many items ------------------------------------------------------------
     def map(
@@ -141,12 +205,16 @@ class BatchedFunction(Generic[R]):
     ) -> list[Any]:
         """Run many items; results in input order. Raises the first failed item's error
         (in input order) once every item has finished."""
+        if self.streams:
+            raise self._streams_error()
         return self._driver.call_many(items, priority=priority, timeout=timeout)
 
     async def amap(
         self, items: Iterable[Any], *, priority: int = 0, timeout: float | None = None
     ) -> list[Any]:
         """:meth:`map` from asyncio, for sync and async functions."""
+        if self.streams:
+            raise self._streams_error()
         return await self._driver.amap(items, priority=priority, timeout=timeout)
 
     # -- introspection and lifetime ---------------------------------------------
@@ -251,6 +319,11 @@ def batched(
     clock: Clock | None = None,
 ) -> Any:
     """Decorate a batch function (list of items -> sequence of results).
+
+    A generator function (or async generator function) streams: each ``yield`` is a
+    sequence with one entry per item (a chunk, :data:`batchkit.END`, or an exception
+    for that item alone), read by callers with :meth:`BatchedFunction.stream` /
+    :meth:`BatchedFunction.astream`.
 
     Defaults to ``DynamicBatcher(max_batch_size=32, max_wait_ms=5)``; pass
     ``batcher=`` for another policy (then ``max_batch_size``/``max_wait_ms`` belong

@@ -9,10 +9,11 @@ batcher's clock.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from typing import Any
 
 from batchkit.errors import RequestTimeout
+from batchkit.serve.channels import LoopChannel, Message, ThreadChannel
 from batchkit.serve.core import ServingCore
 from batchkit.serve.request import Request
 
@@ -145,3 +146,146 @@ async def await_request(core: ServingCore, req: Request, timeout: float | None) 
 
 def _expire(core: ServingCore, req: Request, timeout: float) -> None:
     core.give_up(req, core.timeout_error(timeout), timed_out=True)
+
+
+# -- streams ----------------------------------------------------------------------------
+def _unpack(message: Message) -> Any:
+    """A chunk's value; raise StopIteration at the end, or the stream's error."""
+    kind, value = message
+    if kind == "chunk":
+        return value
+    if value is not None:
+        raise value
+    raise StopIteration
+
+
+class ThreadStream(Iterator[Any]):
+    """The chunks of one item's stream, read from a thread (``f.stream(x)``).
+
+    The request is queued when the stream is made, so that streams made one after
+    another batch together; ``close()`` (or dropping the iterator) leaves the stream.
+    """
+
+    def __init__(
+        self, core: ServingCore, item: Any, priority: int, timeout: float | None
+    ) -> None:
+        self._core = core
+        self._channel = ThreadChannel()
+        self._req = core.make_request(item, priority, None, channel=self._channel)
+        self._timeout = timeout
+        self._started = _started(core, timeout)
+        self._open = False
+        if core.admission is not None:
+            core.admission.submit(self._req, timeout)
+        else:
+            core.submit(self._req)
+        self._open = True
+
+    def __iter__(self) -> ThreadStream:
+        return self
+
+    def __next__(self) -> Any:
+        if not self._open:
+            raise StopIteration
+        left = _left(self._core, self._timeout, self._started)
+        message = self._channel.get(left)
+        if message is None:  # the timeout passed first
+            assert self._timeout is not None
+            error = self._core.timeout_error(self._timeout)
+            if self._core.give_up(self._req, error, timed_out=True):
+                self._open = False
+                raise error
+            message = self._channel.get(None)  # it started: its chunks are on the way
+            assert message is not None  # (no bound: it waits for one)
+        self._timeout = None  # the batch has started: no bound on later chunks
+        try:
+            return _unpack(message)
+        except BaseException:
+            self._open = False
+            raise
+
+    def close(self) -> None:
+        """Stop reading: the rest of this stream is dropped (nobody else's)."""
+        if self._open:
+            self._open = False
+            self._core.leave(self._req)
+
+    def __del__(self) -> None:
+        self.close()
+
+
+class LoopStream(AsyncIterator[Any]):
+    """The chunks of one item's stream, read from asyncio (``f.astream(x)``).
+
+    Queued when made (or, with ``when_full="block"``, at the first ``__anext__``, which
+    may wait for room); ``aclose()``, a cancelled read or dropping it leaves the stream.
+    """
+
+    def __init__(
+        self, core: ServingCore, item: Any, priority: int, timeout: float | None
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        self._core = core
+        self._channel = LoopChannel(loop)
+        self._req = core.make_request(item, priority, loop, channel=self._channel)
+        self._timeout = timeout
+        self._started = _started(core, timeout)
+        self._open = False
+        self._queued = core.admission is None
+        if self._queued:
+            core.submit(self._req)
+        self._open = True
+
+    def __aiter__(self) -> LoopStream:
+        return self
+
+    async def __anext__(self) -> Any:
+        if not self._open:
+            raise StopAsyncIteration
+        try:
+            message = await self._next_message()
+        except asyncio.CancelledError:
+            self._leave()
+            raise
+        try:
+            return _unpack(message)
+        except StopIteration:
+            self._open = False
+            raise StopAsyncIteration from None
+        except BaseException:
+            self._open = False
+            raise
+
+    async def _next_message(self) -> Message:
+        core = self._core
+        if not self._queued:
+            assert core.admission is not None
+            await core.admission.asubmit(self._req, self._timeout)
+            self._queued = True
+        left = _left(core, self._timeout, self._started)
+        if left is None:
+            return await self._channel.get()
+        try:
+            return await asyncio.wait_for(self._channel.get(), left)
+        except asyncio.TimeoutError:
+            assert self._timeout is not None
+            error = core.timeout_error(self._timeout)
+            if core.give_up(self._req, error, timed_out=True):
+                self._open = False
+                raise error from None
+            return await self._channel.get()  # it started: its chunks are on the way
+        finally:
+            self._timeout = None  # from the first chunk on, no bound
+
+    async def aclose(self) -> None:
+        """Stop reading: the rest of this stream is dropped (nobody else's)."""
+        self._leave()
+
+    def _leave(self) -> None:
+        if self._open:
+            self._open = False
+            if self._queued:  # (a blocked admission never queued it)
+                self._core.leave(self._req)
+
+    def __del__(self) -> None:
+        self._leave()

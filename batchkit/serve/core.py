@@ -19,6 +19,7 @@ from typing import Any
 
 from batchkit.errors import BatcherClosed, QueueFull, RequestTimeout
 from batchkit.serve.admission import BlockingAdmission
+from batchkit.serve.channels import Channel
 from batchkit.serve.events import BatchEvent, DropEvent, DropReason, Listener, notify
 from batchkit.serve.execute import BatchRun, start_run
 from batchkit.serve.options import Options
@@ -68,16 +69,21 @@ class ServingCore:
 
     # -- admission -----------------------------------------------------------
     def make_request(
-        self, item: Any, priority: int, loop: asyncio.AbstractEventLoop | None
+        self,
+        item: Any,
+        priority: int,
+        loop: asyncio.AbstractEventLoop | None,
+        *,
+        channel: Channel | None = None,
     ) -> Request:
         """A request for ``item``; the policy's key runs here, so its errors reach this caller."""
         if priority.__class__ is not int:  # bool and other look-alikes are refused too
             raise TypeError(f"priority must be an int, got {type(priority).__name__}")
         if self.keyless:
-            return Request(item, 0.0, None, priority, loop)
+            return Request(item, 0.0, None, priority, loop, channel=channel)
         policy = self.options.policy
         key = policy.key_of(item)
-        return Request(item, key, policy.bucket_of(key), priority, loop)
+        return Request(item, key, policy.bucket_of(key), priority, loop, channel=channel)
 
     def submit(self, req: Request) -> None:
         """Enqueue, or raise ``BatcherClosed``/``QueueFull`` without enqueuing."""
@@ -156,6 +162,14 @@ class ServingCore:
             self.wake()
         return True
 
+    def leave(self, req: Request) -> None:
+        """A streaming caller stopped reading: withdraw its request if it still waits,
+        else drop its later chunks (the batch's generator stops once all have left)."""
+        if self.give_up(req, BatcherClosed(f"{self.name}: the stream was left"), timed_out=False):
+            return
+        if req.channel is not None:
+            req.channel.left = True
+
     def timeout_error(self, timeout: float) -> RequestTimeout:
         """The error for a request whose ``timeout`` passed before it ran."""
         return RequestTimeout(f"{self.name}: request did not start within timeout={timeout}s")
@@ -211,6 +225,8 @@ class ServingCore:
         stats, sched = self.sched.stats, self.sched
         stats.calls += run.calls
         stats.isolated += run.isolated
+        if run.first_output_at is not None:
+            stats.first_chunk.append(run.first_output_at - batch.dispatched_at)
         bucket = batch.requests[0].bucket
         if run.hit_oom:
             stats.oom_splits += run.oom_splits

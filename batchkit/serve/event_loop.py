@@ -20,6 +20,7 @@ from batchkit.serve.core import ServingCore
 from batchkit.serve.execute import BatchRun, Outcome, run_steps
 from batchkit.serve.request import Request, deliver
 from batchkit.serve.scheduler import FormedBatch
+from batchkit.serve.streaming import run_stream_async
 
 
 async def call_async(fn: Callable[[Any], Awaitable[Any]], argument: Any) -> Outcome:
@@ -213,6 +214,11 @@ class LoopDriver:
         A failing call is recorded, never raised; a cancellation of this task is raised
         (its batch is then settled by _ended).
         """
+        core = self.core
+        if core.options.streaming:
+            return await run_stream_async(
+                self.fn, batch.requests, core.options, core.name, core.clock  # type: ignore[arg-type]
+            )
         steps = run_steps(batch.requests, self.core.options, self.core.name)
         outcome: Outcome | None = None
         try:
@@ -249,6 +255,20 @@ class LoopDriver:
         """Refused: an async function's many items are awaited."""
         name = self.core.name
         raise TypeError(f"{name} is async: use 'await {name}.amap(items)'")
+
+    def stream(
+        self, item: Any, *, priority: int = 0, timeout: float | None = None
+    ) -> callers.ThreadStream:
+        """Refused: an async generator's chunks are read from asyncio."""
+        name = self.core.name
+        raise TypeError(f"{name} is an async generator function: use '{name}.astream(x)'")
+
+    def astream(
+        self, item: Any, *, priority: int = 0, timeout: float | None = None
+    ) -> callers.LoopStream:
+        """One item's stream, read from asyncio on this driver's loop."""
+        self.bind(asyncio.get_running_loop())
+        return callers.LoopStream(self.core, item, priority, timeout)
 
     async def amap(
         self, items: Iterable[Any], *, priority: int = 0, timeout: float | None = None

@@ -83,6 +83,7 @@ class BatchRun:
         "oom_splits",
         "isolated",
         "largest_ok",
+        "first_output_at",
     )
 
     def __init__(
@@ -98,6 +99,7 @@ class BatchRun:
         self.oom_splits = 0  # parts split because they ran out of memory
         self.isolated = 0  # items that failed alone after a split
         self.largest_ok = 0  # the largest call (padded size) the function completed
+        self.first_output_at: float | None = None  # a stream's first chunk (clock time)
 
     def next_part(self) -> Part | None:
         """The next part to run (left halves first), or None when all are settled."""

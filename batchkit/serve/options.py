@@ -59,3 +59,4 @@ class Options:
     oom: OomRecovery = field(default_factory=OomRecovery)
     isolate_errors: bool = False
     when_full: Literal["reject", "block"] = "reject"
+    streaming: bool = False  # the function is a generator (or async generator) function

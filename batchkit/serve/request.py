@@ -10,6 +10,7 @@ from enum import IntEnum
 from typing import Any
 
 from batchkit.loops import call_on_loop
+from batchkit.serve.channels import Channel
 
 
 class State(IntEnum):
@@ -22,7 +23,8 @@ class State(IntEnum):
 
 
 class Request:
-    """A queued item. Thread callers wait on a lock; asyncio callers on a future.
+    """A queued item. Thread callers wait on a lock; asyncio callers on a future;
+    streaming callers read a channel (its end is their outcome).
 
     The lock-as-event (acquired at creation, released once on completion) is the
     cheapest blocking wait CPython offers: one C-level lock per request.
@@ -40,6 +42,7 @@ class Request:
         "error",
         "future",
         "loop",
+        "channel",
         "_done",
     )
 
@@ -51,6 +54,7 @@ class Request:
         priority: int,
         loop: asyncio.AbstractEventLoop | None = None,
         enqueued_at: float = 0.0,
+        channel: Channel | None = None,
     ) -> None:
         self.item = item
         self.key = key
@@ -64,13 +68,14 @@ class Request:
         self.value: Any = None
         self.error: BaseException | None = None
         self.loop = loop
-        if loop is None:
-            self.future: asyncio.Future[Any] | None = None
-            self._done: threading.Lock | None = threading.Lock()
+        self.channel = channel  # a streaming caller reads its chunks here
+        self.future: asyncio.Future[Any] | None = None
+        self._done: threading.Lock | None = None
+        if channel is None and loop is None:
+            self._done = threading.Lock()
             self._done.acquire()
-        else:
+        elif channel is None and loop is not None:
             self.future = loop.create_future()
-            self._done = None
 
     def wait(self, timeout: float | None) -> bool:
         """Block a thread caller until done; False if ``timeout`` seconds passed first."""
@@ -133,7 +138,9 @@ def deliver(requests: Sequence[Request]) -> None:
     loop; a closed loop has nobody left to answer)."""
     by_loop: dict[asyncio.AbstractEventLoop, list[Request]] = {}
     for req in requests:
-        if req.loop is None:
+        if req.channel is not None:
+            req.channel.finish(req.error)  # (a stream already ended keeps its end)
+        elif req.loop is None:
             req.notify_thread()
         else:
             by_loop.setdefault(req.loop, []).append(req)

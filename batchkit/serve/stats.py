@@ -45,7 +45,8 @@ class Stats:
     batch_sizes: dict[int, int]
     dispatch_reasons: dict[str, int]
     queue_wait: Percentiles
-    batch_latency: Percentiles
+    batch_latency: Percentiles  # to the last chunk, for a streaming function
+    time_to_first_chunk: Percentiles = field(default_factory=Percentiles.empty)  # streams only
 
     @property
     def mean_batch_size(self) -> float:
@@ -73,6 +74,7 @@ class StatsRecorder:
     reasons: dict[DispatchReason, int] = field(default_factory=dict)
     queue_wait: deque[float] = field(default_factory=lambda: deque(maxlen=SAMPLE_WINDOW))
     batch_latency: deque[float] = field(default_factory=lambda: deque(maxlen=SAMPLE_WINDOW))
+    first_chunk: deque[float] = field(default_factory=lambda: deque(maxlen=SAMPLE_WINDOW))
 
     def record_batch(
         self, requests: list[Request], reason: DispatchReason, padded: int, now: float
@@ -111,4 +113,5 @@ class StatsRecorder:
             dispatch_reasons={r.value: n for r, n in self.reasons.items()},
             queue_wait=Percentiles.of(self.queue_wait),
             batch_latency=Percentiles.of(self.batch_latency),
+            time_to_first_chunk=Percentiles.of(self.first_chunk),
         )

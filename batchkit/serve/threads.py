@@ -20,6 +20,7 @@ from batchkit.serve.core import ServingCore
 from batchkit.serve.execute import BatchRun, Outcome, run_steps
 from batchkit.serve.request import deliver
 from batchkit.serve.scheduler import FormedBatch
+from batchkit.serve.streaming import run_stream_sync
 
 
 def call_sync(fn: Callable[[Any], Any], argument: Any) -> Outcome:
@@ -91,6 +92,9 @@ class ThreadDriver:
 
     def _run(self, batch: FormedBatch) -> BatchRun:
         """Call the function as :func:`run_steps` asks (parts too, if split); never raises."""
+        core = self.core
+        if core.options.streaming:
+            return run_stream_sync(self.fn, batch.requests, core.options, core.name, core.clock)
         steps = run_steps(batch.requests, self.core.options, self.core.name)
         outcome: Outcome | None = None
         try:
@@ -128,6 +132,18 @@ class ThreadDriver:
     ) -> list[Any]:
         """Many items from a thread (see :func:`batchkit.serve.callers.call_many`)."""
         return callers.call_many(self.core, items, priority, timeout)
+
+    def stream(
+        self, item: Any, *, priority: int = 0, timeout: float | None = None
+    ) -> callers.ThreadStream:
+        """One item's stream, read from a thread."""
+        return callers.ThreadStream(self.core, item, priority, timeout)
+
+    def astream(
+        self, item: Any, *, priority: int = 0, timeout: float | None = None
+    ) -> callers.LoopStream:
+        """One item's stream, read from asyncio (the generator runs on a worker thread)."""
+        return callers.LoopStream(self.core, item, priority, timeout)
 
     async def acall(self, item: Any, *, priority: int = 0, timeout: float | None = None) -> Any:
         """One item from asyncio; the function runs on a worker thread, never on the loop."""

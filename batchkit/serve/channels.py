@@ -1,0 +1,117 @@
+"""Where a streaming caller's chunks wait for it: one channel per request, fed by the
+batch's generator (on a worker thread or the event loop) and read by its caller (a
+thread, or a task on its own loop).
+
+Buffers are unbounded: the batch's generator never waits for a slow consumer (that
+would stall every other caller of the batch), so a consumer that falls behind keeps
+its chunks in memory until it reads them or leaves. A channel ends once: with
+:data:`END`, or with an error; anything put after that is dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import deque
+from typing import Any, Final, Literal
+
+from batchkit.loops import call_on_loop
+
+
+class _End:
+    """The type of :data:`END`."""
+
+    _instance: _End | None = None
+
+    def __new__(cls) -> _End:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "batchkit.END"
+
+    def __reduce__(self) -> str:
+        return "END"
+
+
+END: Final = _End()
+"""Yielded by a streaming batch function as an item's entry: that item's stream ends
+(later entries for it are ignored)."""
+
+Kind = Literal["chunk", "end"]
+Message = tuple[Kind, Any]  # ("chunk", value) or ("end", None or the stream's error)
+
+
+class ThreadChannel:
+    """A stream read by a thread: chunks in a deque, a condition to wait on."""
+
+    def __init__(self) -> None:
+        self._items: deque[Message] = deque()
+        self._cond = threading.Condition(threading.Lock())
+        self._finished = False
+        self.left = False  # the consumer stopped reading: the producer may stop
+
+    @property
+    def done(self) -> bool:
+        """Nothing more will be read: the stream ended, or its consumer left."""
+        return self._finished or self.left
+
+    def put(self, chunk: Any) -> None:
+        """One chunk for the consumer (dropped once the stream has ended)."""
+        with self._cond:
+            if not self._finished:
+                self._items.append(("chunk", chunk))
+                self._cond.notify()
+
+    def finish(self, error: BaseException | None) -> None:
+        """End the stream (with ``error``, if any); later calls change nothing."""
+        with self._cond:
+            if not self._finished:
+                self._finished = True
+                self._items.append(("end", error))
+                self._cond.notify()
+
+    def get(self, timeout: float | None) -> Message | None:
+        """The next message, waiting up to ``timeout`` seconds (None: no bound); None if
+        the time passed first."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._items, timeout):
+                return None
+            return self._items.popleft()
+
+
+class LoopChannel:
+    """A stream read by a task on ``loop``: messages reach it on that loop, from any thread."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._queue: asyncio.Queue[Message] = asyncio.Queue()
+        self._lock = threading.Lock()  # the producer and a close may end it at once
+        self._finished = False
+        self.left = False
+
+    @property
+    def done(self) -> bool:
+        """Nothing more will be read: the stream ended, or its consumer left."""
+        return self._finished or self.left
+
+    def put(self, chunk: Any) -> None:
+        """One chunk for the consumer (dropped once the stream has ended)."""
+        with self._lock:
+            if not self._finished:
+                call_on_loop(self.loop, self._queue.put_nowait, ("chunk", chunk))
+
+    def finish(self, error: BaseException | None) -> None:
+        """End the stream (with ``error``, if any); later calls change nothing."""
+        with self._lock:
+            if not self._finished:
+                self._finished = True
+                call_on_loop(self.loop, self._queue.put_nowait, ("end", error))
+
+    async def get(self) -> Message:
+        """The next message (on the consumer's loop)."""
+        return await self._queue.get()
+
+
+Channel = ThreadChannel | LoopChannel

@@ -1,0 +1,195 @@
+"""Running one streaming batch: the recipe for a batch function that is a generator
+(or an async generator), beside :mod:`batchkit.serve.execute` for plain ones.
+
+Each ``yield`` is a sequence with one entry per item of the batch, in batch order: a
+chunk for that item's caller, :data:`~batchkit.serve.channels.END` to end its stream,
+or an ``Exception`` instance to fail its stream alone. The generator returning ends
+every stream still open; raising fails them with its exception; a yield of the wrong
+length fails them with an error stating both lengths. Once every caller has left (or
+been answered), the generator is closed at its current ``yield``.
+
+Streams are not split and retried (chunks already delivered cannot be taken back),
+but a ``collate`` that fails still costs only the malformed items: each item is then
+collated alone to find them, and the rest run together.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from typing import Any
+
+from batchkit.serve.channels import END, Channel
+from batchkit.serve.execute import BatchRun, start_run
+from batchkit.serve.options import Clock, Options
+from batchkit.serve.request import Request
+
+log = logging.getLogger("batchkit")
+
+
+class StreamBatch:
+    """The streams of one batch: which are open, and where each entry goes."""
+
+    def __init__(self, requests: Sequence[Request], options: Options, name: str) -> None:
+        self.run: BatchRun = start_run(requests, options)
+        self.name = name
+        self.positions: list[int] = []  # batch positions of the items the generator sees
+        self.padded = 0
+        self.argument: Any = None
+
+    @property
+    def channels(self) -> list[Channel]:
+        return [self.run.requests[i].channel for i in self.positions]  # type: ignore[misc]
+
+    def prepare(self, options: Options) -> bool:
+        """Collate the batch (the malformed items fail alone); False if nothing is left."""
+        requests = self.run.requests
+        self.positions = list(range(len(requests)))
+        if options.collate is not None:
+            try:
+                self.argument = self._collate(self.positions, options)
+                return True
+            except Exception:  # noqa: BLE001 - find the malformed items, run the rest
+                self.positions = [i for i in self.positions if self._collates_alone(i, options)]
+        if not self.positions:
+            return False
+        try:
+            self.argument = self._collate(self.positions, options)
+        except Exception as exc:  # noqa: BLE001 - they collate alone but not together
+            self._fail_open(exc)
+            return False
+        return True
+
+    def _collate(self, positions: list[int], options: Options) -> Any:
+        items = [self.run.requests[i].item for i in positions]
+        self.padded = options.policy.padded_size(len(items))
+        items.extend([items[-1]] * (self.padded - len(items)))  # strict sizes pad up
+        return options.collate(items) if options.collate is not None else items
+
+    def _collates_alone(self, position: int, options: Options) -> bool:
+        assert options.collate is not None
+        try:
+            options.collate([self.run.requests[position].item])
+        except Exception as exc:  # noqa: BLE001 - this item's own error, for its caller
+            self.run.errors[position] = exc
+            self.run.isolated += 1
+            return False
+        return True
+
+    def dispatch(self, entries: Any) -> None:
+        """Hand one yield's entries to their streams."""
+        try:
+            count = len(entries)
+        except TypeError:
+            raise TypeError(
+                f"{self.name} yielded {type(entries).__name__}, expected a sequence of "
+                f"{self.padded} entries (one per item)"
+            ) from None
+        if count != self.padded:
+            raise ValueError(
+                f"{self.name} yielded {count} entries for a batch of {self.padded} items"
+            )
+        for position, entry in zip(self.positions, entries):
+            channel = self.run.requests[position].channel
+            assert channel is not None
+            if channel.done or position in self.run.errors:
+                continue  # ended, failed or left: its later entries are ignored
+            if entry is END:
+                channel.finish(None)
+            elif isinstance(entry, Exception):
+                self.run.errors[position] = entry
+                channel.finish(entry)
+            else:
+                channel.put(entry)
+
+    @property
+    def finished(self) -> bool:
+        """Every stream ended or was left: nobody reads what the generator makes."""
+        return all(channel.done for channel in self.channels)
+
+    def _fail_open(self, error: BaseException) -> None:
+        for position, channel in zip(self.positions, self.channels):
+            if not channel.done and position not in self.run.errors:
+                self.run.errors[position] = error
+
+    def ended(self, error: BaseException | None) -> BatchRun:
+        """The generator returned (``error`` None) or raised: settle every stream."""
+        if error is not None:
+            self._fail_open(error)
+        return self.run
+
+
+def run_stream_sync(
+    fn: Callable[[Any], Iterator[Any]],
+    requests: Sequence[Request],
+    options: Options,
+    name: str,
+    clock: Clock,
+) -> BatchRun:
+    """Iterate a generator batch function on this thread; never raises."""
+    stream = StreamBatch(requests, options, name)
+    if not stream.prepare(options):
+        return stream.run
+    error: BaseException | None = None
+    stream.run.calls = 1
+    generator: Iterator[Any] | None = None
+    try:
+        generator = fn(stream.argument)
+        for entries in generator:
+            if stream.run.first_output_at is None:
+                stream.run.first_output_at = clock()
+            stream.dispatch(entries)
+            if stream.finished:
+                break
+    except BaseException as exc:  # noqa: BLE001 - the worker must survive anything
+        error = exc
+    finally:
+        _close(generator)
+    return stream.ended(error)
+
+
+async def run_stream_async(
+    fn: Callable[[Any], AsyncIterator[Any]],
+    requests: Sequence[Request],
+    options: Options,
+    name: str,
+    clock: Clock,
+) -> BatchRun:
+    """Iterate an async generator batch function; raises only a cancellation."""
+    stream = StreamBatch(requests, options, name)
+    if not stream.prepare(options):
+        return stream.run
+    error: BaseException | None = None
+    stream.run.calls = 1
+    generator: AsyncIterator[Any] | None = None
+    try:
+        generator = fn(stream.argument)
+        async for entries in generator:
+            if stream.run.first_output_at is None:
+                stream.run.first_output_at = clock()
+            stream.dispatch(entries)
+            if stream.finished:
+                break
+    except Exception as exc:  # noqa: BLE001 - a failing batch must not kill the loop
+        error = exc
+    finally:
+        await _aclose(generator)
+    return stream.ended(error)
+
+
+def _close(generator: Iterator[Any] | None) -> None:
+    close = getattr(generator, "close", None)
+    if close is not None:
+        try:
+            close()  # GeneratorExit at its current yield
+        except Exception:  # noqa: BLE001 - e.g. it yielded again on GeneratorExit
+            log.exception("closing a streaming batch function's generator failed")
+
+
+async def _aclose(generator: AsyncIterator[Any] | None) -> None:
+    aclose = getattr(generator, "aclose", None)
+    if aclose is not None:
+        try:
+            await aclose()
+        except Exception:  # noqa: BLE001
+            log.exception("closing a streaming batch function's generator failed")
