@@ -28,6 +28,23 @@ def test_memory_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert "largest batch: 29 sequences" in out
 
 
+def test_memory_weights_that_do_not_fit(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, *LLAMA, "--gpu-memory", "8GiB", "--params", "7B")
+    assert code == 1  # not 0: nothing fits (2 stays for bad arguments)
+    assert (
+        "the weights alone do not fit: 13.04 GiB of weights, 7.20 GiB usable after the "
+        "reserve (5.84 GiB short)"
+    ) in out
+    assert "one 4096-token sequence needs 7.84 GiB more" in out  # was 2.00 GiB
+
+
+def test_memory_no_sequence_fits_beside_the_weights(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, *LLAMA, "--gpu-memory", "16GiB", "--params", "7B")
+    assert code == 1
+    assert "do not fit" not in out  # the weights do: 1.36 GiB is left for sequences
+    assert "largest batch: 0 (one 4096-token sequence needs 653.84 MiB more)" in out
+
+
 def test_simulate_command(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "simulate", "--rate", "1000", "--requests", "2000",
                        "--latency-ms", "2", "--per-item-ms", "0.25")  # fmt: skip
