@@ -159,3 +159,21 @@ def test_eager_must_be_a_bool(eager: object) -> None:
 def test_eager_shows_in_repr() -> None:
     assert "eager=False" in repr(DynamicBatcher(4, eager=False))
     assert "eager=True" in repr(DynamicBatcher(4))
+
+
+# -- preferred sizes -------------------------------------------------------------------
+
+
+def test_max_batch_size_is_checked_before_preferred_sizes_cap_it() -> None:
+    with pytest.raises(ValueError, match="max_batch_size must be a positive int, got 8.7"):
+        DynamicBatcher(8.7, preferred_batch_sizes=[1, 2, 4])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"preferred_batch_sizes\[1\] must be a positive int"):
+        DynamicBatcher(8, preferred_batch_sizes=[2, "4"])  # type: ignore[list-item]
+    assert DynamicBatcher(8, preferred_batch_sizes=[4, 2]).max_batch_size == 4
+
+
+def test_preferred_sizes_above_the_maximum_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"preferred_batch_sizes \[8\] exceed max_batch_size=4"):
+        DynamicBatcher(4, preferred_batch_sizes=[2, 8], strict_sizes=True)  # padded 3 -> 8 > 4
+    assert DynamicBatcher(preferred_batch_sizes=[4, 8]).max_batch_size == 8  # default 32 caps
+

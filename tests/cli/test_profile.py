@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from batchkit.cli.profile import format_profile
@@ -16,7 +18,10 @@ from batchkit.tools.profile import (
     recommend,
 )
 from batchkit.tools.simulate import LatencyModel, simulate
+from tests.cli._helpers import assert_one_line_error, run
 from tests.cli.models import broken, saturating
+
+TARGET = f"{Path(__file__).with_name('models.py')}:saturating"
 
 
 def points(latency_ms: dict[int, float]) -> list[ProfilePoint]:
@@ -164,3 +169,77 @@ def test_knee_range_from_hand_made_points() -> None:
     unsure = [point(4, 0.9, 1.0, 1.1), point(8, 1.0, 1.0, 1.4), point(16, 1.92, 2.0, 2.0)]
     assert find_knee_range(unsure) == (8, 16)
     assert find_knee_range(points({1: 1.0, 2: 1.0})) == (2, 2)  # no spread: the knee itself
+
+
+def test_profile_awaits_an_async_function() -> None:
+    """Its body runs inside the timing (a bare coroutine object takes no time to make),
+    on one event loop for the whole run."""
+    loops: set[int] = set()
+    device = FakeDevice({})
+
+    async def fn(batch: np.ndarray) -> np.ndarray:
+        loops.add(id(asyncio.get_running_loop()))
+        await asyncio.sleep(0)
+        device.now += 0.005  # 5 ms on the fake clock, only if the body runs
+        return batch
+
+    r = profile(fn, [2], batch_sizes=[1, 2], warmup=1, repeats=1, clock=device.clock)
+    assert [p.latency_ms for p in r.points] == pytest.approx([5.0, 5.0])
+    assert len(loops) == 1
+
+
+def test_profile_awaits_an_awaitable_result() -> None:
+    device = FakeDevice({})
+
+    async def work(batch: np.ndarray) -> np.ndarray:
+        await asyncio.sleep(0)
+        device.now += 0.005
+        return batch
+
+    r = profile(lambda batch: work(batch), [2], batch_sizes=[1], warmup=0, repeats=1,
+                clock=device.clock)  # fmt: skip
+    assert r.points[0].latency_ms == pytest.approx(5.0)
+
+
+def _cpu_only_torch() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return not torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not _cpu_only_torch(), reason="needs a torch without CUDA")
+def test_profile_cuda_on_a_cpu_torch(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ValueError, match="device 'cuda' is not available"):
+        profile(lambda b: b, [2], framework="torch", device="cuda", batch_sizes=[1])
+    code, _, err = run(capsys, "profile", TARGET, "--input-shape", "2",
+                       "--framework", "torch", "--device", "cuda")  # fmt: skip
+    assert_one_line_error(code, err, "device 'cuda' is not available")
+
+
+@pytest.mark.skipif(not hasattr(np, "float128"), reason="numpy has no float128 here")
+def test_profile_torch_float128(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("torch")
+    code, _, err = run(capsys, "profile", TARGET, "--input-shape", "2", "--framework", "torch",
+                       "--dtype", "float128", "--device", "cpu")  # fmt: skip
+    assert_one_line_error(code, err, "dtype float128 is not supported by torch")
+
+
+def test_profile_input_too_large_for_memory(capsys: pytest.CaptureFixture[str]) -> None:
+    # 10**18 elements: no machine allocates that.
+    code, _, err = run(capsys, "profile", TARGET, "--input-shape", "1000000,1000000,1000000",
+                       "--batch-sizes", "1")  # fmt: skip
+    assert_one_line_error(code, err, "not enough memory for a batch of shape (1, 1000000")
+
+
+def test_profile_refuses_to_await_inside_a_running_loop() -> None:
+    async def fn(batch: np.ndarray) -> np.ndarray:
+        return batch
+
+    async def caller() -> None:
+        profile(fn, [2], batch_sizes=[1], warmup=0, repeats=1)
+
+    with pytest.raises(RuntimeError, match="running event loop"):
+        asyncio.run(caller())
+
