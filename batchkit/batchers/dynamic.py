@@ -5,7 +5,8 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterable, Sequence
 
-from batchkit.batchers.base import Batcher, C, KeyFn, check_positive_int, take_within_budget
+from batchkit.batchers.base import Batcher, C, KeyFn, take_within_budget
+from batchkit.batchers.checks import check_positive_int
 
 
 class DynamicBatcher(Batcher):
