@@ -98,6 +98,8 @@ def test_profile_command(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> 
         (["simulate", "--rate", "10", "--profile", "/nonexistent.json"], ["cannot read profile"]),
         (["simulate", "--rate", "10", "--profile", "x.json", "--latency-ms", "1"], ["not both"]),
         (["simulate", "--rate", "10", "--latency-ms", "0", "--per-item-ms", "0"], ["0 ms"]),
+        (["simulate", "--rate", "10", "--policy", "static", "--no-eager"],
+         ["--no-eager is for --policy dynamic"]),
         ([*LLAMA, "--dtype", "fp13"], ["unknown dtype 'fp13'"]),
         ([*LLAMA, "--intermediate-size", "10"], ["needs --hidden-size"]),
     ],

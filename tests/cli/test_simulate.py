@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import batchkit.tools.simulate as sim
-from batchkit.batchers import BucketedBatcher, StaticBatcher
+from batchkit.batchers import BucketedBatcher, DynamicBatcher, StaticBatcher
 from batchkit.serve.scheduler import FormedBatch, Scheduler
 from batchkit.tools.simulate import LatencyModel, poisson_arrivals, read_trace, simulate
 from tests.cli._helpers import run, within
@@ -221,3 +221,30 @@ def test_simulated_latencies_come_in_the_order_of_the_arrivals_given() -> None:
     )  # 1 s per batch: the request at 0.0 runs first, the one at 0.1 waits for it
     assert result.latencies_s.tolist() == pytest.approx([1.9, 1.0])  # was [1.0, 1.9]
 
+
+
+def test_not_eager_waits_when_idle() -> None:
+    # Arrivals 4 ms apart, 1 ms batches, max_wait 2 ms: eager, each runs alone at once
+    # (1 ms latency); not eager, each waits its 2 ms first (3 ms), alone all the same.
+    arrivals = np.arange(5) * 4 * MS
+    eager = simulate((1.0, 0.0), arrivals=arrivals, max_wait_ms=2)
+    waits = simulate((1.0, 0.0), arrivals=arrivals,
+                     batcher=DynamicBatcher(32, 2, eager=False))  # fmt: skip
+    assert eager.latencies_s / MS == pytest.approx([1.0] * 5)
+    assert waits.latencies_s / MS == pytest.approx([3.0] * 5)
+    assert waits.dispatch_reasons == {"max_wait": 5}
+    # Arrivals 1 ms apart: the wait fills batches (eager, the first leaves alone).
+    close = np.arange(4) * MS
+    assert sizes(simulate((1.0, 0.0), arrivals=close, max_wait_ms=3)) == [1, 1, 1, 1]
+    fuller = simulate((1.0, 0.0), arrivals=close, batcher=DynamicBatcher(32, 3, eager=False))
+    assert sizes(fuller) == [4]
+
+
+def test_simulate_command_no_eager(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "simulate", "--rate", "100", "--requests", "200",
+                       "--latency-ms", "1", "--per-item-ms", "0", "--no-eager")  # fmt: skip
+    assert code == 0 and "not eager: a batch waits" in out
+    assert "dispatched: max_wait" in out and "idle" not in out
+    code, out, _ = run(capsys, "simulate", "--rate", "100", "--requests", "200",
+                       "--latency-ms", "1", "--per-item-ms", "0")  # fmt: skip
+    assert code == 0 and "idle" in out and "not eager" not in out
