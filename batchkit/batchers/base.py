@@ -13,10 +13,12 @@ import numbers
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
+# Re-exported: @batched and the simulator import it from here.
+from batchkit.batchers.checks import check_positive_int as check_positive_int
+from batchkit.batchers.sampler import BatchSampler
+
 if TYPE_CHECKING:
     import numpy as np
-
-    from batchkit.batchers.sampler import BatchSampler
 
 T = TypeVar("T")
 
@@ -46,14 +48,6 @@ class Candidate(Protocol):
 
 
 C = TypeVar("C", bound=Candidate)
-
-
-def check_positive_int(name: str, value: object, *, allow_none: bool = False) -> None:
-    """Raise ValueError unless ``value`` is a positive int (or None when allowed)."""
-    if value is None and allow_none:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 def padded_area(size: int, longest: float) -> float:
@@ -228,8 +222,6 @@ class Batcher:
         :class:`~batchkit.batchers.sampler.BatchSampler` for shuffling, epochs,
         sharding across ``world_size`` ranks and resuming.
         """
-        from batchkit.batchers.sampler import BatchSampler  # sampler imports this module
-
         return BatchSampler(
             self,
             lengths,

@@ -10,7 +10,8 @@ from typing import Any
 import numpy as np
 from typing_extensions import Self
 
-from batchkit.batchers.base import Batcher, KeyFn, check_positive_int
+from batchkit.batchers.base import Batcher, KeyFn
+from batchkit.batchers.checks import check_positive_int
 from batchkit.batchers.sampler import check_lengths
 
 

@@ -5,16 +5,20 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterable, Sequence
 
-from batchkit.batchers.base import Batcher, C, KeyFn, check_positive_int, take_within_budget
+from batchkit.batchers.base import Batcher, C, KeyFn, take_within_budget
+from batchkit.batchers.checks import check_positive_int
 
 
 class DynamicBatcher(Batcher):
     """Arrival-order batches of up to ``max_batch_size`` items.
 
     A batch leaves when it is full, when its oldest request has waited
-    ``max_wait_ms``, or at once when no batch is running (no idle waiting at low
-    load). ``max_tokens`` bounds ``len(batch) * max(key(item))`` (``key`` defaults
-    to ``len`` when a token budget is set).
+    ``max_wait_ms``, or, with ``eager=True`` (the default), at once when no batch is
+    running (no idle waiting at low load). ``eager=False`` waits for a full batch or
+    ``max_wait_ms`` even when the device is idle, as Triton and Ray Serve do: for a
+    function with a large per-call cost, or a device shared with other work, where a
+    fuller batch is worth the wait. ``max_tokens`` bounds ``len(batch) * max(key(item))``
+    (``key`` defaults to ``len`` when a token budget is set).
 
     ``preferred_batch_sizes`` (e.g. ``(1, 2, 4, 8)``): batches leave at the largest
     preferred size that is available. With ``strict_sizes=True`` the function is
@@ -32,8 +36,11 @@ class DynamicBatcher(Batcher):
         strict_sizes: bool = False,
         max_tokens: int | None = None,
         key: KeyFn | None = None,
+        eager: bool = True,
     ) -> None:
         check_positive_int("max_batch_size", max_batch_size)  # before it is used below
+        if not isinstance(eager, bool):  # a truthy string or 0/1 is a mistake, not a choice
+            raise TypeError(f"eager must be True or False, got {eager!r}")
         given = list(preferred_batch_sizes or ())
         for i, size in enumerate(given):
             check_positive_int(f"preferred_batch_sizes[{i}]", size)
@@ -54,6 +61,13 @@ class DynamicBatcher(Batcher):
         )
         self.preferred_batch_sizes = tuple(sizes)
         self.strict_sizes = strict_sizes
+        self.eager = eager
+
+    @property
+    def dispatch_when_idle(self) -> bool:
+        """Whether waiting requests leave at once when no batch is running: only when
+        ``eager`` (the scheduler otherwise waits for a full batch or ``max_wait_ms``)."""
+        return self.eager and super().dispatch_when_idle
 
     def select(self, candidates: Sequence[C]) -> list[C]:
         """The oldest requests, cut to the largest preferred size available."""

@@ -14,14 +14,20 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
-from batchkit.batchers.base import check_positive_int
+from batchkit.batchers.checks import check_positive_int
 
-if TYPE_CHECKING:
-    from batchkit.batchers.base import Batcher
+
+class IndexBatching(Protocol):
+    """What a sampler needs from a policy (every ``Batcher`` has it): the batches of
+    positions in a list of keys, cut by the policy's rules."""
+
+    def index_batches(self, keys: Sequence[float], *, shuffled: bool = False) -> list[list[int]]:
+        """Batches of positions in ``keys``; ``shuffled``: the keys come in random order."""
+        ...
 
 
 def check_lengths(lengths: Sequence[int] | np.ndarray) -> list[int]:
@@ -77,7 +83,7 @@ class BatchSampler:
 
     def __init__(
         self,
-        policy: Batcher,
+        policy: IndexBatching,
         lengths: Sequence[int] | np.ndarray,
         *,
         rank: int = 0,

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from batchkit.batchers.base import Batcher, C, KeyFn, check_positive_int, padded_area
+from batchkit.batchers.base import Batcher, C, KeyFn, padded_area
+from batchkit.batchers.checks import check_positive_int
 
 
 class SortedBatcher(Batcher):

@@ -15,6 +15,10 @@ from batchkit.tools.memory import (
     parse_count,
 )
 
+# The exit status when not even one sequence fits (2 is a bad argument, as for every
+# command): a script can test the plan without reading it.
+NOTHING_FITS = 1
+
 
 def _bytes_arg(text: str) -> int:
     try:
@@ -120,17 +124,25 @@ def run(args: argparse.Namespace) -> int:
         )
     if plan.gpu_bytes is None or plan.available_bytes is None or plan.max_batch_size is None:
         return 0
+    usable = plan.gpu_bytes - plan.reserved_bytes
     print(
         f"GPU {format_bytes(plan.gpu_bytes)}: reserve {args.reserve:.0%} "
         f"{format_bytes(plan.reserved_bytes)}, weights {format_bytes(plan.weight_bytes)} "
         f"-> {format_bytes(max(plan.available_bytes, 0))} for sequences"
     )
     if plan.max_batch_size == 0:
-        short = plan.bytes_per_sequence - max(plan.available_bytes, 0)
+        if not plan.weights_fit:
+            print(
+                f"the weights alone do not fit: {format_bytes(plan.weight_bytes)} of weights, "
+                f"{format_bytes(usable)} usable after the reserve "
+                f"({format_bytes(-plan.available_bytes)} short)"
+            )
+        short = plan.shortfall_bytes or 0
         print(
-            f"largest batch: 0 (one {args.seq_len}-token sequence needs {format_bytes(short)} more)"
+            f"largest batch: 0 (one {args.seq_len}-token sequence needs {format_bytes(short)} "
+            f"more)"
         )
-        return 0
+        return NOTHING_FITS
     tokens = plan.max_batch_size * args.seq_len
     print(
         f"largest batch: {plan.max_batch_size} sequences of {args.seq_len} tokens "

@@ -14,7 +14,7 @@ from typing import Any
 
 from batchkit.cli._args import CliError, int_list, non_negative_int, positive_float, positive_int
 from batchkit.cli._args import shape as shape_arg
-from batchkit.tools.profile import DEFAULT_BATCH_SIZES, ProfileResult, profile
+from batchkit.tools.profile import DEFAULT_BATCH_SIZES, ProfilePoint, ProfileResult, profile
 from batchkit.tools.progress import Progress
 
 NEEDS_MATPLOTLIB = '--plot needs matplotlib: pip install "batchkit[plot]" (or matplotlib)'
@@ -28,9 +28,10 @@ def add_parser(commands: Any) -> None:
         description=(
             "Call MODULE:CALLABLE on batches of shape [B, *input-shape] (a numpy array, or a "
             "torch tensor with --framework torch) for each batch size: warm-up runs, then "
-            "timed runs (median; CUDA-synchronised on GPU). Prints latency and throughput per "
-            "size, the knee (the smallest size within 5% of the peak throughput) and "
-            "settings for --sla-ms."
+            "timed runs (median and p10-p90 spread; CUDA-synchronised on GPU). Prints latency "
+            "and throughput per size, the knee (the smallest size within 5% of the peak "
+            "throughput), a warning when the spread leaves the knee in doubt, and settings "
+            "for --sla-ms."
         ),
     )
     p.add_argument("target", metavar="MODULE:CALLABLE",
@@ -134,13 +135,13 @@ def format_profile(result: ProfileResult) -> str:
     lines = [
         f"{result.target}: input [B, {shape}] {result.dtype} ({result.framework}, "
         f"{result.device}); median of {result.repeats} after {result.warmup} warm-up",
-        f"{'batch':>7}{'latency ms':>12}{'items/s':>11}{'of peak':>9}",
+        f"{'batch':>7}{'latency ms':>12}{'p10-p90 ms':>16}{'items/s':>11}{'of peak':>9}",
     ]
     peak = result.peak.throughput
     for p in result.points:
         mark = "  <- knee" if p.batch_size == result.knee else ""
         lines.append(
-            f"{p.batch_size:>7}{p.latency_ms:>12.3f}{p.throughput:>11,.0f}"
+            f"{p.batch_size:>7}{p.latency_ms:>12.3f}{_spread(p):>16}{p.throughput:>11,.0f}"
             f"{p.throughput / peak:>9.0%}{mark}"
         )
     fixed, per_item = result.fit()
@@ -149,6 +150,15 @@ def format_profile(result: ProfileResult) -> str:
         f"knee: batch size {result.knee} (smallest within 5% of the peak "
         f"{peak:,.0f} items/s); fit: {fixed:.3f} ms + {per_item:.4f} ms x B"
     )
+    if not result.knee_determined:
+        low, high = result.knee_range
+        lines.append(
+            f"  warning: the spread is too wide to pick a knee: with each size anywhere in "
+            f"its p10-p90 range,\n  the knee could be any size from {low} to {high} "
+            f"(rerun with more --repeats, on a quieter machine)"
+        )
+    elif result.repeats < 3:
+        lines.append(f"  note: a spread from {result.repeats} repeat(s) says little; use 3 or more")
     target = f"for a {rec.sla_ms:g} ms target" if rec.sla_ms is not None else "(no --sla-ms given)"
     lines.append(
         f"recommended {target}: max_batch_size={rec.max_batch_size}, "
@@ -165,6 +175,12 @@ def format_profile(result: ProfileResult) -> str:
     return "\n".join(lines)
 
 
+def _spread(point: ProfilePoint) -> str:
+    if point.p10_ms is None or point.p90_ms is None:
+        return "-"
+    return f"{point.p10_ms:.3f}-{point.p90_ms:.3f}"
+
+
 def plot(result: ProfileResult, path: Path) -> None:
     """Latency and throughput against batch size, the knee marked."""
     import matplotlib
@@ -175,6 +191,8 @@ def plot(result: ProfileResult, path: Path) -> None:
     sizes = [p.batch_size for p in result.points]
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(sizes, [p.throughput for p in result.points], "o-", color="tab:blue")
+    low, high = zip(*(p.throughput_range for p in result.points))
+    ax.fill_between(sizes, low, high, color="tab:blue", alpha=0.2, label="p10-p90")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch size")
     ax.set_ylabel("items/s", color="tab:blue")

@@ -8,6 +8,7 @@ import math
 import sys
 from typing import Any
 
+from batchkit.batchers import DynamicBatcher
 from batchkit.cli._args import (
     CliError,
     float_list,
@@ -44,6 +45,10 @@ def add_parser(commands: Any) -> None:
                    help="DynamicBatcher or StaticBatcher (default dynamic)")  # fmt: skip
     p.add_argument("--max-batch-size", type=int_list, default=[32], help="default 32")
     p.add_argument("--max-wait-ms", type=float_list, default=[5.0], help="default 5")
+    p.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True,
+                   help="dynamic: an idle device takes a partial batch at once (default); "
+                        "--no-eager waits for a full batch or --max-wait-ms even when idle, "
+                        "as Triton and Ray Serve do")  # fmt: skip
     p.add_argument("--max-concurrent-batches", type=int_list, default=[1],
                    help="batches running at once, each as if alone (default 1)")  # fmt: skip
     p.add_argument("--max-queue-size", type=positive_int,
@@ -69,6 +74,8 @@ def _latency_model(args: argparse.Namespace) -> LatencyModel:
 
 def run(args: argparse.Namespace) -> int:
     """Simulate every combination of settings; details for one, a table for several."""
+    if not args.eager and args.policy != "dynamic":
+        raise CliError("--no-eager is for --policy dynamic (static never leaves before full)")
     model = _latency_model(args)
     if args.trace is not None:
         times = read_trace(args.trace)
@@ -95,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
                 simulate(
                     model,
                     arrivals=times,
+                    batcher=None if args.eager else DynamicBatcher(size, wait, eager=False),
                     policy=args.policy,
                     max_batch_size=size,
                     max_wait_ms=wait,
@@ -104,6 +112,8 @@ def run(args: argparse.Namespace) -> int:
             )
             bar.advance()
     print(f"{source}; latency model {model.description}")
+    if not args.eager:
+        print("not eager: a batch waits for full or --max-wait-ms even when nothing runs")
     if len(results) == 1:
         print(format_result(results[0]))
     else:

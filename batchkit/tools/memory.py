@@ -119,13 +119,32 @@ class MemoryPlan:
     weight_bytes: int  # 0 unless a parameter count was given
     gpu_bytes: int | None
     reserved_bytes: int  # gpu_bytes * reserve: kept free for the framework, fragmentation
-    available_bytes: int | None  # for KV cache and activations, after weights and reserve
+    # For KV cache and activations, after weights and reserve; negative when the weights
+    # alone overflow (by that much), so no shortfall is hidden by clamping it at zero.
+    available_bytes: int | None
     max_batch_size: int | None  # sequences of seq_len tokens that fit (None: no GPU given)
 
     @property
     def bytes_per_sequence(self) -> int:
         """What one more sequence in the batch costs."""
         return self.kv_bytes_per_sequence + self.activation_bytes_per_sequence
+
+    @property
+    def weights_fit(self) -> bool | None:
+        """Whether the weights fit in the GPU memory left after the reserve (None: no GPU
+        memory given)."""
+        if self.available_bytes is None:
+            return None
+        return self.available_bytes >= 0
+
+    @property
+    def shortfall_bytes(self) -> int | None:
+        """How much more usable memory one sequence needs: 0 when one fits, None when no
+        GPU memory was given. When the weights alone overflow, their overflow counts too
+        (``bytes_per_sequence - available_bytes`` with ``available_bytes`` negative)."""
+        if self.available_bytes is None:
+            return None
+        return max(self.bytes_per_sequence - self.available_bytes, 0)
 
 
 def memory_plan(

@@ -4,9 +4,11 @@ settings for a latency target.
 The function under test takes one batch, an array of shape ``[B, *input_shape]``:
 a numpy array (``framework="numpy"``) or a torch tensor on ``device``
 (``framework="torch"``). Each size is run ``warmup`` times untimed, then
-``repeats`` times; the median is reported. On CUDA every timing is bracketed by
-``torch.cuda.synchronize()`` so queued kernels are counted. An ``async`` function
-is awaited to completion on a private event loop, and the timing includes that.
+``repeats`` times; the median is reported, with the spread of the repeats (their
+10th and 90th percentiles) and whether that spread leaves the knee in doubt. On CUDA
+every timing is bracketed by ``torch.cuda.synchronize()`` so queued kernels are counted.
+An ``async`` function is awaited to completion on a private event loop, and the timing
+includes that.
 """
 
 from __future__ import annotations
@@ -30,17 +32,28 @@ DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 
 @dataclass(frozen=True)
 class ProfilePoint:
-    """One batch size: median latency and the throughput it gives."""
+    """One batch size: median latency, the spread of the repeats, and the throughput."""
 
     batch_size: int
     latency_ms: float  # median over the repeats
     min_ms: float
     max_ms: float
+    # The 10th and 90th percentiles of the repeats (linear interpolation); None on a
+    # point made by hand from a single latency, which then has no spread.
+    p10_ms: float | None = None
+    p90_ms: float | None = None
 
     @property
     def throughput(self) -> float:
         """Items per second when batches of this size run back to back."""
         return self.batch_size / (self.latency_ms / 1e3)
+
+    @property
+    def throughput_range(self) -> tuple[float, float]:
+        """``(low, high)`` items/s over the p10-p90 latency spread (slow runs give low)."""
+        slow = self.latency_ms if self.p90_ms is None else self.p90_ms
+        fast = self.latency_ms if self.p10_ms is None else self.p10_ms
+        return self.batch_size / (slow / 1e3), self.batch_size / (fast / 1e3)
 
 
 @dataclass(frozen=True)
@@ -81,6 +94,19 @@ class ProfileResult:
         """The point with the highest throughput."""
         return max(self.points, key=lambda p: p.throughput)
 
+    @property
+    def knee_range(self) -> tuple[int, int]:
+        """The smallest and largest batch size the knee can be, given each size's
+        p10-p90 spread (see :func:`find_knee_range`); ``knee`` lies between them."""
+        return find_knee_range(self.points)
+
+    @property
+    def knee_determined(self) -> bool:
+        """Whether the spread leaves one knee: ``knee_range`` is a single size. False
+        means the repeats are too noisy to pick a knee (another run may pick another)."""
+        low, high = self.knee_range
+        return low == high
+
     def fit(self) -> tuple[float, float]:
         """Least-squares ``(fixed_ms, per_item_ms)`` of ``latency = fixed + per_item * B``."""
         sizes = np.array([p.batch_size for p in self.points], dtype=np.float64)
@@ -98,6 +124,8 @@ class ProfileResult:
         for point, raw in zip(self.points, data["points"]):
             raw["throughput"] = point.throughput
         data["fit_ms"] = dict(zip(("fixed", "per_item"), self.fit()))
+        data["knee_range"] = list(self.knee_range)
+        data["knee_determined"] = self.knee_determined
         return data
 
     def save(self, path: str | Path) -> None:
@@ -109,6 +137,30 @@ def find_knee(points: Sequence[ProfilePoint], fraction: float = KNEE_FRACTION) -
     """The smallest batch size whose throughput is within ``1 - fraction`` of the peak."""
     peak = max(p.throughput for p in points)
     return min(p.batch_size for p in points if p.throughput >= fraction * peak)
+
+
+def find_knee_range(
+    points: Sequence[ProfilePoint], fraction: float = KNEE_FRACTION
+) -> tuple[int, int]:
+    """The knee's possible sizes when each throughput may be anywhere in its p10-p90 range.
+
+    A size *may* be within ``1 - fraction`` of the peak if its best throughput reaches
+    ``fraction`` of the highest worst throughput (the lowest the peak can be); it *surely*
+    is if its worst throughput reaches ``fraction`` of every other size's best. The knee
+    is at least the smallest size that may qualify and at most the smallest that surely
+    does (the largest size measured, if none surely does). One size: the knee is known;
+    two: the spread is too wide to pick a knee.
+    """
+    ranges = [(p.batch_size, *p.throughput_range) for p in points]
+    lowest_peak = max(low for _, low, _ in ranges)
+    may = [size for size, _, high in ranges if high >= fraction * lowest_peak]
+    surely = [
+        size
+        for i, (size, low, _) in enumerate(ranges)
+        if all(low >= fraction * high for j, (_, _, high) in enumerate(ranges) if j != i)
+    ]
+    largest = max(size for size, _, _ in ranges)
+    return min(may), min(surely, default=largest)
 
 
 def recommend(points: Sequence[ProfilePoint], sla_ms: float | None = None) -> Recommendation:
@@ -149,6 +201,13 @@ def recommend(points: Sequence[ProfilePoint], sla_ms: float | None = None) -> Re
 def find_peak(points: Sequence[ProfilePoint]) -> float:
     """The highest throughput (items/s) in a sweep."""
     return max(p.throughput for p in points)
+
+
+def _point(size: int, times_ms: list[float]) -> ProfilePoint:
+    """One size's timings, summarised: the median, the extremes, the p10-p90 spread."""
+    p10, p90 = (float(q) for q in np.percentile(times_ms, [10, 90]))
+    median = statistics.median(times_ms)
+    return ProfilePoint(size, median, min(times_ms), max(times_ms), p10, p90)
 
 
 def _make_input(framework: str, shape: tuple[int, ...], dtype: str, device: str) -> Any:
@@ -230,6 +289,7 @@ def profile(
     sla_ms: float | None = None,
     name: str | None = None,
     on_step: Callable[[int, int], None] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> ProfileResult:
     """Time ``fn`` on batches of each size; see the module docstring for the convention.
 
@@ -238,7 +298,8 @@ def profile(
     ``fn`` may be ``async`` (or return an awaitable): each call is awaited to completion
     on one private event loop, so call ``profile`` from synchronous code (a thread, not
     inside a running loop). A dtype or device torch cannot use, or a batch too large for
-    memory, raises ``ValueError``.
+    memory, raises ``ValueError``. ``clock`` (seconds) replaces ``time.perf_counter``
+    (tests: a fake clock makes the timings exact).
     """
     if framework not in ("numpy", "torch"):
         raise ValueError(f"framework must be 'numpy' or 'torch', got {framework!r}")
@@ -282,7 +343,7 @@ def profile(
             times = []
             for i in range(warmup + repeats):
                 sync()
-                start = time.perf_counter()
+                start = clock()
                 try:
                     result = fn(batch)
                     if inspect.isawaitable(result):  # without this, only the coroutine is made
@@ -295,11 +356,11 @@ def profile(
                     ) from exc
                 sync()
                 if i >= warmup:
-                    times.append((time.perf_counter() - start) * 1e3)
+                    times.append((clock() - start) * 1e3)
                 done += 1
                 if on_step is not None:
                     on_step(done, total)
-            points.append(ProfilePoint(size, statistics.median(times), min(times), max(times)))
+            points.append(_point(size, times))
     finally:
         if loop is not None:
             loop.close()

@@ -112,7 +112,3 @@ def test_bad_options(make: object) -> None:
     with pytest.raises(ValueError):
         make()  # type: ignore[operator]
 
-
-def test_key_must_return_number() -> None:
-    with pytest.raises(TypeError, match="number"):
-        list(SortedBatcher(key=str).batches([1, 2]))

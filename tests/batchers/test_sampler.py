@@ -323,3 +323,53 @@ def test_dataloader_with_workers() -> None:
         assert batch["attention_mask"].dtype == torch.int64
         got.append(sorted(batch["labels"].tolist()))
     assert got == [sorted(b) for b in sampler]
+
+
+def test_a_refused_resume_state_changes_nothing() -> None:
+    sampler = SortedBatcher(batch_size=2).sampler([3, 1, 2, 5, 4, 6, 7, 8, 9, 1], seed=0)
+    sampler.set_epoch(2)
+    it = iter(sampler)
+    next(it), next(it)
+    before = sampler.state_dict()
+    with pytest.raises(ValueError, match="batches_yielded=99"):
+        sampler.load_state_dict({"epoch": 7, "batches_yielded": 99})
+    assert sampler.state_dict() == before  # not epoch 7: a position that never existed
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        {"drop_last": True},
+        {"shuffle": False},
+        {"lengths": [3, 1, 2, 5, 4, 6, 7, 8, 2]},
+        {"policy": SortedBatcher(batch_size=3)},
+    ],
+    ids=["drop_last", "shuffle", "dataset", "policy"],
+)
+def test_a_state_saved_for_other_batches_is_refused(other: dict) -> None:
+    options = {
+        "policy": SortedBatcher(batch_size=2),
+        "lengths": [3, 1, 2, 5, 4, 6, 7, 8, 9],  # 5 batches on 2 ranks: drop_last matters
+        "drop_last": False,
+        "shuffle": True,
+    }
+
+    def make(opts: dict):  # rank 0 of 2
+        return opts["policy"].sampler(
+            opts["lengths"], world_size=2, drop_last=opts["drop_last"], shuffle=opts["shuffle"]
+        )
+
+    saver = make(options)
+    it = iter(saver)
+    next(it)
+    state = saver.state_dict()
+    same = make(options)
+    options.update(other)
+    loader = make(options)
+    before = loader.state_dict()
+    with pytest.raises(ValueError, match="saved for other batches"):
+        loader.load_state_dict(state)
+    assert loader.state_dict() == before
+    same.load_state_dict(state)  # the same batches: accepted
+    assert list(same) == list(it)
+

@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+import batchkit.cli.memory as cli_memory
+import batchkit.cli.simulate as cli_simulate
+from batchkit.cli import main
 from tests.cli._helpers import assert_one_line_error, run
 
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = Path(__file__).with_name("models.py")
 LLAMA = ["memory", "--layers", "32", "--kv-heads", "32", "--head-dim", "128", "--seq-len", "4096"]
+MEMORY = ["memory", "--kv-heads", "8", "--head-dim", "128", "--seq-len", "10"]
 
 
 def test_memory_command(capsys: pytest.CaptureFixture[str]) -> None:
@@ -26,6 +32,23 @@ def test_memory_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert re.search(r"batch of 8 +16.00 GiB", out)
     assert "weights: 7B params x 2 B = 13.04 GiB" in out
     assert "largest batch: 29 sequences" in out
+
+
+def test_memory_weights_that_do_not_fit(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, *LLAMA, "--gpu-memory", "8GiB", "--params", "7B")
+    assert code == 1  # not 0: nothing fits (2 stays for bad arguments)
+    assert (
+        "the weights alone do not fit: 13.04 GiB of weights, 7.20 GiB usable after the "
+        "reserve (5.84 GiB short)"
+    ) in out
+    assert "one 4096-token sequence needs 7.84 GiB more" in out  # was 2.00 GiB
+
+
+def test_memory_no_sequence_fits_beside_the_weights(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, *LLAMA, "--gpu-memory", "16GiB", "--params", "7B")
+    assert code == 1
+    assert "do not fit" not in out  # the weights do: 1.36 GiB is left for sequences
+    assert "largest batch: 0 (one 4096-token sequence needs 653.84 MiB more)" in out
 
 
 def test_simulate_command(capsys: pytest.CaptureFixture[str]) -> None:
@@ -75,6 +98,8 @@ def test_profile_command(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> 
         (["simulate", "--rate", "10", "--profile", "/nonexistent.json"], ["cannot read profile"]),
         (["simulate", "--rate", "10", "--profile", "x.json", "--latency-ms", "1"], ["not both"]),
         (["simulate", "--rate", "10", "--latency-ms", "0", "--per-item-ms", "0"], ["0 ms"]),
+        (["simulate", "--rate", "10", "--policy", "static", "--no-eager"],
+         ["--no-eager is for --policy dynamic"]),
         ([*LLAMA, "--dtype", "fp13"], ["unknown dtype 'fp13'"]),
         ([*LLAMA, "--intermediate-size", "10"], ["needs --hidden-size"]),
     ],
@@ -147,3 +172,89 @@ def test_demo_without_torch_is_one_line(tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode == 2
     assert done.stderr.strip() == 'batchkit demo needs torch: pip install "batchkit[torch]"'
+
+
+def test_main_maps_memory_error(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_memory(**_: Any) -> None:
+        raise MemoryError
+
+    monkeypatch.setattr(cli_memory, "memory_plan", no_memory)
+    code, _, err = run(capsys, *MEMORY, "--layers", "2")
+    assert_one_line_error(code, err, "not enough memory")
+
+
+def test_int_argument_above_maxsize(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "simulate", "--rate", "1000", "--max-batch-size",
+                       "99999999999999999999")  # fmt: skip
+    assert_one_line_error(code, err, "--max-batch-size", f"up to {sys.maxsize}")
+
+
+def test_requests_beyond_memory(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_memory(*_: Any) -> None:
+        raise MemoryError("Unable to allocate 7.28 TiB")
+
+    monkeypatch.setattr(cli_simulate, "poisson_arrivals", no_memory)
+    code, _, err = run(capsys, "simulate", "--rate", "1000", "--requests", "1000000000000")
+    assert_one_line_error(code, err, "--requests", "not enough memory")
+
+
+class _ClosedPipe(io.StringIO):
+    def write(self, text: str) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def fileno(self) -> int:
+        raise io.UnsupportedOperation("fileno")
+
+
+def test_broken_pipe_is_quiet(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sys, "stdout", _ClosedPipe())
+    code = main(["simulate", "--rate", "1000", "--requests", "10"])
+    assert code == 141
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("unbuffered", ["", "1"])
+def test_broken_pipe_in_a_real_pipe(unbuffered: str) -> None:
+    # The reader is gone before the command writes (as `| head -1` after its line).
+    # Buffered, the write fails only when stdout is flushed: in main, not at exit.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    if unbuffered:
+        env["PYTHONUNBUFFERED"] = unbuffered
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "batchkit", "simulate", "--rate", "1000", "--requests", "10"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 141
+    assert err == b""
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "int4"])
+def test_memory_absurd_layers(capsys: pytest.CaptureFixture[str], dtype: str) -> None:
+    code, _, err = run(capsys, *MEMORY, "--layers", "9" * 310, "--dtype", dtype)
+    assert_one_line_error(code, err, "--layers")
+
+
+@pytest.mark.parametrize(
+    ("option", "text", "unit"), [("--gpu-memory", "0.5", "byte"), ("--params", "0.1", "parameter")]
+)
+def test_sub_unit_sizes_name_what_was_given(
+    capsys: pytest.CaptureFixture[str], option: str, text: str, unit: str
+) -> None:
+    code, _, err = run(capsys, *MEMORY, "--layers", "2", option, text)
+    assert_one_line_error(code, err, option, f"{text!r} is less than one {unit}")
+
+
+def test_rate_too_low_for_finite_arrivals(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "simulate", "--rate", "1e-320")
+    assert_one_line_error(code, err, "--rate", "too low")
+    assert "RuntimeWarning" not in err
+

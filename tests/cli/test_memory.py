@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from math import ceil
+
 import pytest
 
 from batchkit.tools.memory import (
@@ -52,6 +54,31 @@ def test_weights_alone_overflow() -> None:
     plan = memory_plan(**LLAMA2_7B, seq_len=4096, gpu_memory="24GB", params="70B")
     assert plan.max_batch_size == 0 and plan.available_bytes is not None
     assert plan.available_bytes < 0
+    assert plan.weights_fit is False
+
+
+def test_shortfall_counts_the_weights_overflow() -> None:
+    # 7B fp16 on 8 GiB: 14e9 B of weights, 8 GiB - 0.8 GiB usable: 5.84 GiB short before
+    # any sequence, so one 2 GiB sequence needs 7.84 GiB more (not 2 GiB: the overflow
+    # used to be clamped to zero).
+    plan = memory_plan(**LLAMA2_7B, seq_len=4096, gpu_memory="8GiB", params="7B")
+    overflow = 14 * 10**9 - (8 * GiB - plan.reserved_bytes)
+    assert plan.reserved_bytes == ceil(0.8 * GiB)
+    assert plan.available_bytes == -overflow
+    assert plan.weights_fit is False
+    assert plan.shortfall_bytes == 2 * GiB + overflow
+    assert round(plan.shortfall_bytes / GiB, 2) == 7.84
+
+
+def test_shortfall_when_the_weights_fit() -> None:
+    # 16 GiB: 14.4 GiB usable, 1.36 GiB left after the weights; a sequence needs 2 GiB.
+    tight = memory_plan(**LLAMA2_7B, seq_len=4096, gpu_memory="16GiB", params="7B")
+    assert tight.weights_fit is True and tight.max_batch_size == 0
+    assert tight.shortfall_bytes == 2 * GiB - tight.available_bytes  # type: ignore[operator]
+    roomy = memory_plan(**LLAMA2_7B, seq_len=4096, gpu_memory="80GiB", params="7B")
+    assert roomy.weights_fit is True and roomy.shortfall_bytes == 0
+    no_gpu = memory_plan(**LLAMA2_7B, seq_len=4096, params="7B")
+    assert no_gpu.weights_fit is None and no_gpu.shortfall_bytes is None
 
 
 @pytest.mark.parametrize(

@@ -2,13 +2,26 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from batchkit.tools.profile import ProfilePoint, find_knee, profile, recommend
+from batchkit.cli.profile import format_profile
+from batchkit.tools.profile import (
+    ProfilePoint,
+    ProfileResult,
+    find_knee,
+    find_knee_range,
+    profile,
+    recommend,
+)
 from batchkit.tools.simulate import LatencyModel, simulate
+from tests.cli._helpers import assert_one_line_error, run
 from tests.cli.models import broken, saturating
+
+TARGET = f"{Path(__file__).with_name('models.py')}:saturating"
 
 
 def points(latency_ms: dict[int, float]) -> list[ProfilePoint]:
@@ -75,3 +88,158 @@ def test_profile_reports_failing_function() -> None:
 def test_profile_bad_arguments(kwargs: dict[str, object]) -> None:
     with pytest.raises(ValueError):
         profile(saturating, (4,), **kwargs)  # type: ignore[arg-type]
+
+
+class FakeDevice:
+    """A batch function on a fake clock: each call advances the clock by the next latency
+    scripted for its batch size, so a profile's numbers are exact, whatever the machine."""
+
+    def __init__(self, script_ms: dict[int, list[float]]) -> None:
+        self.now = 0.0
+        self.pending = {size: iter(times) for size, times in script_ms.items()}
+
+    def clock(self) -> float:
+        return self.now
+
+    def __call__(self, batch: object) -> None:
+        self.now += next(self.pending[len(batch)]) / 1e3  # type: ignore[arg-type]
+
+
+def spread(p10: float, median: float, p90: float) -> list[float]:
+    """11 repeats whose 10th, 50th and 90th percentiles are exactly these (in a shuffled
+    order: the percentiles must not depend on the order the repeats came in)."""
+    return [median, p90, median, p10, median, p90, median, median, p10, median, median]
+
+
+def fake_profile(script_ms: dict[int, list[float]]) -> ProfileResult:
+    device = FakeDevice(script_ms)
+    return profile(device, (4,), batch_sizes=sorted(script_ms), warmup=0, repeats=11,
+                   clock=device.clock, name="fake")  # fmt: skip
+
+
+def test_each_size_reports_its_p10_p90_spread() -> None:
+    result = fake_profile({1: spread(0.9, 1.0, 1.5), 2: spread(1.0, 1.0, 1.0)})
+    first, second = result.points
+    assert (first.p10_ms, first.latency_ms, first.p90_ms) == pytest.approx((0.9, 1.0, 1.5))
+    assert (first.min_ms, first.max_ms) == pytest.approx((0.9, 1.5))
+    assert first.throughput_range == pytest.approx((1 / 1.5e-3, 1 / 0.9e-3))
+    assert second.p10_ms == pytest.approx(second.p90_ms)
+    saved = result.to_json()
+    assert saved["points"][0]["p90_ms"] == pytest.approx(1.5)
+    assert saved["knee_range"] == [2, 2] and saved["knee_determined"] is True
+
+
+def test_a_tight_spread_leaves_one_knee_and_no_warning() -> None:
+    # 1, 2, 4 items/ms, then 4.1: the knee is 4 whatever each size's 2% jitter.
+    result = fake_profile({
+        1: spread(0.99, 1.0, 1.01), 2: spread(0.99, 1.0, 1.01), 4: spread(0.99, 1.0, 1.01),
+        8: spread(1.94, 1.95, 1.96),
+    })  # fmt: skip
+    assert result.knee == 4 and result.knee_range == (4, 4) and result.knee_determined
+    report = format_profile(result)
+    assert "p10-p90 ms" in report and "0.990-1.010" in report
+    assert "warning" not in report
+
+
+def test_a_wide_spread_that_moves_the_knee_is_a_warning() -> None:
+    # Medians: 64, 80 and 85.3 items/ms: the knee is 256 (80 is not within 5% of 85.3).
+    # Within the spreads, 64's best run (80/ms) is within 5% of the lowest the peak can
+    # be (256's worst, 75.3/ms), and no size's worst run is surely within 5% of every
+    # other's best: the knee could be 64, 128 or 256, as two runs of one model found.
+    result = fake_profile({
+        64: spread(0.8, 1.0, 1.2), 128: spread(1.5, 1.6, 1.8), 256: spread(2.9, 3.0, 3.4),
+    })  # fmt: skip
+    assert result.knee == 256
+    assert result.knee_range == (64, 256) and not result.knee_determined
+    report = format_profile(result)
+    assert (
+        "warning: the spread is too wide to pick a knee: with each size anywhere in its "
+        "p10-p90 range,\n  the knee could be any size from 64 to 256"
+    ) in report
+
+
+def test_knee_range_from_hand_made_points() -> None:
+    def point(size: int, p10: float, median: float, p90: float) -> ProfilePoint:
+        return ProfilePoint(size, median, p10, p90, p10, p90)
+
+    # 8 is surely within 5% of 16 (its worst 8/ms vs 16's best 8.33/ms); 4 cannot be.
+    sure = [point(4, 0.9, 1.0, 1.1), point(8, 0.95, 1.0, 1.0), point(16, 1.92, 2.0, 2.0)]
+    assert find_knee_range(sure) == (8, 8)
+    # 8's worst is 5.7/ms, under 95% of 16's best: 16 is the only size surely there.
+    unsure = [point(4, 0.9, 1.0, 1.1), point(8, 1.0, 1.0, 1.4), point(16, 1.92, 2.0, 2.0)]
+    assert find_knee_range(unsure) == (8, 16)
+    assert find_knee_range(points({1: 1.0, 2: 1.0})) == (2, 2)  # no spread: the knee itself
+
+
+def test_profile_awaits_an_async_function() -> None:
+    """Its body runs inside the timing (a bare coroutine object takes no time to make),
+    on one event loop for the whole run."""
+    loops: set[int] = set()
+    device = FakeDevice({})
+
+    async def fn(batch: np.ndarray) -> np.ndarray:
+        loops.add(id(asyncio.get_running_loop()))
+        await asyncio.sleep(0)
+        device.now += 0.005  # 5 ms on the fake clock, only if the body runs
+        return batch
+
+    r = profile(fn, [2], batch_sizes=[1, 2], warmup=1, repeats=1, clock=device.clock)
+    assert [p.latency_ms for p in r.points] == pytest.approx([5.0, 5.0])
+    assert len(loops) == 1
+
+
+def test_profile_awaits_an_awaitable_result() -> None:
+    device = FakeDevice({})
+
+    async def work(batch: np.ndarray) -> np.ndarray:
+        await asyncio.sleep(0)
+        device.now += 0.005
+        return batch
+
+    r = profile(lambda batch: work(batch), [2], batch_sizes=[1], warmup=0, repeats=1,
+                clock=device.clock)  # fmt: skip
+    assert r.points[0].latency_ms == pytest.approx(5.0)
+
+
+def _cpu_only_torch() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return not torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not _cpu_only_torch(), reason="needs a torch without CUDA")
+def test_profile_cuda_on_a_cpu_torch(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ValueError, match="device 'cuda' is not available"):
+        profile(lambda b: b, [2], framework="torch", device="cuda", batch_sizes=[1])
+    code, _, err = run(capsys, "profile", TARGET, "--input-shape", "2",
+                       "--framework", "torch", "--device", "cuda")  # fmt: skip
+    assert_one_line_error(code, err, "device 'cuda' is not available")
+
+
+@pytest.mark.skipif(not hasattr(np, "float128"), reason="numpy has no float128 here")
+def test_profile_torch_float128(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("torch")
+    code, _, err = run(capsys, "profile", TARGET, "--input-shape", "2", "--framework", "torch",
+                       "--dtype", "float128", "--device", "cpu")  # fmt: skip
+    assert_one_line_error(code, err, "dtype float128 is not supported by torch")
+
+
+def test_profile_input_too_large_for_memory(capsys: pytest.CaptureFixture[str]) -> None:
+    # 10**18 elements: no machine allocates that.
+    code, _, err = run(capsys, "profile", TARGET, "--input-shape", "1000000,1000000,1000000",
+                       "--batch-sizes", "1")  # fmt: skip
+    assert_one_line_error(code, err, "not enough memory for a batch of shape (1, 1000000")
+
+
+def test_profile_refuses_to_await_inside_a_running_loop() -> None:
+    async def fn(batch: np.ndarray) -> np.ndarray:
+        return batch
+
+    async def caller() -> None:
+        profile(fn, [2], batch_sizes=[1], warmup=0, repeats=1)
+
+    with pytest.raises(RuntimeError, match="running event loop"):
+        asyncio.run(caller())
+

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
-from batchkit.batchers import BucketedBatcher, StaticBatcher
+import batchkit.tools.simulate as sim
+from batchkit.batchers import BucketedBatcher, DynamicBatcher, StaticBatcher
+from batchkit.serve.scheduler import FormedBatch, Scheduler
 from batchkit.tools.simulate import LatencyModel, poisson_arrivals, read_trace, simulate
+from tests.cli._helpers import run, within
 
 MS = 1e-3
 
@@ -130,3 +135,116 @@ def test_trace_file(tmp_path: object) -> None:
 def test_bad_arguments_raise_value_error(kwargs: dict[str, object]) -> None:
     with pytest.raises(ValueError):
         simulate((1.0, 0.1), **kwargs)  # type: ignore[arg-type]
+
+
+def test_keys_are_sorted_with_unsorted_arrivals() -> None:
+    # t=0 key 5 runs alone (10 ms); t=1 ms key 6 and t=2 ms key 100 wait in different
+    # buckets, so three batches of one. Pairing keys by position after sorting the times
+    # put 5 and 6 together (one batch of two).
+    policy = BucketedBatcher([8, 128], max_batch_size=4)
+    r = simulate((10.0, 0.0), arrivals=[0.002, 0.0, 0.001], keys=[100, 5, 6], batcher=policy)
+    assert r.batch_sizes == {1: 3}
+
+
+def test_profile_with_a_repeated_batch_size_is_averaged() -> None:
+    model = LatencyModel.from_points([1, 8, 8], [1.0, 2.0, 3.0])
+    assert model.seconds(8) == pytest.approx(2.5e-3)
+    slope = (2.5 - 1.0) / 7
+    assert model.seconds(16) == pytest.approx((2.5 + 8 * slope) / 1e3)
+
+
+def test_simulate_with_a_duplicate_size_profile_finishes(tmp_path: Path) -> None:
+    path = tmp_path / "dup.json"
+    path.write_text(
+        '{"points": [{"batch_size": 1, "latency_ms": 1.0}, {"batch_size": 8, "latency_ms": 2.0},'
+        ' {"batch_size": 8, "latency_ms": 3.0}]}'
+    )
+    r = within(5, lambda: simulate(str(path), arrivals=np.arange(40) * 1e-4, max_batch_size=32))
+    assert r.served == 40
+    assert np.isfinite(r.latencies_s).all()
+
+
+def test_overflowing_batch_latency_is_an_error() -> None:
+    # [0] ends at 1e305 s; [1, 2] would end at infinity with [3] still waiting.
+    with pytest.raises(ValueError, match=r"a batch of 2 takes inf ms"):
+        within(5, lambda: simulate((5.0, 1e308), arrivals=[0, 1e-3, 2e-3, 3e-3], max_batch_size=2))
+
+
+def test_requests_the_scheduler_never_dispatches_are_an_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    class Stuck(Scheduler):
+        def poll(self, now: float) -> tuple[FormedBatch | None, float | None]:
+            return None, None
+
+    monkeypatch.setattr(sim, "Scheduler", Stuck)
+    with pytest.raises(RuntimeError, match="1 requests left waiting"):
+        within(5, lambda: simulate((1.0, 0.0), arrivals=[0.0]))
+
+
+@pytest.mark.parametrize("slots", [0, -1, 1.5, True])
+def test_simulate_rejects_bad_max_concurrent_batches(slots: Any) -> None:
+    with pytest.raises(ValueError, match="max_concurrent_batches"):
+        within(5, lambda: simulate(rate=10, num_requests=5, max_concurrent_batches=slots))
+
+
+def test_offered_rate_of_simultaneous_arrivals_is_undefined(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert np.isnan(simulate((1.0, 0.0), arrivals=[0.0, 0.0]).offered_rate)
+    code, out, _ = run(capsys, "simulate", "--rate", "1000", "--requests", "1")
+    assert code == 0
+    assert "offered n/a" in out
+    assert "warning" not in out
+
+
+def test_trace_csv_with_a_header(tmp_path: Path) -> None:
+    """docs/cli.md says a CSV's first column works: with a header row too."""
+    path = tmp_path / "t.csv"
+    path.write_text("# exported\ntimestamp,len\n0.5,5\n0.1,7\n")
+    assert read_trace(path).tolist() == pytest.approx([0.0, 0.4])
+
+
+@pytest.mark.parametrize(
+    ("text", "line"), [("0.1\ntimestamp\n", 2), ("time\nlen\n0\n", 2), ("1.2.3\n0\n", 1)]
+)
+def test_trace_only_a_first_header_row_is_skipped(tmp_path: Path, text: str, line: int) -> None:
+    path = tmp_path / "t.csv"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=f":{line}: not an arrival time"):
+        read_trace(path)
+
+
+def test_simulated_latencies_come_in_the_order_of_the_arrivals_given() -> None:
+    result = simulate(
+        (1000.0, 0.0), arrivals=[0.1, 0.0], max_batch_size=1, max_concurrent_batches=1
+    )  # 1 s per batch: the request at 0.0 runs first, the one at 0.1 waits for it
+    assert result.latencies_s.tolist() == pytest.approx([1.9, 1.0])  # was [1.0, 1.9]
+
+
+
+def test_not_eager_waits_when_idle() -> None:
+    # Arrivals 4 ms apart, 1 ms batches, max_wait 2 ms: eager, each runs alone at once
+    # (1 ms latency); not eager, each waits its 2 ms first (3 ms), alone all the same.
+    arrivals = np.arange(5) * 4 * MS
+    eager = simulate((1.0, 0.0), arrivals=arrivals, max_wait_ms=2)
+    waits = simulate((1.0, 0.0), arrivals=arrivals,
+                     batcher=DynamicBatcher(32, 2, eager=False))  # fmt: skip
+    assert eager.latencies_s / MS == pytest.approx([1.0] * 5)
+    assert waits.latencies_s / MS == pytest.approx([3.0] * 5)
+    assert waits.dispatch_reasons == {"max_wait": 5}
+    # Arrivals 1 ms apart: the wait fills batches (eager, the first leaves alone).
+    close = np.arange(4) * MS
+    assert sizes(simulate((1.0, 0.0), arrivals=close, max_wait_ms=3)) == [1, 1, 1, 1]
+    fuller = simulate((1.0, 0.0), arrivals=close, batcher=DynamicBatcher(32, 3, eager=False))
+    assert sizes(fuller) == [4]
+
+
+def test_simulate_command_no_eager(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "simulate", "--rate", "100", "--requests", "200",
+                       "--latency-ms", "1", "--per-item-ms", "0", "--no-eager")  # fmt: skip
+    assert code == 0 and "not eager: a batch waits" in out
+    assert "dispatched: max_wait" in out and "idle" not in out
+    code, out, _ = run(capsys, "simulate", "--rate", "100", "--requests", "200",
+                       "--latency-ms", "1", "--per-item-ms", "0")  # fmt: skip
+    assert code == 0 and "idle" in out and "not eager" not in out

@@ -18,7 +18,9 @@ import pytest
 # busy 2-core machine.
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S", "1.0")
-ray = pytest.importorskip("ray")
+ray = pytest.importorskip(
+    "ray", reason='the Ray tests need the ray extra: pip install -e ".[test,ray]"'
+)
 
 import batchkit  # noqa: E402
 from batchkit.integrations.ray import (  # noqa: E402

@@ -5,7 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-pytest.importorskip("ray")
+pytest.importorskip(
+    "ray", reason='the Ray tests need the ray extra: pip install -e ".[test,ray]"'
+)
 
 import batchkit  # noqa: E402
 from batchkit.integrations.ray import BatchkitPredictor  # noqa: E402
