@@ -35,11 +35,13 @@ class CachedStarts:
 
     def __init__(self, *, hold_first_step: bool = False) -> None:
         self.first_start: dict[int, int] = {}
+        self.in_first_step = threading.Event()
         self.release_first_step = threading.Event()
         if not hold_first_step:
             self.release_first_step.set()
 
     def __call__(self, batch: StepBatch) -> list[int | None]:
+        self.in_first_step.set()
         self.release_first_step.wait(timeout=10)
         for s in batch.seqs:
             self.first_start.setdefault(s.request_id, s.start)
@@ -122,6 +124,7 @@ def test_a_second_prompt_computed_in_the_same_step_keeps_its_own_continuation() 
     step = CachedStarts(hold_first_step=True)
     with ContinuousBatcher(step, max_num_seqs=4, allocator=alloc) as batcher:
         gate = batcher.submit([99], max_new_tokens=1)  # holds the first step ...
+        assert step.in_first_step.wait(timeout=10)
         a, b = (batcher.submit(p, max_new_tokens=1) for p in (first, second))
         step.release_first_step.set()  # ... so that a and b are admitted together
         out_a, out_b = a.result(timeout=10), b.result(timeout=10)
@@ -193,6 +196,7 @@ def test_a_request_waiting_for_blocks_does_not_inflate_prefix_queries() -> None:
     with ContinuousBatcher(step, max_num_seqs=4, allocator=alloc) as batcher:
         # 9 prompt tokens + 3 new: 5 blocks, then 6; the second (3 blocks) waits for them
         long = batcher.submit([1, 2, 3, 4, 5, 6, 7, 8, 9], max_new_tokens=3)
+        assert step.in_first_step.wait(timeout=10)
         waits = batcher.submit([9, 9, 9, 9, 9], max_new_tokens=2)
         step.release_first_step.set()
         long.result(timeout=10), waits.result(timeout=10)
