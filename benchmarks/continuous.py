@@ -31,11 +31,14 @@ Usage::
 
     python benchmarks/continuous.py            # ~1 min
     python benchmarks/continuous.py --quick    # < 30 s
+    python benchmarks/continuous.py --chat     # multi-turn chat: prefix caching (see run_chat)
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import heapq
 import statistics
 import time
 from dataclasses import dataclass
@@ -44,7 +47,7 @@ import numpy as np
 
 import batchkit
 from batchkit.generate import ContinuousBatcher, StepBatch
-from batchkit.kv import BlockAllocator, blocks_for
+from batchkit.kv import BlockAllocator, block_digest, blocks_for
 
 A, B = 0.002, 2e-6  # step cost: A + B * tokens
 MAX_NUM_SEQS = 32
@@ -194,10 +197,255 @@ def simulate_ideal(prompts: list[list[int]], outs: list[int]) -> Result:
     return Result(clock, sum(outs))
 
 
+# -- multi-turn chat: prefix caching ----------------------------------------------
+# Conversations share one system prompt and come back, turn after turn, with their whole
+# history (system prompt, every user message and reply so far) plus a new message.
+# CHAT_ACTIVE clients each run conversations one after another (2-8 turns each); between
+# two turns a client thinks for a uniform 0..CHAT_THINK answers to other requests, so a
+# conversation's blocks must survive a varying amount of other work. Over the run the
+# pool sees several times its size in distinct content: it must choose what to evict.
+#
+# The ideal is a cache that never evicts and keeps every copy: an admitted prompt hits
+# every full block (bar the one holding its last token) computed by any sequence in an
+# earlier step. ContinuousBatcher's hits are each admission's first chunk start.
+CHAT_ACTIVE = 32
+CHAT_TURNS = (2, 8)
+CHAT_SYSTEM = 256
+CHAT_USER = (16, 64)
+CHAT_REPLY = (16, 128)
+CHAT_THINK = 2 * CHAT_ACTIVE
+CHAT_NUM_SEQS = 16
+# Pools, in blocks of BLOCK tokens. The open conversations' histories hold at most 752
+# full blocks (printed): CHAT_POOL leaves half as much again for the running sequences'
+# new blocks and what the pool cannot tell is dead (finished conversations); the goal is
+# measured there. CHAT_SHORT_POOL leaves a fifth: least recently freed first then evicts
+# the histories of conversations about to come back, while dead ones, freed later, stay.
+CHAT_POOL = 1152
+CHAT_SHORT_POOL = 896
+
+
+@dataclass
+class ChatAccounting:
+    """The step function's ledger: hits at each admission, actual and ideal; tokens computed."""
+
+    queried_blocks: int = 0
+    hit_blocks: int = 0
+    ideal_blocks: int = 0
+    computed_tokens: int = 0
+    admissions: int = 0
+    distinct_blocks: int = 0  # full blocks of distinct contents computed over the run
+    peak_open_blocks: int = 0  # most full blocks the open conversations' histories held
+
+
+class ChatStep:
+    """A step function that samples a token per finished prefill or decode and keeps the
+    ledger: every full block computed so far, by its chain digest (the ideal's cache)."""
+
+    def __init__(self) -> None:
+        self.ledger = ChatAccounting()
+        self.computed: set[bytes] = set()
+        self.chains: dict[int, list[bytes]] = {}  # request id -> its blocks' chain digests
+        self.running: set[int] = set()
+
+    def chain(self, request_id: int, token_ids: list[int], num_blocks: int) -> list[bytes]:
+        """The request's chain digests, at least of the first ``num_blocks`` full blocks of
+        ``token_ids`` (computed once per request)."""
+        digests = self.chains.setdefault(request_id, [])
+        while len(digests) < num_blocks:
+            j = len(digests)
+            parent = digests[-1] if digests else b""
+            digests.append(block_digest(parent, token_ids[j * BLOCK : (j + 1) * BLOCK]))
+        return digests
+
+    async def run(self, batch: StepBatch) -> list[int | None]:
+        """One step: account for its admissions and computed blocks; a token per sample."""
+        ledger = self.ledger
+        for request_id in batch.released:
+            self.running.discard(request_id)
+            self.chains.pop(request_id, None)
+        for s in batch.seqs:  # admissions: what they found against what was there
+            if s.request_id in self.running:
+                continue
+            self.running.add(s.request_id)
+            shareable = (len(s.token_ids) - 1) // BLOCK
+            ideal = 0
+            for digest in self.chain(s.request_id, s.token_ids, shareable)[:shareable]:
+                if digest not in self.computed:
+                    break
+                ideal += 1
+            ledger.admissions += 1
+            ledger.queried_blocks += shareable
+            ledger.hit_blocks += s.start // BLOCK
+            ledger.ideal_blocks += ideal
+        for s in batch.seqs:  # then this step's blocks join the ideal cache
+            first, end = s.start // BLOCK, (s.start + s.num_tokens) // BLOCK
+            if end > first:
+                self.computed.update(self.chain(s.request_id, s.token_ids, end)[first:end])
+            ledger.computed_tokens += s.num_tokens
+        ledger.distinct_blocks = len(self.computed)
+        return [
+            1000 + (s.request_id * 7919 + len(s.token_ids)) % 30000 if s.sample else None
+            for s in batch.seqs
+        ]
+
+
+def chat_conversations(n: int, seed: int) -> list[tuple[list[list[int]], list[int]]]:
+    """``n`` conversations: each its user messages and reply lengths, turn by turn."""
+    rng = np.random.default_rng(seed)
+    conversations = []
+    for _ in range(n):
+        turns = int(rng.integers(CHAT_TURNS[0], CHAT_TURNS[1] + 1))
+        users = [
+            rng.integers(1, 1000, size=int(rng.integers(CHAT_USER[0], CHAT_USER[1] + 1))).tolist()
+            for _ in range(turns)
+        ]
+        replies = rng.integers(CHAT_REPLY[0], CHAT_REPLY[1] + 1, size=turns).tolist()
+        conversations.append((users, replies))
+    return conversations
+
+
+class ThinkClock:
+    """Time between a conversation's turns, counted in answers to other requests.
+
+    A conversation that got its answer thinks for ``k`` more answers, then sends its
+    next turn. When every client is thinking (nothing runs), the clock jumps to the
+    next one due, so the run never stalls.
+    """
+
+    def __init__(self, clients: int) -> None:
+        self.clients = clients  # client tasks still running conversations
+        self.answered = 0
+        self._due: list[tuple[int, int, asyncio.Future[None]]] = []  # (answers, order, wake)
+        self._order = 0
+
+    async def think(self, answers: int) -> None:
+        """Wait until ``answers`` more requests are answered."""
+        wake = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._due, (self.answered + answers, self._order, wake))
+        self._order += 1
+        self.tick()
+        await wake
+
+    def answer(self) -> None:
+        """One more request answered."""
+        self.answered += 1
+        self.tick()
+
+    def client_done(self) -> None:
+        """A client has no conversation left."""
+        self.clients -= 1
+        self.tick()
+
+    def tick(self) -> None:
+        """Wake those due; if every client thinks, jump to the first one due."""
+        due = self._due
+        if due and len(due) == self.clients:
+            self.answered = max(self.answered, due[0][0])
+        while due and due[0][0] <= self.answered:
+            heapq.heappop(due)[2].set_result(None)
+
+
+async def run_chat(
+    num_conversations: int, pool: int, seed: int = 0
+) -> tuple[ChatAccounting, int, int]:
+    """Run the chat workload through ContinuousBatcher with a pool of ``pool`` blocks; its
+    ledger, requests and the allocator's hit count (a cross-check of the ledger's)."""
+    rng = np.random.default_rng(seed + 1)
+    system = rng.integers(1, 1000, size=CHAT_SYSTEM).tolist()
+    todo = chat_conversations(num_conversations, seed)[::-1]  # pop() = the next to open
+    alloc = BlockAllocator(pool, BLOCK, prefix_caching=True)
+    step = ChatStep()
+    clock = ThinkClock(CHAT_ACTIVE)
+    requests = 0
+    own_blocks = [0] * CHAT_ACTIVE  # each client's history blocks past the system prompt
+
+    async def client(batcher: ContinuousBatcher, me: int) -> None:
+        nonlocal requests
+        while todo:
+            users, replies = todo.pop()
+            history = system
+            for turn, (user, reply_len) in enumerate(zip(users, replies)):
+                if turn:
+                    await clock.think(int(rng.integers(0, CHAT_THINK + 1)))
+                prompt = history + user
+                reply = await batcher.submit(prompt, max_new_tokens=reply_len)
+                requests += 1
+                history = prompt + reply
+                own_blocks[me] = (len(history) - 1) // BLOCK - CHAT_SYSTEM // BLOCK
+                open_blocks = CHAT_SYSTEM // BLOCK + sum(own_blocks)
+                step.ledger.peak_open_blocks = max(step.ledger.peak_open_blocks, open_blocks)
+                clock.answer()
+            own_blocks[me] = 0
+        clock.client_done()
+
+    async with ContinuousBatcher(
+        step.run, max_num_seqs=CHAT_NUM_SEQS, max_num_batched_tokens=BUDGET, allocator=alloc
+    ) as batcher:
+        await asyncio.gather(*(client(batcher, me) for me in range(CHAT_ACTIVE)))
+    return step.ledger, requests, alloc.stats().prefix_hits
+
+
+def chat_main(quick: bool) -> None:
+    """The multi-turn chat workload: prefix hits and tokens computed against the ideal."""
+    n = 64 if quick else 160
+    print(
+        f"batchkit {batchkit.__version__}: multi-turn chat, {n} conversations "
+        f"({CHAT_ACTIVE} clients, {CHAT_TURNS[0]}-{CHAT_TURNS[1]} turns, think 0-{CHAT_THINK} "
+        f"answers), shared system prompt {CHAT_SYSTEM} tokens, blocks of {BLOCK}, "
+        f"max_num_seqs={CHAT_NUM_SEQS}"
+    )
+    print(
+        "ideal: a cache that never evicts and keeps every copy: each prompt hits every "
+        "full block computed in an earlier step\n"
+    )
+    print(
+        f"{'pool':>6} {'requests':>8} {'queried':>8} {'hit rate':>8} {'ideal':>6} "
+        f"{'of ideal':>8} {'computed':>9} {'ideal':>9} {'distinct/pool':>13}"
+    )
+    of_ideal = {}
+    peak = 0
+    for pool in (CHAT_POOL, CHAT_SHORT_POOL):
+        ledger, requests, allocator_hits = asyncio.run(run_chat(n, pool))
+        if allocator_hits != ledger.hit_blocks:
+            raise AssertionError(
+                f"chat: the allocator counted {allocator_hits} hit blocks, the steps "
+                f"started {ledger.hit_blocks} blocks in"
+            )
+        q = max(ledger.queried_blocks, 1)
+        missed = ledger.ideal_blocks - ledger.hit_blocks
+        of_ideal[pool] = ledger.hit_blocks / max(ledger.ideal_blocks, 1)
+        peak = ledger.peak_open_blocks
+        print(
+            f"{pool:>6} {requests:>8} {ledger.queried_blocks:>8,} "
+            f"{ledger.hit_blocks / q:>8.3f} {ledger.ideal_blocks / q:>6.3f} "
+            f"{of_ideal[pool]:>8.1%} {ledger.computed_tokens:>9,} "
+            f"{ledger.computed_tokens - missed * BLOCK:>9,} "
+            f"{ledger.distinct_blocks / pool:>12.1f}x"
+        )
+    print(
+        f"(queried, hit rate, ideal: full prompt blocks; computed: tokens; distinct: full "
+        f"blocks of distinct contents computed; the open conversations' histories held at "
+        f"most {peak} blocks)"
+    )
+    ok = of_ideal[CHAT_POOL] >= 0.95
+    print(
+        f"\n{'PASS' if ok else 'MISS'}: prefix hits = {of_ideal[CHAT_POOL]:.1%} of ideal with "
+        f"{CHAT_POOL} blocks = {CHAT_POOL / peak:.2f}x the open histories (target >= 95%); "
+        f"{of_ideal[CHAT_SHORT_POOL]:.1%} with {CHAT_SHORT_POOL} = "
+        f"{CHAT_SHORT_POOL / peak:.2f}x (no target)"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer requests, one repeat")
+    parser.add_argument(
+        "--chat", action="store_true", help="the multi-turn chat workload (prefix caching) only"
+    )
     args = parser.parse_args()
+    if args.chat:
+        chat_main(args.quick)
+        return
     n, repeats = (128, 1) if args.quick else (384, 3)
     prompts, outs = workload(n, seed=0)
     acc = Accelerator()

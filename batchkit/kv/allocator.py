@@ -7,8 +7,14 @@ and each hold a reference; the block returns to the pool when the last one relea
 it.
 
 With ``prefix_caching=True`` a freed block keeps its contents and its place in the
-prefix cache until it is handed out again: freed blocks are reused least recently
-freed first, so recently used prefixes survive longest.
+prefix cache until it is handed out again. Eviction order: free blocks that hold no
+cached contents are handed out first; cached ones only when those run out, least
+recently freed first, so recently used prefixes survive longest. Within one
+:meth:`BlockAllocator.release` blocks join the order as listed (the first listed is
+reused first); a :class:`~batchkit.kv.BlockTable` releases its tail first, so a
+sequence's blocks are evicted from its end and its first blocks, the ones other
+prompts share, go last (and a cached block is never evicted before the blocks
+cached after it, which no lookup could reach without it).
 """
 
 from __future__ import annotations
@@ -68,9 +74,12 @@ class BlockAllocator:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.refcounts = [0] * num_blocks
-        # Free ids, least recently freed first (an ordered set: a block revived by a
-        # prefix hit leaves it at once, and goes to the back when it is freed again).
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # Free ids in two ordered sets, least recently freed first: those holding nothing
+        # cached (handed out first), and cached ones (evicted only when the first set is
+        # empty). A block revived by a prefix hit leaves its set at once, and goes to the
+        # back when it is freed again.
+        self._free_uncached: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._free_cached: OrderedDict[int, None] = OrderedDict()
         # Tokens each block holds, as its owners report (for the internal-waste statistic);
         # public so that BlockTable can count a decode token with one list update.
         self.fill = [0] * num_blocks
@@ -86,12 +95,12 @@ class BlockAllocator:
     @property
     def num_free(self) -> int:
         """Blocks with no reference (cached-but-free blocks included: they are reusable)."""
-        return len(self._free)
+        return len(self._free_uncached) + len(self._free_cached)
 
     @property
     def num_used(self) -> int:
         """Blocks with at least one reference."""
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free
 
     @property
     def usage(self) -> float:
@@ -100,18 +109,27 @@ class BlockAllocator:
 
     def can_allocate(self, n: int) -> bool:
         """Whether :meth:`allocate` of ``n`` blocks would succeed now."""
-        return n <= len(self._free)
+        return n <= self.num_free
 
     def allocate(self, n: int) -> list[int]:
-        """``n`` fresh blocks, each with one reference; :class:`OutOfBlocks` if fewer are free."""
+        """``n`` fresh blocks, each with one reference; :class:`OutOfBlocks` if fewer are free.
+
+        Blocks holding nothing cached go first; cached ones are evicted (least recently
+        freed first) only when those run out.
+        """
         if n.__class__ is not int:
             n = operator.index(n)
-        if n > len(self._free):
-            raise OutOfBlocks(f"{n} blocks requested, {len(self._free)} of {self.num_blocks} free")
+        free = self.num_free
+        if n > free:
+            raise OutOfBlocks(f"{n} blocks requested, {free} of {self.num_blocks} free")
         if n < 0:
             raise ValueError(f"cannot allocate {n} blocks")
-        popitem, refcounts, prefix = self._free.popitem, self.refcounts, self.prefix
-        out = [popitem(last=False)[0] for _ in range(n)]
+        uncached, refcounts, prefix = self._free_uncached, self.refcounts, self.prefix
+        fresh = min(n, len(uncached))
+        out = [uncached.popitem(last=False)[0] for _ in range(fresh)]
+        if fresh < n:
+            evict = self._free_cached.popitem
+            out.extend(evict(last=False)[0] for _ in range(n - fresh))
         for block in out:
             refcounts[block] = 1
             if prefix is not None:
@@ -134,11 +152,13 @@ class BlockAllocator:
     def release(self, block_ids: Iterable[int]) -> None:
         """Drop one reference from each block; blocks left with none return to the pool.
 
+        Freed blocks join the eviction order as listed: the first listed is reused first.
         All or nothing: releasing more references than a block holds (a double release),
         or an id outside the pool, raises ``ValueError`` and changes no count.
         """
         ids = self._checked(block_ids, "release")
-        refcounts, free, fill = self.refcounts, self._free, self.fill
+        refcounts, fill, prefix = self.refcounts, self.fill, self.prefix
+        uncached, cached = self._free_uncached, self._free_cached
         if len(set(ids)) == len(ids):
             if 0 in map(refcounts.__getitem__, ids):
                 block = next(b for b in ids if refcounts[b] <= 0)
@@ -154,7 +174,11 @@ class BlockAllocator:
             count = refcounts[block]
             refcounts[block] = count - 1
             if count == 1:
-                free[block] = None  # the back: freed most recently, reused last
+                # the back of its set: freed most recently, reused last
+                if prefix is not None and block in prefix:
+                    cached[block] = None
+                else:
+                    uncached[block] = None
                 self._stored_total -= fill[block]
                 fill[block] = 0
 
@@ -216,8 +240,11 @@ class BlockAllocator:
             return hits
         prefix.count(self._shareable_blocks(token_ids), len(hits))
         for block in hits:
-            if self.refcounts[block] == 0:
-                del self._free[block]  # revived: in use again
+            if self.refcounts[block] == 0:  # revived: in use again
+                if block in self._free_cached:
+                    del self._free_cached[block]
+                else:
+                    del self._free_uncached[block]
                 self.fill[block] = self.block_size
                 self._stored_total += self.block_size
             self.refcounts[block] += 1
@@ -240,7 +267,7 @@ class BlockAllocator:
         return AllocatorStats(
             num_blocks=self.num_blocks,
             block_size=self.block_size,
-            num_free=len(self._free),
+            num_free=self.num_free,
             num_used=used,
             usage=used / self.num_blocks,
             tokens_stored=self._stored_total,

@@ -114,9 +114,14 @@ class BlockTable:
         return child, copies
 
     def free(self) -> None:
-        """Release every block; the table is empty afterwards (and reusable)."""
+        """Release every block, the last first; the table is empty afterwards (and reusable).
+
+        Last first: a freed block is reused in the order it was released, so the
+        sequence's cached blocks are evicted from its end, and its first blocks (the
+        prefix others share, and that every later block's cache entry hangs from) go last.
+        """
         if self.block_ids:
-            self.allocator.release(self.block_ids)
+            self.allocator.release(reversed(self.block_ids))
         self.block_ids = []
         self.num_tokens = 0
 

@@ -1,10 +1,16 @@
-"""The prefix cache: which physical block holds which full block of tokens.
+"""The prefix cache: which physical blocks hold which full blocks of tokens.
 
 A full block is keyed by a chain hash, a 128-bit BLAKE2b digest of its parent's
 digest and its own token ids, so one lookup per block finds the longest cached
 prefix. A hit is never trusted on the hash alone: the entry stores the block's
 tokens and its parent's block id, and both are compared, so a collision (or a parent
 block reused for other tokens) is a miss, never a wrong answer.
+
+Several blocks may hold the same contents (two sequences computed one prefix in the
+same step, before either was cached): each copy is registered, and so is everything
+after it, so every sequence's own continuation stays reachable and the prefix stays
+cached while any copy of it lives. A lookup returns one chain, each block the parent
+the next one was registered under.
 
 Entries are dropped when their block is handed out again (:meth:`PrefixCache.forget`),
 so no stale hash ever points at overwritten contents.
@@ -19,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 ROOT = b""  # the parent digest of a sequence's first block
+NO_PARENT = -1  # the parent block of a sequence's first block
 
 
 def block_digest(parent: bytes, tokens: Sequence[int]) -> bytes:
@@ -31,22 +38,29 @@ def block_digest(parent: bytes, tokens: Sequence[int]) -> bytes:
 @dataclass(slots=True)
 class _Entry:
     digest: bytes
-    parent_block: int  # -1 for a first block
+    parent_block: int  # NO_PARENT for a first block
     tokens: tuple[int, ...]
 
 
 class PrefixCache:
-    """Digest -> block id for full blocks whose keys and values are computed."""
+    """Digest -> the block ids (one or more copies) of full blocks whose keys and values
+    are computed."""
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
-        self._by_digest: dict[bytes, int] = {}
+        # Every copy of a digest, oldest registered first (an ordered set).
+        self._by_digest: dict[bytes, dict[int, None]] = {}
         self._by_block: dict[int, _Entry] = {}
         self.queries = 0  # full prompt blocks looked up
         self.hits = 0  # ... and found
 
     def __len__(self) -> int:
+        """Cached blocks, every copy counted."""
         return len(self._by_block)
+
+    def __contains__(self, block_id: object) -> bool:
+        """Whether ``block_id`` is cached."""
+        return block_id in self._by_block
 
     def digest_of(self, block_id: int) -> bytes | None:
         """The digest under which ``block_id`` is cached, if it is."""
@@ -59,19 +73,33 @@ class PrefixCache:
         ``count``: add this lookup to :attr:`queries` and :attr:`hits` (see :meth:`count`).
         """
         bs = self.block_size
-        hits: list[int] = []
-        parent, parent_block = ROOT, -1
+        by_block = self._by_block
+        # Block i of the prompt may be any cached copy whose tokens are the prompt's and
+        # whose registered parent is one of the verified copies of block i - 1.
+        verified: list[int] = [NO_PARENT]
+        deepest: list[int] = []
+        parent = ROOT
         for i in range(max(max_blocks, 0)):
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
             digest = block_digest(parent, tokens)
-            block = self._by_digest.get(digest)
-            if block is None:
+            copies = self._by_digest.get(digest)
+            if copies is None:
                 break
-            entry = self._by_block[block]
-            if entry.tokens != tokens or entry.parent_block != parent_block:
-                break  # a hash collision or a stale chain: recompute rather than guess
-            hits.append(block)
-            parent, parent_block = digest, block
+            verified = [
+                block
+                for block in copies
+                if by_block[block].tokens == tokens and by_block[block].parent_block in verified
+            ]  # none: a hash collision or a stale chain, recompute rather than guess
+            if not verified:
+                break
+            deepest, parent = verified, digest
+        hits: list[int] = []
+        if deepest:  # walk back from the deepest copy: one chain, parent by parent
+            block = deepest[0]
+            while block != NO_PARENT:
+                hits.append(block)
+                block = by_block[block].parent_block
+            hits.reverse()
         if count:
             self.count(max_blocks, len(hits))
         return hits
@@ -85,14 +113,15 @@ class PrefixCache:
         """Record that ``block_id`` holds ``tokens`` (a full block) after ``parent_block``.
 
         ``parent_block`` must be cached already (or -1 for a first block); otherwise the
-        chain is broken and nothing is recorded. A digest already cached in another
-        block keeps its first block (two copies of one prefix; the second stays private).
+        chain is broken and nothing is recorded. A block already cached keeps its entry.
+        Contents cached in another block already are registered again: the copies are
+        interchangeable, and the blocks after this one chain to it.
         """
         if len(tokens) != self.block_size:
             raise ValueError(f"only full blocks are cached, got {len(tokens)} tokens")
         if block_id in self._by_block:
             return
-        if parent_block == -1:
+        if parent_block == NO_PARENT:
             parent = ROOT
         else:
             parent_entry = self._by_block.get(parent_block)
@@ -101,13 +130,15 @@ class PrefixCache:
             parent = parent_entry.digest
         tokens = tuple(tokens)
         digest = block_digest(parent, tokens)
-        if digest in self._by_digest:
-            return
-        self._by_digest[digest] = block_id
+        self._by_digest.setdefault(digest, {})[block_id] = None
         self._by_block[block_id] = _Entry(digest, parent_block, tokens)
 
     def forget(self, block_id: int) -> None:
         """Drop ``block_id``'s entry (it is about to hold other tokens)."""
         entry = self._by_block.pop(block_id, None)
-        if entry is not None and self._by_digest.get(entry.digest) == block_id:
+        if entry is None:
+            return
+        copies = self._by_digest[entry.digest]
+        del copies[block_id]
+        if not copies:
             del self._by_digest[entry.digest]

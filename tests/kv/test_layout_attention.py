@@ -1,4 +1,4 @@
-"""The step layout's fields, reference paged attention == dense attention, memory sizing."""
+"""The step layout's fields; reference paged attention == dense attention; write_kv."""
 
 from __future__ import annotations
 
@@ -14,8 +14,6 @@ from batchkit.kv import (
     BlockTable,
     build_decode_layout,
     build_layout,
-    kv_block_bytes,
-    num_blocks_for,
     paged_attention,
     write_kv,
 )
@@ -168,17 +166,20 @@ def test_write_kv_skips_minus_one() -> None:
     assert kc.reshape(-1).tolist() == [1, 0, 0, 1] and vc.reshape(-1).tolist() == [2, 0, 0, 2]
 
 
-def test_memory_helpers() -> None:
-    # Llama-2-7B-like: 32 layers, 32 KV heads of 128, fp16, 16-token blocks = 8 MiB
-    per = kv_block_bytes(16, num_layers=32, num_kv_heads=32, head_dim=128, dtype="float16")
-    assert per == 2 * 32 * 32 * 128 * 16 * 2 == 8 * 2**20
-    assert (
-        num_blocks_for(10 * 2**30, block_size=16, num_layers=32, num_kv_heads=32, head_dim=128)
-        == 1280
-    )
-    assert kv_block_bytes(1, num_layers=1, num_kv_heads=1, head_dim=1, dtype=np.float32) == 8
-    assert num_blocks_for(1, block_size=1, num_layers=1, num_kv_heads=1, head_dim=1) == 0
-    torch = pytest.importorskip("torch")
-    assert kv_block_bytes(1, num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.bfloat16) == 4
-    with pytest.raises(ValueError):
-        kv_block_bytes(0, num_layers=1, num_kv_heads=1, head_dim=1)
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+def test_write_kv_writes_through_a_non_contiguous_cache(lib: str) -> None:
+    both = np.zeros((3, 2, 4, 1, 2))  # [num_blocks, k/v, block_size, heads, dim]
+    if lib == "torch":
+        torch = pytest.importorskip("torch")
+        both = torch.zeros(3, 2, 4, 1, 2, dtype=torch.float64)
+        ones = torch.ones(2, 1, 2, dtype=torch.float64)
+        slots = torch.tensor([5, -1, 9])
+        key = torch.cat([ones[:1], ones[:1] * 9, ones[1:]])
+    else:
+        ones = np.ones((2, 1, 2))
+        slots = np.array([5, -1, 9])
+        key = np.concatenate([ones[:1], ones[:1] * 9, ones[1:]])
+    k_cache, v_cache = both[:, 0], both[:, 1]  # strided views of one buffer
+    write_kv(k_cache, v_cache, key, key * 2, slots)
+    assert float(k_cache.sum()) == 4.0 and float(v_cache.sum()) == 8.0  # was 0: a copy
+    assert float(k_cache[1, 1].sum()) == 2.0 and float(k_cache[2, 1].sum()) == 2.0
