@@ -1,5 +1,7 @@
 """The FastAPI example served by uvicorn on 127.0.0.1: a few hundred concurrent HTTP
-requests, each answered with exactly its unbatched embedding, in batches."""
+requests, each answered with exactly its unbatched embedding, in batches; batchkit's
+errors answered with their HTTP status (full queue 503 + Retry-After, timeout 504,
+closed 503); batch settings read from the environment."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -36,11 +39,9 @@ def load_app_module() -> ModuleType:
     return module
 
 
-@pytest.fixture(scope="module")
-def service() -> Iterator[tuple[str, Any, Any]]:
-    """(base URL, the app, the module), served by uvicorn in a thread on a free port."""
-    module = load_app_module()
-    app = module.create_app(max_batch_size=32, max_wait_ms=2)
+@contextmanager
+def serving(app: Any) -> Iterator[str]:
+    """``app`` served by uvicorn in a thread on a free loopback port; yields its URL."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))  # a free port, only on loopback
@@ -54,11 +55,24 @@ def service() -> Iterator[tuple[str, Any, Any]]:
         assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
         time.sleep(0.01)
     try:
-        yield f"http://127.0.0.1:{port}", app, module
+        yield f"http://127.0.0.1:{port}"
     finally:
         server.should_exit = True
         thread.join(20)
         sock.close()
+
+
+@pytest.fixture(scope="module")
+def module() -> ModuleType:
+    return load_app_module()
+
+
+@pytest.fixture(scope="module")
+def service(module: ModuleType) -> Iterator[tuple[str, Any, Any]]:
+    """(base URL, the app, the module) of a service batching up to 32 requests."""
+    app = module.create_app(settings=module.BatchSettings(max_batch_size=32, max_wait_ms=2))
+    with serving(app) as url:
+        yield url, app, module
 
 
 WORDS = ["the", "model", "batches", "concurrent", "requests", "by", "length", "so", "padding"]
@@ -125,3 +139,125 @@ def test_metrics_endpoint_is_prometheus_text(service: tuple[str, Any, Any]) -> N
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/plain")
     assert "# TYPE inference_batch_latency_seconds histogram" in response.text
+
+
+class GatedEncoder:
+    """The tiny encoder, whose forward pass waits until the test opens the gate."""
+
+    def __init__(self, module: ModuleType) -> None:
+        self.inner = module.TinyEncoder()
+        self.gate = threading.Event()
+        self.tokenize = self.inner.tokenize
+
+    def __call__(self, batch: Any) -> Any:
+        assert self.gate.wait(10), "the test never opened the gate"
+        return self.inner(batch)
+
+
+def wait_until(condition: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + 10
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached within 10 s"
+        time.sleep(0.005)
+
+
+def post_later(url: str, text: str) -> tuple[threading.Thread, list[Any]]:
+    """POST /embed from a thread; the response lands in the returned list."""
+    out: list[Any] = []
+    thread = threading.Thread(
+        target=lambda: out.append(httpx.post(f"{url}/embed", json={"text": text}, timeout=20))
+    )
+    thread.start()
+    return thread, out
+
+
+def test_full_queue_answers_503_with_retry_after(
+    module: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Settings from the environment: one request per batch, one may wait.
+    monkeypatch.setenv("BATCHKIT_MAX_BATCH_SIZE", "1")
+    monkeypatch.setenv("BATCHKIT_MAX_QUEUE_SIZE", "1")
+    encoder = GatedEncoder(module)
+    app = module.create_app(encoder)
+    model = app.state.model
+    with serving(app) as url:
+        running, running_out = post_later(url, "runs first")
+        wait_until(lambda: model.stats().in_flight == 1)
+        waiting, waiting_out = post_later(url, "waits")
+        wait_until(lambda: model.stats().queue_depth == 1)
+        refused = httpx.post(f"{url}/embed", json={"text": "one too many"}, timeout=20)
+        encoder.gate.set()
+        running.join(20)
+        waiting.join(20)
+    assert refused.status_code == 503
+    assert refused.headers["Retry-After"] == "1"
+    assert refused.json()["error"] == "QueueFull"
+    assert running_out[0].status_code == waiting_out[0].status_code == 200
+    assert model.stats().rejected == 1
+
+
+def test_request_waiting_past_its_timeout_answers_504(module: ModuleType) -> None:
+    settings = module.BatchSettings(max_batch_size=1, request_timeout_s=0.05)
+    encoder = GatedEncoder(module)
+    app = module.create_app(encoder, settings)
+    model = app.state.model
+    with serving(app) as url:
+        running, running_out = post_later(url, "holds the only slot")
+        wait_until(lambda: model.stats().in_flight == 1)
+        late = httpx.post(f"{url}/embed", json={"text": "cannot start in time"}, timeout=20)
+        encoder.gate.set()
+        running.join(20)
+    assert late.status_code == 504
+    assert "Retry-After" not in late.headers
+    assert late.json()["error"] == "RequestTimeout"
+    assert running_out[0].status_code == 200
+    assert model.stats().timeouts == 1
+
+
+def test_closed_batcher_answers_503(module: ModuleType) -> None:
+    app = module.create_app(settings=module.BatchSettings())
+    with serving(app) as url:
+        assert httpx.post(f"{url}/embed", json={"text": "before"}, timeout=20).status_code == 200
+        app.state.model.close()  # as at shutdown
+        after = httpx.post(f"{url}/embed", json={"text": "after"}, timeout=20)
+    assert after.status_code == 503
+    assert after.json()["error"] == "BatcherClosed"
+
+
+def test_a_subclass_of_a_mapped_error_answers_as_its_base(module: ModuleType) -> None:
+    import batchkit
+
+    class Busy(batchkit.QueueFull):
+        pass
+
+    response = module.error_response(Busy("try later"))
+    assert response.status_code == 503 and response.headers["Retry-After"] == "1"
+
+
+def test_settings_come_from_the_environment(module: ModuleType) -> None:
+    settings = module.BatchSettings.from_env(
+        {
+            "BATCHKIT_MAX_BATCH_SIZE": "8",
+            "BATCHKIT_MAX_WAIT_MS": "0.5",
+            "BATCHKIT_MAX_QUEUE_SIZE": "100",
+            "BATCHKIT_REQUEST_TIMEOUT_S": "2",
+        }
+    )
+    assert settings == module.BatchSettings(8, 0.5, 100, 2.0)
+    assert module.BatchSettings.from_env({}) == module.BatchSettings()
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("BATCHKIT_MAX_BATCH_SIZE", "0"),
+        ("BATCHKIT_MAX_BATCH_SIZE", "4.5"),
+        ("BATCHKIT_MAX_WAIT_MS", "-1"),
+        ("BATCHKIT_MAX_WAIT_MS", "soon"),
+        ("BATCHKIT_MAX_QUEUE_SIZE", "lots"),
+        ("BATCHKIT_REQUEST_TIMEOUT_S", "nan"),
+    ],
+)
+def test_a_bad_setting_names_its_variable(module: ModuleType, name: str, value: str) -> None:
+    with pytest.raises(ValueError, match=f"{name} must be .* got '{re.escape(value)}'"):
+        module.BatchSettings.from_env({name: value})
