@@ -36,6 +36,15 @@ def test_readme_snippets_run() -> None:
         exec(compile(block, "README.md", "exec"), {})
 
 
+def test_docs_home_page_lists_every_example() -> None:
+    home = (ROOT / "docs" / "index.md").read_text()
+    examples = [f"examples/{p.name}" for p in EXAMPLES]
+    folders = [p for p in (ROOT / "examples").iterdir() if p.is_dir() and p.name[0] not in "_."]
+    examples += [f"examples/{p.name}/" for p in folders]
+    missing = [name for name in examples if f"`{name}`" not in home]
+    assert not missing, f"docs/index.md does not list {missing}"
+
+
 DOCS = sorted((ROOT / "docs").rglob("*.md"))
 
 
