@@ -4,8 +4,18 @@ Each HTTP request carries one text. The endpoint awaits ``model.acall(features)`
 concurrent requests are grouped by length bucket (``BucketedBatcher``), padded with
 ``PadCollator`` and run as one forward pass on a worker thread, so the event loop
 never blocks; every request gets exactly its own embedding. ``/metrics`` serves
-Prometheus text (``batchkit.metrics``); ``QueueFull`` answers 503 and
-``RequestTimeout`` 504.
+Prometheus text (``batchkit.metrics``).
+
+batchkit's errors become HTTP answers in one place, ``ERROR_RESPONSES``: a full
+queue is 503 with ``Retry-After``, a request that waited past its timeout 504, a
+closed (shutting down) batcher 503.
+
+Batch settings come from the environment (``BatchSettings.from_env``):
+
+    BATCHKIT_MAX_BATCH_SIZE     largest batch (default 32)
+    BATCHKIT_MAX_WAIT_MS        longest wait for a batch to fill, ms (default 2)
+    BATCHKIT_MAX_QUEUE_SIZE     requests that may wait before 503s (default 4096)
+    BATCHKIT_REQUEST_TIMEOUT_S  longest wait before a request starts, s (default 30)
 
 The default model is a small built-in torch encoder (random weights, instant to
 load). ``EMBED_MODEL=minilm`` serves sentence-transformers/all-MiniLM-L6-v2 from
@@ -19,12 +29,14 @@ Try:  curl -s 127.0.0.1:8000/embed -H 'content-type: application/json' -d '{"tex
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import zlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
 
 import torch
 from fastapi import FastAPI, Request, Response
@@ -119,14 +131,77 @@ class EmbedResponse(BaseModel):
     embedding: list[float]
 
 
-def create_app(
-    encoder: Encoder | None = None,
-    *,
-    max_batch_size: int = 32,
-    max_wait_ms: float = 2.0,
-    max_queue_size: int = 4096,
-) -> FastAPI:
-    """The service around ``encoder`` (default: :class:`TinyEncoder`)."""
+N = TypeVar("N", int, float)
+
+
+def _setting(
+    environ: Mapping[str, str], name: str, parse: Callable[[str], N], default: N, minimum: N
+) -> N:
+    """``environ[name]`` read with ``parse``, or ``default``; a ValueError names ``name``."""
+    raw = environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    kind = "an integer" if parse is int else "a number"
+    try:
+        value = parse(raw.strip())
+    except ValueError:
+        raise ValueError(f"{name} must be {kind} >= {minimum}, got {raw!r}") from None
+    if not math.isfinite(value) or value < minimum:
+        raise ValueError(f"{name} must be {kind} >= {minimum}, got {raw!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class BatchSettings:
+    """How requests are batched; :meth:`from_env` reads them from ``BATCHKIT_*``."""
+
+    max_batch_size: int = 32
+    max_wait_ms: float = 2.0
+    max_queue_size: int = 4096
+    request_timeout_s: float = 30.0
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> BatchSettings:
+        """Settings from ``BATCHKIT_MAX_BATCH_SIZE``, ``BATCHKIT_MAX_WAIT_MS``,
+        ``BATCHKIT_MAX_QUEUE_SIZE`` and ``BATCHKIT_REQUEST_TIMEOUT_S``; unset ones keep
+        their defaults, and a bad value raises a ValueError naming its variable."""
+        env = os.environ if environ is None else environ
+        default = cls()
+        return cls(
+            max_batch_size=_setting(env, "BATCHKIT_MAX_BATCH_SIZE", int, default.max_batch_size, 1),
+            max_wait_ms=_setting(env, "BATCHKIT_MAX_WAIT_MS", float, default.max_wait_ms, 0.0),
+            max_queue_size=_setting(env, "BATCHKIT_MAX_QUEUE_SIZE", int, default.max_queue_size, 1),
+            request_timeout_s=_setting(
+                env, "BATCHKIT_REQUEST_TIMEOUT_S", float, default.request_timeout_s, 0.0
+            ),
+        )
+
+
+# batchkit's errors as HTTP answers: (status code, Retry-After seconds or None). A
+# subclass answers as its nearest listed base. A new error (say a busy/retry error)
+# is one more line here.
+ERROR_RESPONSES: dict[type[Exception], tuple[int, int | None]] = {
+    batchkit.QueueFull: (503, 1),  # overloaded: retry soon, here or elsewhere
+    batchkit.RequestTimeout: (504, None),  # waited past its timeout, never ran
+    batchkit.BatcherClosed: (503, None),  # shutting down: retry on another instance
+}
+
+
+def error_response(exc: Exception) -> JSONResponse:
+    """The HTTP answer for one of the errors in :data:`ERROR_RESPONSES`."""
+    status, retry_after = next(
+        ERROR_RESPONSES[cls] for cls in type(exc).__mro__ if cls in ERROR_RESPONSES
+    )
+    headers = {} if retry_after is None else {"Retry-After": str(retry_after)}
+    body = {"detail": str(exc), "error": type(exc).__name__}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def create_app(encoder: Encoder | None = None, settings: BatchSettings | None = None) -> FastAPI:
+    """The service around ``encoder`` (default: :class:`TinyEncoder`, or MiniLM with
+    ``EMBED_MODEL=minilm``), batched as ``settings`` say (default: from the environment)."""
+    if settings is None:
+        settings = BatchSettings.from_env()
     if encoder is None:
         encoder = MiniLM() if os.environ.get("EMBED_MODEL") == "minilm" else TinyEncoder()
     collate = batchkit.PadCollator()  # torch tensors, attention_mask from input_ids
@@ -136,12 +211,12 @@ def create_app(
         batcher=batchkit.BucketedBatcher(
             [16, 32, 64, 128],
             key=lambda f: len(f["input_ids"]),
-            max_batch_size=max_batch_size,
-            max_wait_ms=max_wait_ms,
+            max_batch_size=settings.max_batch_size,
+            max_wait_ms=settings.max_wait_ms,
         ),
         collate=collate,
         split=lambda out: out.tolist(),  # JSON-ready lists, one per request
-        max_queue_size=max_queue_size,
+        max_queue_size=settings.max_queue_size,
     )
     def embed_batch(batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return encoder(batch)
@@ -159,10 +234,18 @@ def create_app(
     app.state.model = embed_batch
     app.state.encoder = encoder
     app.state.metrics = metrics
+    app.state.settings = settings
+
+    async def batchkit_error(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(exc)
+
+    for error_type in ERROR_RESPONSES:
+        app.add_exception_handler(error_type, batchkit_error)
 
     @app.post("/embed")
     async def embed(req: EmbedRequest) -> EmbedResponse:
-        vector = await embed_batch.acall(encoder.tokenize(req.text), timeout=30)
+        features = encoder.tokenize(req.text)
+        vector = await embed_batch.acall(features, timeout=settings.request_timeout_s)
         return EmbedResponse(embedding=vector)
 
     @app.get("/metrics")
@@ -173,14 +256,6 @@ def create_app(
     def healthz() -> dict[str, Any]:
         stats = embed_batch.stats()
         return {"ok": True, "queue_depth": stats.queue_depth, "batches": stats.batches}
-
-    @app.exception_handler(batchkit.QueueFull)
-    async def overloaded(request: Request, exc: batchkit.QueueFull) -> JSONResponse:
-        return JSONResponse({"detail": str(exc)}, status_code=503, headers={"Retry-After": "1"})
-
-    @app.exception_handler(batchkit.RequestTimeout)
-    async def timed_out(request: Request, exc: batchkit.RequestTimeout) -> JSONResponse:
-        return JSONResponse({"detail": str(exc)}, status_code=504)
 
     return app
 
