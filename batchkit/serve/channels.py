@@ -48,7 +48,7 @@ class ThreadChannel:
 
     def __init__(self) -> None:
         self._items: deque[Message] = deque()
-        self._cond = threading.Condition(threading.Lock())
+        self._cond = threading.Condition()
         self._finished = False
         self.left = False  # the consumer stopped reading: the producer may stop
 
