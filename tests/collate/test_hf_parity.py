@@ -155,3 +155,13 @@ def test_varlen_collator_does_not_mutate_features() -> None:
     batchkit.VarlenCollator(return_tensors="np")(features)
     assert features[0]["labels"].tolist() == [1, 2, 3]
     assert features[0]["input_ids"].tolist() == [5, 6, 7]
+
+
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+def test_pad_collator_gives_int64_ids_as_hugging_face_does(lib: str) -> None:
+    ids = [np.array([5, 6, 7], np.int32), np.array([8], np.int32)]
+    if lib == "torch":
+        ids = [torch.from_numpy(x) for x in ids]
+    batch = batchkit.PadCollator(return_tensors="pt")([{"input_ids": x} for x in ids])
+    assert batch["input_ids"].dtype == torch.int64  # was int32
+    assert batch["attention_mask"].dtype == torch.int64

@@ -1,4 +1,4 @@
-"""Basic round trips for every layout, on numpy and torch."""
+"""Basic round trips for every layout, on numpy and torch (registered leaf types too)."""
 
 from __future__ import annotations
 
@@ -47,3 +47,27 @@ def test_stack_unstack() -> None:
     assert len(back) == 4
     for a, b in zip(back, items, strict=True):
         assert (a["x"] == b["x"]).all() and a["y"][0] == b["y"][0] and a["y"][1] == b["y"][1]
+
+
+class _Box:
+    def __init__(self, a: object) -> None:
+        self.a = np.asarray(a)
+
+
+batchkit.collate.register_leaf(
+    _Box,
+    lambda leaves, path: _Box(np.stack([leaf.a for leaf in leaves])),
+    lambda box: [_Box(x) for x in box.a],
+)
+
+
+def test_registered_leaves_inside_a_list_round_trip() -> None:
+    items = [[_Box([i, i]), _Box([-i])] for i in range(3)]
+    back = batchkit.unstack(batchkit.stack(items))
+    assert len(back) == 3  # was 2: the list's entries were taken for items
+    assert [[b.a.tolist() for b in item] for item in back] == [
+        [[i, i], [-i]] for i in range(3)
+    ]
+    mixed = [{"x": np.ones(2), "boxes": [_Box([i])]} for i in range(3)]
+    back_mixed = batchkit.unstack(batchkit.stack(mixed))
+    assert [m["boxes"][0].a.tolist() for m in back_mixed] == [[0], [1], [2]]
