@@ -65,9 +65,7 @@ def test_registered_leaves_inside_a_list_round_trip() -> None:
     items = [[_Box([i, i]), _Box([-i])] for i in range(3)]
     back = batchkit.unstack(batchkit.stack(items))
     assert len(back) == 3  # was 2: the list's entries were taken for items
-    assert [[b.a.tolist() for b in item] for item in back] == [
-        [[i, i], [-i]] for i in range(3)
-    ]
+    assert [[b.a.tolist() for b in item] for item in back] == [[[i, i], [-i]] for i in range(3)]
     mixed = [{"x": np.ones(2), "boxes": [_Box([i])]} for i in range(3)]
     back_mixed = batchkit.unstack(batchkit.stack(mixed))
     assert [m["boxes"][0].a.tolist() for m in back_mixed] == [[0], [1], [2]]
