@@ -205,22 +205,8 @@ def scatter_rows(data: Any, host_mask: np.ndarray, mask: Any, values: Any) -> No
 # torch dtypes whose tensors have a numpy view (bfloat16, complex32, ... do not).
 _NUMPY_VIEWABLE = frozenset(
     f"torch.{name}"
-    for name in (
-        "bool",
-        "uint8",
-        "int8",
-        "int16",
-        "int32",
-        "int64",
-        "float16",
-        "float32",
-        "float64",
-        "complex64",
-        "complex128",
-        "uint16",
-        "uint32",
-        "uint64",
-    )
+    for name in ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "float32",
+                 "float64", "complex64", "complex128", "uint16", "uint32", "uint64")
 )
 
 

@@ -76,9 +76,9 @@ def varlen_from_ragged(
 ) -> Varlen:
     """Build the varlen layout from validated items (shared with the dict collators).
 
-    With ``pin_memory`` every output array is page-locked: ``ragged.values`` must be so
-    already (``to_ragged(..., pin_memory=True)``) unless a padding tail is appended,
-    which allocates anew.
+    With ``pin_memory`` every output array is page-locked. ``ragged.values`` is the
+    output when no padding tail is appended: allocate it pinned up front
+    (``to_ragged(..., pin_memory=True)``), or it is copied to pinned memory here.
     """
     kind, device = ragged.kind, ragged.device
     check_pin_memory(pin_memory, "pack_varlen", kind, device)

@@ -120,6 +120,7 @@ def test_cuda_in_cuda_out() -> None:
         batchkit.pad(items).data,
         batchkit.pack_varlen(items).cu_seqlens,
         batchkit.pack(items, 4).segment_ids,
+        batchkit.PadCollator()([{"input_ids": t} for t in items])["attention_mask"],
     ):
         assert out.device.type == "cuda"
 
