@@ -9,12 +9,12 @@ copy overlaps with whatever the GPU is doing; that is what ``pin_memory=True`` i
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar, cast
 
 import numpy as np
 
-from batchkit._backend import is_tensor, require_torch
+from batchkit._backend import check_pin_memory, is_tensor, require_torch
 
 BatchT = TypeVar("BatchT")
 
@@ -43,33 +43,57 @@ def to_device(batch: BatchT, device: Any, *, non_blocking: bool | None = None) -
             f"to_device: device {str(device)!r} needs CUDA, and torch.cuda.is_available() "
             "is False on this machine"
         )
-    return cast(BatchT, _move(batch, target, non_blocking, torch, ""))
+
+    def move(x: Any, path: str) -> Any:
+        if is_tensor(x):
+            pinned = x.is_pinned() if non_blocking is None else non_blocking
+            return x.to(target, non_blocking=pinned)
+        if isinstance(x, np.ndarray):
+            if x.dtype.kind not in "biufc":
+                raise TypeError(
+                    f"to_device: {path or 'the batch'} is a numpy array of dtype {x.dtype}, "
+                    "which has no torch equivalent"
+                )
+            host = torch.as_tensor(x if x.flags.writeable else x.copy())
+            return host.to(target, non_blocking=bool(non_blocking))
+        return x
+
+    return cast(BatchT, map_leaves(batch, move))
 
 
-def _move(x: Any, device: Any, non_blocking: bool | None, torch: Any, path: str) -> Any:
-    if is_tensor(x):
-        return x.to(device, non_blocking=x.is_pinned() if non_blocking is None else non_blocking)
-    if isinstance(x, np.ndarray):
-        if x.dtype.kind not in "biufc":
-            raise TypeError(
-                f"to_device: {path or 'the batch'} is a numpy array of dtype {x.dtype}, "
-                "which has no torch equivalent"
-            )
-        host = torch.as_tensor(x if x.flags.writeable else x.copy())
-        return host.to(device, non_blocking=bool(non_blocking))
+def pinned_batch(batch: BatchT, who: str) -> BatchT:
+    """``batch`` with every host tensor copied to page-locked memory (pinned ones kept);
+    numpy arrays, GPU tensors and other values as they are, as
+    ``DataLoader(pin_memory=True)`` treats them. ``who`` names the caller when CUDA
+    is missing."""
+
+    def pin(x: Any, path: str) -> Any:
+        if not is_tensor(x) or x.device.type != "cpu" or x.is_pinned():
+            return x
+        check_pin_memory(True, who, "pt", x.device)
+        return x.pin_memory()
+
+    return cast(BatchT, map_leaves(batch, pin))
+
+
+def map_leaves(x: Any, leaf: Callable[[Any, str], Any], path: str = "") -> Any:
+    """``x`` rebuilt with ``leaf(value, path)`` in place of every value that is not a
+    container: dataclasses (their init fields), mappings, lists, tuples, named tuples."""
+    if is_tensor(x) or isinstance(x, np.ndarray):
+        return leaf(x, path)
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
         changes = {
-            f.name: _move(getattr(x, f.name), device, non_blocking, torch, f"{path}.{f.name}")
+            f.name: map_leaves(getattr(x, f.name), leaf, f"{path}.{f.name}")
             for f in dataclasses.fields(x)
             if f.init
         }
         return dataclasses.replace(x, **changes)
     if isinstance(x, Mapping):
-        moved = {k: _move(v, device, non_blocking, torch, f"{path}[{k!r}]") for k, v in x.items()}
-        return moved if type(x) is dict else type(x)(moved)  # type: ignore[call-arg]
+        mapped = {k: map_leaves(v, leaf, f"{path}[{k!r}]") for k, v in x.items()}
+        return mapped if type(x) is dict else type(x)(mapped)  # type: ignore[call-arg]
     if isinstance(x, (list, tuple)):
-        items = [_move(v, device, non_blocking, torch, f"{path}[{i}]") for i, v in enumerate(x)]
+        items = [map_leaves(v, leaf, f"{path}[{i}]") for i, v in enumerate(x)]
         if isinstance(x, tuple) and hasattr(x, "_fields"):  # a named tuple
             return type(x)(*items)
         return type(x)(items)
-    return x
+    return leaf(x, path)

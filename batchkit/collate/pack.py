@@ -31,6 +31,7 @@ from batchkit._backend import (
     from_host,
     full,
 )
+from batchkit.collate.device import pinned_batch
 from batchkit.collate.pad import check_max_length, is_positive_int
 from batchkit.collate.ragged import to_ragged
 from batchkit.collate.varlen import positions_restarting
@@ -85,6 +86,14 @@ class Packed:
                 raise ValueError(f"item {i} was split into {len(parts)} pieces; use .pieces")
             out.append(parts[0])
         return out
+
+    def pin_memory(self) -> Packed:
+        """A copy with every host tensor in page-locked memory (numpy arrays as they are).
+
+        ``DataLoader(pin_memory=True)`` calls it on each batch, so a ``collate_fn`` run
+        in worker processes may return a ``Packed`` and still have it pinned.
+        """
+        return pinned_batch(self, "Packed.pin_memory()")
 
     def unpack(self, outputs: Any) -> list[Any]:
         """Each input item's slice of any output whose first two axes are ``[R, max_length]``.

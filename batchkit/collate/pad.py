@@ -17,6 +17,7 @@ from batchkit._backend import (
     full,
     scatter_rows,
 )
+from batchkit.collate.device import pinned_batch
 from batchkit.collate.ragged import Ragged, to_ragged
 
 Side = Literal["left", "right"]
@@ -78,6 +79,14 @@ class Padded:
     def max_length(self) -> int:
         """L, the padded length."""
         return int(self.data.shape[1])
+
+    def pin_memory(self) -> Padded:
+        """A copy with every host tensor in page-locked memory (numpy arrays as they are).
+
+        ``DataLoader(pin_memory=True)`` calls it on each batch, so a ``collate_fn`` run
+        in worker processes may return a ``Padded`` and still have it pinned.
+        """
+        return pinned_batch(self, "Padded.pin_memory()")
 
     def unpad(self, outputs: Any) -> list[Any]:
         """Per-item real slices of any output whose first two axes are ``[B, L]``.

@@ -17,6 +17,7 @@ from batchkit._backend import (
     full,
     to_kind,
 )
+from batchkit.collate.device import pinned_batch
 from batchkit.collate.pad import round_up
 from batchkit.collate.ragged import Ragged, to_ragged
 
@@ -56,6 +57,14 @@ class Varlen:
     def total_length(self) -> int:
         """T, rows in ``values`` including any trailing padding."""
         return int(self.values.shape[0])
+
+    def pin_memory(self) -> Varlen:
+        """A copy with every host tensor in page-locked memory (numpy arrays as they are).
+
+        ``DataLoader(pin_memory=True)`` calls it on each batch, so a ``collate_fn`` run
+        in worker processes may return a ``Varlen`` and still have it pinned.
+        """
+        return pinned_batch(self, "Varlen.pin_memory()")
 
     def unpack(self, outputs: Any) -> list[Any]:
         """The N items' slices (views) of any output whose leading axis is ``T``."""

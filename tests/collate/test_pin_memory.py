@@ -4,6 +4,7 @@ page-locked memory where CUDA exists, and refuses clearly where pinning cannot h
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -133,6 +134,46 @@ def test_outputs_are_pinned_on_cuda(name: str) -> None:
         assert g.device.type == "cuda" and torch.equal(g.cpu(), w), path
 
 
+LAYOUT_BUILDERS = ("pad-tensors", "pack-lists-split", "pack_varlen-numpy-tail")
+
+
+@pytest.mark.parametrize("name", LAYOUT_BUILDERS)
+@pytest.mark.usefixtures("simulated_pinned_memory")
+def test_a_layout_pins_itself_as_dataloader_pin_memory_asks(name: str) -> None:
+    """DataLoader(pin_memory=True) calls .pin_memory() on what a worker's collate_fn
+    returned; without the method a Padded/Packed/Varlen passed through unpinned."""
+    plain = BUILDERS[name](False)
+    pinned = plain.pin_memory()
+    assert type(pinned) is type(plain)
+    _assert_pinned_and_equal(pinned, plain)
+    assert pinned.pin_memory() is not pinned  # a copy, whose tensors are kept as they are
+    assert all(
+        a is b
+        for (_, a), (_, b) in zip(tensors_in(pinned.pin_memory()), tensors_in(pinned), strict=True)
+    )
+    as_numpy = batchkit.pad(ARRAYS).pin_memory()
+    assert isinstance(as_numpy.data, np.ndarray)  # numpy left as it is, as DataLoader does
+
+
+def _pad_worker_collate(batch: list[list[int]]) -> Any:
+    return batchkit.pad(batch, return_tensors="pt")
+
+
+@needs_cuda
+def test_dataloader_pin_memory_pins_layouts_from_workers() -> None:
+    loader = DataLoader(
+        INTS,
+        batch_size=3,
+        num_workers=1,
+        collate_fn=_pad_worker_collate,
+        pin_memory=True,
+        multiprocessing_context="fork",
+    )
+    batch = next(iter(loader))
+    assert isinstance(batch, batchkit.Padded)
+    assert all(t.is_pinned() for _, t in tensors_in(batch))
+
+
 LAYOUTS_WITH_GRAD: dict[str, Callable[[list[torch.Tensor]], tuple[torch.Tensor, Any]]] = {
     "pad": lambda xs: (lambda p: (p.data, p.unpad))(batchkit.pad(xs, pin_memory=True)),
     "pack": lambda xs: (lambda p: (p.data, p.unpack))(batchkit.pack(xs, 8, pin_memory=True)),
@@ -174,13 +215,16 @@ TORCH_OUTPUT: dict[str, Callable[[], Any]] = {
     "stack": lambda: batchkit.stack([torch.ones(2)] * 2, pin_memory=True),
     "PadCollator": lambda: batchkit.PadCollator(pin_memory=True),
     "VarlenCollator": lambda: batchkit.VarlenCollator(pin_memory=True),
+    "Padded.pin_memory()": lambda: batchkit.pad(TENSORS).pin_memory(),
+    "Packed.pin_memory()": lambda: batchkit.pack(TENSORS, 4).pin_memory(),
+    "Varlen.pin_memory()": lambda: batchkit.pack_varlen(TENSORS).pin_memory(),
 }
 
 
 @needs_no_cuda
 @pytest.mark.parametrize("who", sorted(TORCH_OUTPUT))
 def test_without_cuda_pin_memory_is_refused_by_name(who: str) -> None:
-    with pytest.raises(RuntimeError, match=rf"^{who}.*pin_memory=True needs CUDA"):
+    with pytest.raises(RuntimeError, match=rf"^{re.escape(who)}.*pin_memory=True needs CUDA"):
         TORCH_OUTPUT[who]()
 
 
