@@ -25,6 +25,7 @@ from batchkit.collate import (
     pack_varlen,
     pad,
     stack,
+    to_device,
     unstack,
 )
 from batchkit.generate import ContinuousBatcher, GenerationHandle, GenerationStats, StepBatch
@@ -92,5 +93,6 @@ __all__ = [
     "serve",
     "simulate",
     "stack",
+    "to_device",
     "unstack",
 ]

@@ -16,6 +16,7 @@ import numpy as np
 ReturnTensors = Literal["np", "pt"] | None
 """``"np"`` forces numpy output, ``"pt"`` torch output, ``None`` follows the input."""
 
+
 def torch_module() -> Any | None:
     """The already-imported torch module, or None if the process has not imported it."""
     return sys.modules.get("torch")
@@ -29,12 +30,13 @@ def _torch() -> Any:
     return torch
 
 
-def require_torch() -> Any:
-    """Import torch for ``return_tensors="pt"``; a clear error if it is not installed."""
+def require_torch(what: str = 'return_tensors="pt"') -> Any:
+    """Import torch for ``what`` (torch output by default); a clear error if it is not
+    installed."""
     try:
         import torch
     except ImportError as exc:  # pragma: no cover - exercised only without torch
-        raise ImportError('return_tensors="pt" needs torch: pip install "batchkit[torch]"') from exc
+        raise ImportError(f'{what} needs torch: pip install "batchkit[torch]"') from exc
     return torch
 
 
@@ -79,24 +81,108 @@ def to_numpy(x: Any) -> np.ndarray:
     return np.asarray(x)
 
 
-def to_kind(x: np.ndarray | Any, kind: str, device: Any = None) -> Any:
-    """Convert a numpy array or tensor to ``kind`` ("np" or "pt"), on ``device`` for torch."""
+def to_kind(x: np.ndarray | Any, kind: str, device: Any = None, *, pin: bool = False) -> Any:
+    """Convert a numpy array or tensor to ``kind`` ("np" or "pt"), on ``device`` for torch;
+    with ``pin``, a torch result lies in page-locked host memory (see
+    :func:`check_pin_memory`)."""
     if kind == "np":
         return to_numpy(x)
     torch = require_torch()
+    if pin:
+        if isinstance(x, np.ndarray):
+            return pinned_copy(x)
+        return x if x.is_pinned() else x.pin_memory()  # PinMemoryBackward keeps a graph
     if isinstance(x, np.ndarray):
         x = torch.from_numpy(np.ascontiguousarray(x))
     return x if device is None else x.to(device)
 
 
-def join_tensors(torch: Any, join: Callable[..., Any], tensors: Sequence[Any]) -> Any:
+def pinned_empty(shape: tuple[int, ...], dtype: Any) -> Any:
+    """An uninitialised torch tensor of ``shape`` and torch ``dtype`` in page-locked memory."""
+    return _torch().empty(shape, dtype=dtype, pin_memory=True)
+
+
+def pinned_copy(arr: np.ndarray, dtype: Any = None) -> Any:
+    """A page-locked torch tensor holding a copy of the host array ``arr`` (cast to the
+    torch ``dtype`` when given)."""
+    src = require_torch().from_numpy(np.ascontiguousarray(arr))
+    out = pinned_empty(tuple(src.shape), src.dtype if dtype is None else dtype)
+    return out.copy_(src)
+
+
+def pinned_numpy_out(shape: tuple[int, ...], np_dtype: Any) -> tuple[Any, np.ndarray]:
+    """A page-locked torch tensor and a numpy view of it, for numpy to build into with
+    ``out=`` (so a numpy-built batch is allocated pinned rather than copied there)."""
+    dtype = require_torch().from_numpy(np.empty(0, dtype=np_dtype)).dtype
+    out = pinned_empty(shape, dtype)
+    return out, out.numpy()
+
+
+def join_tensors(
+    torch: Any, join: Callable[..., Any], tensors: Sequence[Any], *, pin: bool = False
+) -> Any:
     """``join(tensors, dim=0)`` (``torch.cat`` or ``torch.stack``). Without an autograd
     graph (cheaper than detaching each item) unless an item requires grad while grad
-    mode is on: then the batch keeps the graph, so that a loss on it reaches the items."""
+    mode is on: then the batch keeps the graph, so that a loss on it reaches the items.
+
+    With ``pin`` the result lies in page-locked memory: written there directly with
+    ``out=``, or, on the autograd route (where ``out=`` is refused), copied there by a
+    differentiable ``pin_memory()``.
+    """
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return join(tensors, dim=0)
+        joined = join(tensors, dim=0)
+        return joined.pin_memory() if pin else joined
     with torch.no_grad():
-        return join(tensors, dim=0)
+        if not pin:
+            return join(tensors, dim=0)
+        first = tensors[0]
+        if join is torch.stack:
+            shape = (len(tensors), *first.shape)
+        else:
+            shape = (sum(int(t.shape[0]) for t in tensors), *first.shape[1:])
+        dtype = first.dtype
+        for t in tensors[1:]:
+            dtype = torch.promote_types(dtype, t.dtype)  # as the join itself promotes
+        return join(tensors, dim=0, out=pinned_empty(tuple(shape), dtype))
+
+
+def check_pin_memory(pin_memory: object, who: str, kind: str, device: Any = None) -> None:
+    """Refuse ``pin_memory=True`` where a batch cannot be pinned, before anything is
+    allocated, so the caller gets a clear error rather than a crash inside torch.
+
+    Page-locked (pinned) host memory is what lets ``tensor.to("cuda", non_blocking=True)``
+    overlap the copy with compute; it exists only for torch tensors on the host, in the
+    process that will do the copy, and only where CUDA is available. ``kind`` and
+    ``device`` describe the output about to be built ("np"/"pt", its torch device).
+    """
+    if pin_memory is False:
+        return
+    if not isinstance(pin_memory, bool):
+        raise TypeError(f"{who}: pin_memory must be True or False, got {pin_memory!r}")
+    if kind != "pt":
+        raise ValueError(
+            f"{who}: pin_memory=True pins torch tensors, but this batch comes out as numpy "
+            '(numpy or list input, or return_tensors="np"); pass return_tensors="pt"'
+        )
+    if device is not None and device.type != "cpu":
+        raise ValueError(
+            f"{who}: pin_memory=True pins host memory, but the items are on {device} "
+            "already; pass pin_memory=False"
+        )
+    torch = require_torch("pin_memory=True")
+    data = sys.modules.get("torch.utils.data")
+    if data is not None and data.get_worker_info() is not None:
+        raise RuntimeError(
+            f"{who}: pin_memory=True inside a DataLoader worker process: the batch reaches "
+            "the main process through shared memory, which is not page-locked; pass "
+            "pin_memory=True to the DataLoader instead (it pins in the main process)"
+        )
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            f"{who}: pin_memory=True needs CUDA: page-locked memory only speeds up copies "
+            "to a CUDA device, and torch.cuda.is_available() is False on this machine; "
+            "leave pin_memory=False here"
+        )
 
 
 def scatter_rows(data: Any, host_mask: np.ndarray, mask: Any, values: Any) -> None:
@@ -147,8 +233,9 @@ def copy_rows(
     dst[from_host(kind, dst_rows, device)] = src[from_host(kind, src_rows, device)]
 
 
-def full(kind: str, shape: tuple[int, ...], fill: Any, like: Any) -> Any:
-    """An array of ``shape`` filled with ``fill``, with ``like``'s dtype and device.
+def full(kind: str, shape: tuple[int, ...], fill: Any, like: Any, *, pin: bool = False) -> Any:
+    """An array of ``shape`` filled with ``fill``, with ``like``'s dtype and device
+    (in page-locked host memory with ``pin``, for torch).
 
     An integer or bool dtype must hold ``fill`` exactly: -100 in uint8 would wrap to 156
     (and padding be trained on), 0.5 in int64 would become 0. A float dtype rounds.
@@ -162,7 +249,7 @@ def full(kind: str, shape: tuple[int, ...], fill: Any, like: Any) -> Any:
             except (TypeError, RuntimeError, OverflowError):
                 held = None
             _check_fill(fill, held, dtype)
-        return torch.full(shape, fill, dtype=dtype, device=like.device)
+        return torch.full(shape, fill, dtype=dtype, device=like.device, pin_memory=pin)
     dtype = like.dtype
     if dtype.kind in "biu":
         try:
@@ -179,9 +266,10 @@ def _check_fill(fill: Any, held: Any, dtype: Any) -> None:
         raise ValueError(f"pad value {fill!r} does not fit the data's dtype {dtype}")
 
 
-def from_host(kind: str, arr: np.ndarray, device: Any = None) -> Any:
-    """A host numpy array in the output backend (on ``device`` for torch)."""
-    return to_kind(arr, kind, device)
+def from_host(kind: str, arr: np.ndarray, device: Any = None, *, pin: bool = False) -> Any:
+    """A host numpy array in the output backend (on ``device`` for torch; page-locked
+    with ``pin``)."""
+    return to_kind(arr, kind, device, pin=pin)
 
 
 def check_leading_axes(outputs: Any, expected: tuple[int, ...], what: str) -> None:
@@ -194,8 +282,10 @@ def check_leading_axes(outputs: Any, expected: tuple[int, ...], what: str) -> No
         )
 
 
-def concat(parts: Sequence[Any]) -> Any:
-    """Concatenate arrays or tensors along axis 0, in the backend of the first part."""
+def concat(parts: Sequence[Any], *, pin: bool = False) -> Any:
+    """Concatenate arrays or tensors along axis 0, in the backend of the first part
+    (page-locked with ``pin``, for tensors)."""
     if is_tensor(parts[0]):
-        return _torch().cat(list(parts), dim=0)
+        torch = _torch()
+        return join_tensors(torch, torch.cat, list(parts), pin=pin)
     return np.concatenate(parts, axis=0)

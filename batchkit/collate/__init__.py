@@ -2,10 +2,12 @@
 
 Every function takes a list of per-request items (python lists, numpy arrays or
 torch tensors; first axis = sequence) and returns a batch whose inverse gives each
-request its own slice back.
+request its own slice back. With ``pin_memory=True`` the batch is allocated in
+page-locked memory, and :func:`to_device` moves it to a GPU without blocking.
 """
 
 from batchkit.collate.collators import DEFAULT_PAD_VALUES, PadCollator, VarlenCollator
+from batchkit.collate.device import to_device
 from batchkit.collate.pack import Packed, Placement, pack
 from batchkit.collate.pad import Padded, pad
 from batchkit.collate.stack import register_leaf, stack, unstack
@@ -24,5 +26,6 @@ __all__ = [
     "pad",
     "register_leaf",
     "stack",
+    "to_device",
     "unstack",
 ]

@@ -14,12 +14,14 @@ import numpy as np
 
 from batchkit._backend import (
     ReturnTensors,
+    check_pin_memory,
     check_return_tensors,
+    from_host,
     is_tensor,
     to_kind,
     to_numpy,
 )
-from batchkit.collate.pad import Padded, check_side, pad_ragged
+from batchkit.collate.pad import check_side, pad_ragged, real_token_mask
 from batchkit.collate.ragged import Ragged, to_ragged
 from batchkit.collate.stack import stack
 from batchkit.collate.varlen import varlen_from_ragged
@@ -54,33 +56,35 @@ def _check_features(features: Sequence[Mapping[str, Any]], who: str) -> list[str
     return keys or []
 
 
-def _has_sequence_axis(value: Any) -> bool:
+def _seq_length(value: Any) -> int | None:
+    """The length of ``value``'s first (sequence) axis; None when it has none."""
     if isinstance(value, (list, tuple)):
-        return True
-    return (isinstance(value, np.ndarray) or is_tensor(value)) and value.ndim >= 1
+        return len(value)
+    if (isinstance(value, np.ndarray) or is_tensor(value)) and value.ndim >= 1:
+        return int(value.shape[0])
+    return None
 
 
-_HF_INT64 = frozenset({"input_ids", "attention_mask", "token_type_ids"})
-_NOT_WIDENED = ("torch.bool", "torch.int64")
+# Keys PadCollator returns int64 when they hold integers or bools, whatever width came
+# in: the dtype transformers' DataCollatorWithPadding gives them once it pads.
+_HF_INT64 = frozenset({"input_ids", "attention_mask", "token_type_ids", "special_tokens_mask"})
 
 
 def _as_int64(data: Any) -> Any:
-    """Integer ``data`` (numpy or torch, any width) as int64; anything else as it is."""
+    """Integer or bool ``data`` (numpy or torch, any width) as int64; floats as they are."""
     if is_tensor(data):
         dtype = data.dtype
-        if dtype.is_floating_point or dtype.is_complex or str(dtype) in _NOT_WIDENED:
+        if dtype.is_floating_point or dtype.is_complex or str(dtype) == "torch.int64":
             return data
         import torch
 
         return data.to(torch.int64)
-    if data.dtype.kind in "iu" and data.dtype != np.int64:
+    if data.dtype.kind in "biu" and data.dtype != np.int64:
         return data.astype(np.int64)
     return data
 
 
-def _ragged_for_key(
-    values: list[Any], key: str, who: str, kind: ReturnTensors = None
-) -> Ragged:
+def _ragged_for_key(values: list[Any], key: str, who: str, kind: ReturnTensors = None) -> Ragged:
     try:
         # kind: numbers from lists take that backend's default dtypes (float32 for torch)
         return to_ragged(values, return_tensors=kind)
@@ -88,19 +92,34 @@ def _ragged_for_key(
         raise type(exc)(f"{who}: key {key!r}: {exc}") from None
 
 
+def _out_key(key: str) -> str:
+    return "labels" if key in _LABEL_ALIASES else key
+
+
 class PadCollator:
-    """Pad ragged keys of dict features; stack the rest.
+    """Pad the keys of dict features that are aligned with ``input_ids``; stack the rest.
 
-    Keys whose values have a sequence axis and a pad value (``pad_values``, then
-    :data:`DEFAULT_PAD_VALUES`) are padded to the longest in the batch (rounded up to
-    ``pad_to_multiple_of``) on ``padding_side``. An ``attention_mask`` (int64, 1 =
-    real) is created from ``input_ids`` (or the first padded key) unless the features
-    carry one, which is then padded with 0. Other keys must be fixed-shape and are
-    stacked; a ragged key without a pad value raises ``ValueError`` naming it.
+    The collator pads *by* one key, the reference: ``input_ids`` when the features
+    have it, else the first key (in item 0's order, labels excluded) that has a
+    sequence axis and a pad value. Another key is *aligned* with it when, in every
+    item, its value has a first axis exactly as long as that item's reference value
+    (token-level ``labels``, ``token_type_ids``, an ``attention_mask``). Aligned keys
+    with a pad value (``pad_values``, then :data:`DEFAULT_PAD_VALUES`) are padded to
+    the same width: the longest reference, rounded up to ``pad_to_multiple_of``, on
+    ``padding_side``. Every other key is stacked as it is, so a fixed-length vector
+    (multi-label targets ``[num_labels]``) stays ``[B, num_labels]``; a ragged key
+    that cannot be padded raises ``ValueError`` naming it and why. A pad value of
+    ``None`` means "do not pad this key" (``None`` for the reference: pad nothing).
 
-    For ``input_ids``/``attention_mask``/``token_type_ids`` the output equals
-    ``transformers.DataCollatorWithPadding`` with the same pad id, side and
-    ``pad_to_multiple_of``.
+    An ``attention_mask`` (int64, 1 = real) is created from the reference unless the
+    features carry one. ``input_ids``, ``attention_mask``, ``token_type_ids`` and
+    ``special_tokens_mask`` come out int64 when they hold integers or bools, whatever
+    width came in, as ``transformers.DataCollatorWithPadding`` gives them; for those
+    keys the output equals it with the same pad id, side and ``pad_to_multiple_of``.
+
+    ``pin_memory=True`` (torch output, CUDA available) allocates every output tensor
+    in page-locked memory, for a ``non_blocking`` copy to the GPU (see
+    :func:`batchkit.collate.to_device`); without CUDA it raises ``RuntimeError`` here.
     """
 
     def __init__(
@@ -109,65 +128,111 @@ class PadCollator:
         padding_side: Literal["left", "right"] = "right",
         pad_to_multiple_of: int | None = None,
         return_tensors: Literal["pt", "np"] = "pt",
+        pin_memory: bool = False,
     ) -> None:
         check_side(padding_side)
         check_return_tensors(return_tensors)
+        check_pin_memory(pin_memory, type(self).__name__, return_tensors or "np")
         self.pad_values = {**DEFAULT_PAD_VALUES, **(pad_values or {})}
         self.padding_side = padding_side
         self.pad_to_multiple_of = pad_to_multiple_of
         self.return_tensors = return_tensors
+        self.pin_memory = pin_memory
 
     def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         """Collate a list of feature dicts into one dict of batched arrays."""
         who = type(self).__name__
         keys = _check_features(features, who)
         kind = self.return_tensors or "np"
+        reference = self._reference_key(keys, features[0])
+        reference_lengths = [_seq_length(f[reference]) for f in features] if reference else []
         batch: dict[str, Any] = {}
-        mask_source: Padded | None = None
+        mask_source: Ragged | None = None  # the reference, once padded to ``width``
+        width = 0
         for key in keys:
             values = [f[key] for f in features]
-            out_key = "labels" if key in _LABEL_ALIASES else key
-            if out_key in self.pad_values and _has_sequence_axis(values[0]):
-                try:
-                    padded = pad_ragged(
-                        _ragged_for_key(values, key, who, kind),
-                        pad_value=self.pad_values[out_key],
-                        side=self.padding_side,
-                        pad_to_multiple_of=self.pad_to_multiple_of,
-                    )
-                except ValueError as exc:  # e.g. a pad value the key's dtype cannot hold
-                    if str(exc).startswith(who):
-                        raise
-                    raise ValueError(f"{who}: key {key!r}: {exc}") from None
-                data = padded.data
-                if out_key in _HF_INT64:
-                    data = _as_int64(data)  # as DataCollatorWithPadding gives, whatever came
-                batch[out_key] = to_kind(data, kind)
-                if key == "input_ids" or mask_source is None:
-                    mask_source = padded
-            else:
-                batch[out_key] = self._stack_fixed(values, key, who, kind)
+            out_key = _out_key(key)
+            unpadded = self._why_not_padded(key, values, reference, reference_lengths)
+            if unpadded is not None:
+                batch[out_key] = self._stack_fixed(values, key, who, kind, unpadded)
+                continue
+            ragged = _ragged_for_key(values, key, who, kind)
+            if out_key in _HF_INT64:  # widened before padding, so the output is allocated so
+                ragged = Ragged(_as_int64(ragged.values), ragged.lengths, ragged.kind)
+            try:
+                padded = pad_ragged(
+                    ragged,
+                    pad_value=self.pad_values[out_key],
+                    side=self.padding_side,
+                    pad_to_multiple_of=self.pad_to_multiple_of,
+                    pin_memory=self.pin_memory,
+                    who=f"{who}: key {key!r}",
+                )
+            except ValueError as exc:  # e.g. a pad value the key's dtype cannot hold
+                if str(exc).startswith(who):
+                    raise
+                raise ValueError(f"{who}: key {key!r}: {exc}") from None
+            batch[out_key] = padded.data
+            if key == reference:
+                mask_source, width = ragged, padded.max_length
         if mask_source is not None and "attention_mask" not in batch:
-            mask = to_numpy(mask_source.mask).astype(np.int64)
-            batch["attention_mask"] = to_kind(mask, kind)
+            mask = real_token_mask(mask_source.lengths, width, self.padding_side)
+            batch["attention_mask"] = from_host(
+                kind, mask.astype(np.int64), mask_source.device, pin=self.pin_memory
+            )
         return batch
 
-    @staticmethod
-    def _stack_fixed(values: list[Any], key: str, who: str, kind: str) -> Any:
-        if _has_sequence_axis(values[0]):
-            lengths = [len(v) for v in values]
-            if len(set(lengths)) > 1:
-                j = next(i for i, n in enumerate(lengths) if n != lengths[0])
-                raise ValueError(
-                    f"{who}: key {key!r} is ragged (item 0 has length {lengths[0]}, item {j} "
-                    f"has {lengths[j]}) and has no pad value; add it to pad_values"
+    def _reference_key(self, keys: list[str], first: Mapping[str, Any]) -> str | None:
+        """The key the collator pads by (see the class docstring); None if there is none."""
+        if "input_ids" in keys:
+            return "input_ids"
+        for key in keys:
+            out_key = _out_key(key)
+            has_pad_value = self.pad_values.get(out_key) is not None
+            if out_key != "labels" and has_pad_value and _seq_length(first[key]) is not None:
+                return key
+        return None
+
+    def _why_not_padded(
+        self, key: str, values: list[Any], reference: str | None, reference_lengths: list[Any]
+    ) -> str | None:
+        """None when ``key`` is padded; else why it is stacked (for a ragged key's error)."""
+        if reference is None:
+            return (
+                "there is no key to pad by (no 'input_ids', and no other key with a "
+                "sequence axis and a pad value)"
+            )
+        if self.pad_values.get(_out_key(reference)) is None:
+            return f"{reference!r}, the key padded by, has pad value None: nothing is padded"
+        for i, (value, want) in enumerate(zip(values, reference_lengths, strict=True)):
+            got = _seq_length(value)
+            if got != want:
+                return (
+                    f"it is not aligned with {reference!r} (item {i}: length {got}, its "
+                    f"{reference!r} {want}); only keys as long as {reference!r} in every "
+                    "item are padded"
                 )
-            if isinstance(values[0], (list, tuple)):
-                values = [np.asarray(v) for v in values]
-                if kind == "pt" and values[0].dtype == np.float64:
-                    values = [v.astype(np.float32) for v in values]  # torch's default float
+        out_key = _out_key(key)
+        if out_key not in self.pad_values:
+            return "it has no pad value; add it to pad_values"
+        if self.pad_values[out_key] is None:
+            return "its pad value is None (do not pad)"
+        return None
+
+    def _stack_fixed(self, values: list[Any], key: str, who: str, kind: str, why: str) -> Any:
+        lengths = [_seq_length(v) for v in values]
+        if lengths[0] is not None and len(set(lengths)) > 1:
+            j = next(i for i, n in enumerate(lengths) if n != lengths[0])
+            raise ValueError(
+                f"{who}: key {key!r} is ragged (item 0 has length {lengths[0]}, item {j} "
+                f"has {lengths[j]}) and is not padded: {why}"
+            )
+        if isinstance(values[0], (list, tuple)):
+            values = [np.asarray(v) for v in values]
+            if kind == "pt" and values[0].dtype == np.float64:
+                values = [v.astype(np.float32) for v in values]  # torch's default float
         try:
-            return stack(values, return_tensors=kind)  # type: ignore[arg-type]
+            return stack(values, return_tensors=kind, pin_memory=self.pin_memory)  # type: ignore[arg-type]
         except (TypeError, ValueError) as exc:
             raise type(exc)(f"{who}: key {key!r}: {exc}") from None
 
@@ -185,6 +250,10 @@ class VarlenCollator:
     says which input each sequence came from (a feature's own ``sample_index`` when
     it has one, e.g. its dataset index, else its position in the batch), so outputs
     split by ``cu_seq_lens_q`` can be put back in order.
+
+    The output is always on the host; ``pin_memory=True`` (torch output, CUDA
+    available) allocates its tensors in page-locked memory, for a ``non_blocking``
+    copy to the GPU; without CUDA it raises ``RuntimeError`` here.
     """
 
     def __init__(
@@ -192,16 +261,22 @@ class VarlenCollator:
         separator_id: int = -100,
         return_tensors: Literal["pt", "np"] = "pt",
         return_sample_index: bool = False,
+        pin_memory: bool = False,
     ) -> None:
         check_return_tensors(return_tensors)
+        check_pin_memory(pin_memory, type(self).__name__, return_tensors or "np")
         self.separator_id = separator_id
         self.return_tensors = return_tensors
         self.return_sample_index = return_sample_index
+        self.pin_memory = pin_memory
 
     def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         """Collate a list of feature dicts (each with ``input_ids``) into one flat row."""
         who = type(self).__name__
         keys = _check_features(features, who)
+        kind = self.return_tensors
+        pin = self.pin_memory
+        check_pin_memory(pin, who, kind)  # again here: a DataLoader worker cannot pin
         if "input_ids" not in keys:
             raise ValueError(f"{who}: features need an 'input_ids' key; got {keys}")
         kept = [i for i, f in enumerate(features) if _seq_len(f["input_ids"], i, who) > 0]
@@ -231,18 +306,16 @@ class VarlenCollator:
             label_values = to_numpy(tokens.values).astype(np.int64)
         label_values[starts] = self.separator_id
 
-        kind = self.return_tensors
-
         def row(x: Any) -> Any:  # HF's [1, T] int64 layout
-            return to_kind(to_numpy(x).astype(np.int64)[None, :], kind)
+            return to_kind(to_numpy(x).astype(np.int64)[None, :], kind, pin=pin)
 
         cu = to_numpy(layout.cu_seqlens)
         batch: dict[str, Any] = {
             "input_ids": row(tokens.values),
             "labels": row(label_values),
             "position_ids": row(layout.position_ids),
-            "cu_seq_lens_q": to_kind(cu.copy(), kind),
-            "cu_seq_lens_k": to_kind(cu.copy(), kind),
+            "cu_seq_lens_q": to_kind(cu.copy(), kind, pin=pin),
+            "cu_seq_lens_k": to_kind(cu.copy(), kind, pin=pin),
             "max_length_q": layout.max_seqlen,
             "max_length_k": layout.max_seqlen,
         }
@@ -251,7 +324,7 @@ class VarlenCollator:
                 index = np.asarray([int(f["sample_index"]) for f in kept_features], dtype=np.int64)
             else:
                 index = np.asarray(kept, dtype=np.int64)
-            batch["sample_index"] = to_kind(index, kind)
+            batch["sample_index"] = to_kind(index, kind, pin=pin)
         return batch
 
 
@@ -267,6 +340,5 @@ def _seq_len(ids: Any, i: int, who: str) -> int:
         return len(ids)
     except TypeError:
         raise TypeError(
-            f"{who}: item {i}: input_ids must be a sequence of token ids, got "
-            f"{type(ids).__name__}"
+            f"{who}: item {i}: input_ids must be a sequence of token ids, got {type(ids).__name__}"
         ) from None

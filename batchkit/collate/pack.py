@@ -25,11 +25,13 @@ import numpy as np
 from batchkit._backend import (
     ReturnTensors,
     check_leading_axes,
+    check_pin_memory,
     concat,
     copy_rows,
     from_host,
     full,
 )
+from batchkit.collate.device import pinned_batch
 from batchkit.collate.pad import check_max_length, is_positive_int
 from batchkit.collate.ragged import to_ragged
 from batchkit.collate.varlen import positions_restarting
@@ -84,6 +86,14 @@ class Packed:
                 raise ValueError(f"item {i} was split into {len(parts)} pieces; use .pieces")
             out.append(parts[0])
         return out
+
+    def pin_memory(self) -> Packed:
+        """A copy with every host tensor in page-locked memory (numpy arrays as they are).
+
+        ``DataLoader(pin_memory=True)`` calls it on each batch, so a ``collate_fn`` run
+        in worker processes may return a ``Packed`` and still have it pinned.
+        """
+        return pinned_batch(self, "Packed.pin_memory()")
 
     def unpack(self, outputs: Any) -> list[Any]:
         """Each input item's slice of any output whose first two axes are ``[R, max_length]``.
@@ -157,12 +167,15 @@ def pack(
     strategy: Strategy = "best_fit",
     split: bool = False,
     return_tensors: ReturnTensors = None,
+    pin_memory: bool = False,
 ) -> Packed:
     """Bin-pack items (first axis = sequence) into rows of ``max_length`` steps.
 
     An item longer than ``max_length`` raises a ``ValueError`` naming its index, or
     with ``split=True`` is cut into ``max_length`` chunks, each its own segment
-    (positions restart at 0 in each chunk; ``unpack`` joins them back).
+    (positions restart at 0 in each chunk; ``unpack`` joins them back). With
+    ``pin_memory=True`` (torch output, CUDA available) every array is allocated in
+    page-locked memory; without CUDA it raises ``RuntimeError``.
     """
     if not is_positive_int(max_length):
         raise ValueError(f"max_length must be a positive int, got {max_length!r}")
@@ -170,6 +183,8 @@ def pack(
     if not split:
         check_max_length(seqs, max_length, hint="pass split=True to cut it into pieces")
     ragged = to_ragged(seqs, return_tensors=return_tensors)
+    kind, device, values = ragged.kind, ragged.device, ragged.values
+    check_pin_memory(pin_memory, "pack", kind, device)
     pieces = _pieces_of(ragged.lengths, max_length)
     sizes = [n for _, _, n in pieces]
     order = list(range(len(pieces)))
@@ -201,8 +216,7 @@ def pack(
     src = np.repeat(src_start, size_arr) + within
 
     feat = ragged.feature_shape
-    kind, device, values = ragged.kind, ragged.device, ragged.values
-    flat = full(kind, (num_rows * max_length, *feat), pad_value, like=values)
+    flat = full(kind, (num_rows * max_length, *feat), pad_value, like=values, pin=pin_memory)
     if dest.size:
         copy_rows(flat, dest, values, src, kind, device)
     seg_flat = np.zeros(num_rows * max_length, dtype=np.int32)
@@ -216,13 +230,12 @@ def pack(
     per_item: list[list[Placement]] = [[] for _ in range(ragged.num_items)]
     for p, (item, _, n) in enumerate(pieces):
         per_item[item].append(Placement(rows[p], starts[p], n))
+    positions = positions_restarting(seg_lengths).reshape(num_rows, max_length)
     return Packed(
         data=flat.reshape(num_rows, max_length, *feat),
-        position_ids=from_host(
-            kind, positions_restarting(seg_lengths).reshape(num_rows, max_length), device
-        ),
-        segment_ids=from_host(kind, seg_flat.reshape(num_rows, max_length), device),
-        cu_seqlens=from_host(kind, cu.astype(np.int32), device),
+        position_ids=from_host(kind, positions, device, pin=pin_memory),
+        segment_ids=from_host(kind, seg_flat.reshape(num_rows, max_length), device, pin=pin_memory),
+        cu_seqlens=from_host(kind, cu.astype(np.int32), device, pin=pin_memory),
         max_seqlen=int(seg_lengths.max(initial=0)),
         pieces=tuple(tuple(parts) for parts in per_item),
     )

@@ -12,10 +12,12 @@ import numpy as np
 from batchkit._backend import (
     ReturnTensors,
     check_leading_axes,
+    check_pin_memory,
     from_host,
     full,
     scatter_rows,
 )
+from batchkit.collate.device import pinned_batch
 from batchkit.collate.ragged import Ragged, to_ragged
 
 Side = Literal["left", "right"]
@@ -78,6 +80,14 @@ class Padded:
         """L, the padded length."""
         return int(self.data.shape[1])
 
+    def pin_memory(self) -> Padded:
+        """A copy with every host tensor in page-locked memory (numpy arrays as they are).
+
+        ``DataLoader(pin_memory=True)`` calls it on each batch, so a ``collate_fn`` run
+        in worker processes may return a ``Padded`` and still have it pinned.
+        """
+        return pinned_batch(self, "Padded.pin_memory()")
+
     def unpad(self, outputs: Any) -> list[Any]:
         """Per-item real slices of any output whose first two axes are ``[B, L]``.
 
@@ -98,23 +108,32 @@ def pad_ragged(
     side: Side = "right",
     pad_to_multiple_of: int | None = None,
     min_length: int = 0,
+    pin_memory: bool = False,
+    who: str = "pad",
 ) -> Padded:
-    """Pad an already-validated :class:`Ragged` (shared by :func:`pad` and the dict collators)."""
+    """Pad an already-validated :class:`Ragged` (shared by :func:`pad` and the dict collators).
+
+    With ``pin_memory`` every output array is allocated in page-locked memory; ``who``
+    names the caller in the refusal when that cannot be.
+    """
     check_side(side)
+    kind, device = ragged.kind, ragged.device
+    check_pin_memory(pin_memory, who, kind, device)
     lengths = ragged.lengths
     width = round_up(max(int(lengths.max(initial=0)), min_length), pad_to_multiple_of)
     batch = ragged.num_items
     values = ragged.values
-    data = full(ragged.kind, (batch, width, *ragged.feature_shape), pad_value, like=values)
+    shape = (batch, width, *ragged.feature_shape)
+    data = full(kind, shape, pad_value, like=values, pin=pin_memory)
     host_mask = real_token_mask(lengths, width, side)
-    mask = from_host(ragged.kind, host_mask, ragged.device)
+    mask = from_host(kind, host_mask, device, pin=pin_memory)
     if values.shape[0]:
         # Boolean-mask assignment fills row-major, which is exactly concatenation order.
         scatter_rows(data, host_mask, mask, values)
     return Padded(
         data=data,
         mask=mask,
-        lengths=from_host(ragged.kind, lengths.copy(), ragged.device),
+        lengths=from_host(kind, lengths.copy(), device, pin=pin_memory),
         side=side,
         _host_lengths=tuple(lengths.tolist()),
     )
@@ -129,12 +148,17 @@ def pad(
     max_length: int | None = None,
     truncate: bool = False,
     return_tensors: ReturnTensors = None,
+    pin_memory: bool = False,
 ) -> Padded:
     """Pad variable-length items (first axis = sequence) into one ``[B, L, *feat]`` block.
 
     ``L`` is the longest item, rounded up to ``pad_to_multiple_of``. With
     ``max_length``, an item longer than it raises a ``ValueError`` naming its index,
-    or is cut to its first ``max_length`` steps when ``truncate=True``.
+    or is cut to its first ``max_length`` steps when ``truncate=True``. With
+    ``pin_memory=True`` (torch output, CUDA available) ``data``, ``mask`` and
+    ``lengths`` are allocated in page-locked memory, so :func:`to_device` with
+    ``non_blocking`` overlaps the copy to the GPU; without CUDA it raises
+    ``RuntimeError``.
     """
     check_side(side)
     if max_length is not None:
@@ -145,4 +169,10 @@ def pad(
     ragged = to_ragged(
         seqs, return_tensors=return_tensors, max_length=max_length if truncate else None
     )
-    return pad_ragged(ragged, pad_value=pad_value, side=side, pad_to_multiple_of=pad_to_multiple_of)
+    return pad_ragged(
+        ragged,
+        pad_value=pad_value,
+        side=side,
+        pad_to_multiple_of=pad_to_multiple_of,
+        pin_memory=pin_memory,
+    )

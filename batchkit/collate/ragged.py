@@ -15,11 +15,13 @@ import numpy as np
 from batchkit._backend import (
     ReturnTensors,
     _torch,
+    check_pin_memory,
     check_return_tensors,
     is_tensor,
     join_tensors,
     kind_of,
     output_kind,
+    pinned_numpy_out,
     to_kind,
 )
 
@@ -121,7 +123,7 @@ def _check_list_items(items: Sequence[Any]) -> None:
 
 
 def _fast_tensors(
-    items: Sequence[Any], return_tensors: ReturnTensors, max_length: int | None
+    items: Sequence[Any], return_tensors: ReturnTensors, max_length: int | None, pin: bool
 ) -> Ragged | None:
     """Tensors of one device and feature shape in a single check pass; None otherwise
     (the general path then names the offending item)."""
@@ -136,8 +138,8 @@ def _fast_tensors(
     if max_length is not None:
         items = [s[:max_length] for s in items]
     lengths = np.fromiter((s.shape[0] for s in items), dtype=np.int64, count=len(items))
-    values = join_tensors(torch, torch.cat, list(items))
     out_kind = output_kind("pt", return_tensors)
+    values = join_tensors(torch, torch.cat, list(items), pin=pin and out_kind == "pt")
     return Ragged(to_kind(values, out_kind), lengths, out_kind)
 
 
@@ -146,13 +148,17 @@ def to_ragged(
     *,
     return_tensors: ReturnTensors = None,
     max_length: int | None = None,
+    pin_memory: bool = False,
+    who: str = "to_ragged",
 ) -> Ragged:
     """Validate and concatenate items (lists, arrays or tensors) into a :class:`Ragged`.
 
     Items longer than ``max_length`` are cut to their first ``max_length`` steps
     (callers decide beforehand whether that is allowed). Inputs are never mutated:
     the flat buffer is always a fresh copy. Python lists holding no numbers at all
-    (every item empty) give int64, the dtype of token ids.
+    (every item empty) give int64, the dtype of token ids. With ``pin_memory`` the flat
+    buffer is allocated in page-locked memory (for a layout that returns it as it is);
+    ``who`` names the caller in the refusal when it cannot be.
     """
     check_return_tensors(return_tensors)
     if isinstance(items, (np.ndarray,)) or is_tensor(items):
@@ -167,6 +173,9 @@ def to_ragged(
         kind = kind_of(items[0])
     except TypeError as exc:
         raise TypeError(f"item 0: {exc}") from None
+    if pin_memory:
+        device = items[0].device if kind == "pt" else None
+        check_pin_memory(pin_memory, who, output_kind(kind, return_tensors), device)
 
     if kind == "list":
         _check_list_items(items)
@@ -179,11 +188,11 @@ def to_ragged(
             out_kind = output_kind("list", return_tensors)
             if out_kind == "pt" and flat.dtype.kind == "f":
                 flat = flat.astype(np.float32)  # torch's default float, as torch.tensor() gives
-            return Ragged(to_kind(flat, out_kind), lengths, out_kind)
+            return Ragged(to_kind(flat, out_kind, pin=pin_memory), lengths, out_kind)
         arrays = [_item_array(s, i, "list") for i, s in enumerate(items)]
     else:
         if kind == "pt":
-            fast = _fast_tensors(items, return_tensors, max_length)
+            fast = _fast_tensors(items, return_tensors, max_length, pin_memory)
             if fast is not None:
                 return fast
         arrays = [_item_array(s, i, kind) for i, s in enumerate(items)]
@@ -213,16 +222,22 @@ def to_ragged(
         for i, a in enumerate(arrays):
             if a.device != device:
                 raise ValueError(f"item {i}: on device {a.device}, but item 0 is on {device}")
-        values = join_tensors(torch, torch.cat, arrays)
         out_kind = output_kind("pt", return_tensors)
+        values = join_tensors(torch, torch.cat, arrays, pin=pin_memory and out_kind == "pt")
         return Ragged(to_kind(values, out_kind), lengths, out_kind)
 
-    values = np.concatenate(arrays, axis=0)
-    if kind == "list" and values.size == 0:
-        values = values.astype(np.int64)  # no numbers to infer from: token ids, as HF gives
     out_kind = output_kind(kind, return_tensors)
-    if out_kind == "pt" and kind == "list" and values.dtype == np.float64:
-        values = values.astype(np.float32)
+    dtype = np.result_type(*arrays)
+    if kind == "list" and sum(a.size for a in arrays) == 0:
+        dtype = np.dtype(np.int64)  # no numbers to infer from: token ids, as HF gives
+    elif out_kind == "pt" and kind == "list" and dtype == np.float64:
+        dtype = np.dtype(np.float32)  # torch's default float, as torch.tensor() gives
+    if pin_memory:
+        shape = (int(lengths.sum()), *feat)
+        pinned, out = pinned_numpy_out(shape, dtype)
+        np.concatenate(arrays, axis=0, out=out, casting="unsafe")
+        return Ragged(pinned, lengths, out_kind)
+    values = np.concatenate(arrays, axis=0).astype(dtype, copy=False)
     return Ragged(to_kind(values, out_kind), lengths, out_kind)
 
 

@@ -16,9 +16,12 @@ import numpy as np
 
 from batchkit._backend import (
     ReturnTensors,
+    check_pin_memory,
     check_return_tensors,
     is_tensor,
     join_tensors,
+    pinned_copy,
+    pinned_numpy_out,
     require_torch,
 )
 
@@ -37,7 +40,21 @@ def register_leaf(cls: type, stack_fn: StackFn, unstack_fn: UnstackFn) -> None:
     _LEAF_TYPES[cls] = (stack_fn, unstack_fn)
 
 
-def _stack_arrays(leaves: Sequence[Any], path: str, return_tensors: ReturnTensors) -> Any:
+def _leaf_kind(tensor_in: bool, return_tensors: ReturnTensors) -> str:
+    """The backend a stacked array leaf comes out in."""
+    if return_tensors is not None:
+        return return_tensors
+    return "pt" if tensor_in else "np"
+
+
+def _check_leaf_pin(pin: bool, path: str, kind: str, device: Any = None) -> None:
+    if pin:
+        check_pin_memory(pin, f"stack() at {path}" if path else "stack()", kind, device)
+
+
+def _stack_arrays(
+    leaves: Sequence[Any], path: str, return_tensors: ReturnTensors, pin: bool
+) -> Any:
     first = leaves[0]
     tensor_in = is_tensor(first)
     for i, leaf in enumerate(leaves):
@@ -50,26 +67,37 @@ def _stack_arrays(leaves: Sequence[Any], path: str, return_tensors: ReturnTensor
                 f"item {i}{path}: shape {tuple(leaf.shape)} differs from item 0's "
                 f"{tuple(first.shape)}"
             )
+    device = first.device if tensor_in else None
+    _check_leaf_pin(pin, path, _leaf_kind(tensor_in, return_tensors), device)
     if tensor_in:
         torch = require_torch()
-        out = join_tensors(torch, torch.stack, leaves)
+        out = join_tensors(torch, torch.stack, leaves, pin=pin)
         return out.detach().cpu().numpy() if return_tensors == "np" else out
+    if pin:  # numpy builds the batch straight into page-locked memory
+        shape = (len(leaves), *first.shape)
+        pinned, view = pinned_numpy_out(shape, np.result_type(*leaves))
+        np.stack(leaves, out=view)
+        return pinned
     out_np = np.stack(leaves)
     if return_tensors == "pt":
         return require_torch().from_numpy(out_np)
     return out_np
 
 
-def _stack_scalars(leaves: Sequence[Any], path: str, return_tensors: ReturnTensors) -> Any:
+def _stack_scalars(
+    leaves: Sequence[Any], path: str, return_tensors: ReturnTensors, pin: bool
+) -> Any:
     for i, leaf in enumerate(leaves):
         if not isinstance(leaf, (numbers.Number, np.generic)) or isinstance(leaf, str):
             raise TypeError(f"item {i}{path}: expected a number, got {type(leaf).__name__}")
+    _check_leaf_pin(pin, path, _leaf_kind(False, return_tensors))
     out = np.asarray(leaves)
     if return_tensors == "pt":
         torch = require_torch()
+        dtype = None
         if out.dtype == np.float64 and not any(isinstance(x, np.generic) for x in leaves):
-            return torch.as_tensor(out, dtype=torch.get_default_dtype())  # as torch.tensor() does
-        return torch.as_tensor(out)
+            dtype = torch.get_default_dtype()  # as torch.tensor() does
+        return pinned_copy(out, dtype) if pin else torch.as_tensor(out, dtype=dtype)
     return out
 
 
@@ -77,7 +105,7 @@ def _is_namedtuple(x: object) -> bool:
     return isinstance(x, tuple) and hasattr(x, "_fields")
 
 
-def _stack(items: Sequence[Any], path: str, return_tensors: ReturnTensors) -> Any:
+def _stack(items: Sequence[Any], path: str, return_tensors: ReturnTensors, pin: bool) -> Any:
     first = items[0]
     leaf_fns = _LEAF_TYPES.get(type(first))
     if leaf_fns is not None:
@@ -91,7 +119,9 @@ def _stack(items: Sequence[Any], path: str, return_tensors: ReturnTensors) -> An
                 raise ValueError(
                     f"item {i}{path}: keys differ from item 0's: {sorted(map(str, diff))}"
                 )
-        out = {k: _stack([it[k] for it in items], f"{path}[{k!r}]", return_tensors) for k in first}
+        out = {
+            k: _stack([it[k] for it in items], f"{path}[{k!r}]", return_tensors, pin) for k in first
+        }
         return out if type(first) is dict else type(first)(out)  # type: ignore[call-arg]
     if isinstance(first, (list, tuple)):
         for i, item in enumerate(items):
@@ -102,33 +132,40 @@ def _stack(items: Sequence[Any], path: str, return_tensors: ReturnTensors) -> An
                     f"got {type(item).__name__} of length {size}"
                 )
         columns = [
-            _stack([it[j] for it in items], f"{path}[{j}]", return_tensors)
+            _stack([it[j] for it in items], f"{path}[{j}]", return_tensors, pin)
             for j in range(len(first))
         ]
         if _is_namedtuple(first):
             return type(first)(*columns)
         return type(first)(columns)
     if isinstance(first, np.ndarray) or is_tensor(first):
-        return _stack_arrays(items, path, return_tensors)
+        return _stack_arrays(items, path, return_tensors, pin)
     if isinstance(first, (str, bytes)) or first is None:
         return list(items)  # kept as a plain list: one entry per item
-    return _stack_scalars(items, path, return_tensors)
+    return _stack_scalars(items, path, return_tensors, pin)
 
 
-def stack(items: Sequence[Any], *, return_tensors: ReturnTensors = None) -> Any:
+def stack(
+    items: Sequence[Any], *, return_tensors: ReturnTensors = None, pin_memory: bool = False
+) -> Any:
     """Stack same-structured items into one structure of batched leaves.
 
     ``stack([{"x": a0, "y": 1}, {"x": a1, "y": 2}])`` gives
     ``{"x": array[2, ...], "y": array([1, 2])}``. Arrays and tensors are stacked
     along a new axis 0 (tensors stay tensors unless ``return_tensors="np"``);
     numbers become an array; strings, bytes and None become a list.
+
+    With ``pin_memory=True`` every stacked tensor is allocated in page-locked memory
+    (CUDA needed, else ``RuntimeError``); a leaf that would come out as numpy is
+    refused (pass ``return_tensors="pt"``). Leaves of :func:`register_leaf` types are
+    built by their own ``stack_fn`` and not pinned.
     """
     check_return_tensors(return_tensors)
     if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
         raise TypeError(f"stack() expects a sequence of items, got {type(items).__name__}")
     if len(items) == 0:
         raise ValueError("stack() needs at least one item")
-    return _stack(items, "", return_tensors)
+    return _stack(items, "", return_tensors, pin_memory)
 
 
 def _batch_size(batch: Any, path: str) -> int | None:

@@ -11,10 +11,13 @@ import numpy as np
 from batchkit._backend import (
     ReturnTensors,
     check_leading_axes,
+    check_pin_memory,
     concat,
     from_host,
     full,
+    to_kind,
 )
+from batchkit.collate.device import pinned_batch
 from batchkit.collate.pad import round_up
 from batchkit.collate.ragged import Ragged, to_ragged
 
@@ -55,6 +58,14 @@ class Varlen:
         """T, rows in ``values`` including any trailing padding."""
         return int(self.values.shape[0])
 
+    def pin_memory(self) -> Varlen:
+        """A copy with every host tensor in page-locked memory (numpy arrays as they are).
+
+        ``DataLoader(pin_memory=True)`` calls it on each batch, so a ``collate_fn`` run
+        in worker processes may return a ``Varlen`` and still have it pinned.
+        """
+        return pinned_batch(self, "Varlen.pin_memory()")
+
     def unpack(self, outputs: Any) -> list[Any]:
         """The N items' slices (views) of any output whose leading axis is ``T``."""
         check_leading_axes(outputs, (self.total_length,), "unpack")
@@ -66,9 +77,20 @@ _INT32_MAX = 2**31 - 1
 
 
 def varlen_from_ragged(
-    ragged: Ragged, *, pad_to_multiple_of: int | None = None, pad_value: Any = 0
+    ragged: Ragged,
+    *,
+    pad_to_multiple_of: int | None = None,
+    pad_value: Any = 0,
+    pin_memory: bool = False,
 ) -> Varlen:
-    """Build the varlen layout from validated items (shared with the dict collators)."""
+    """Build the varlen layout from validated items (shared with the dict collators).
+
+    With ``pin_memory`` every output array is page-locked. ``ragged.values`` is the
+    output when no padding tail is appended: allocate it pinned up front
+    (``to_ragged(..., pin_memory=True)``), or it is copied to pinned memory here.
+    """
+    kind, device = ragged.kind, ragged.device
+    check_pin_memory(pin_memory, "pack_varlen", kind, device)
     lengths = ragged.lengths
     offsets = ragged.offsets()
     real_total = int(offsets[-1])
@@ -82,17 +104,18 @@ def varlen_from_ragged(
     values = ragged.values
     seg_lengths = lengths
     if tail:
-        padding = full(ragged.kind, (tail, *ragged.feature_shape), pad_value, like=values)
-        values = concat([values, padding])
+        padding = full(kind, (tail, *ragged.feature_shape), pad_value, like=values)
+        values = concat([values, padding], pin=pin_memory)
         offsets = np.append(offsets, total)
         seg_lengths = np.append(lengths, tail)
-    device = ragged.device
+    elif pin_memory:
+        values = to_kind(values, kind, pin=True)  # a no-op when to_ragged pinned it
     return Varlen(
         values=values,
-        cu_seqlens=from_host(ragged.kind, offsets.astype(np.int32), device),
+        cu_seqlens=from_host(kind, offsets.astype(np.int32), device, pin=pin_memory),
         max_seqlen=int(seg_lengths.max(initial=0)),
-        position_ids=from_host(ragged.kind, positions_restarting(seg_lengths), device),
-        seq_lens=from_host(ragged.kind, lengths.copy(), device),
+        position_ids=from_host(kind, positions_restarting(seg_lengths), device, pin=pin_memory),
+        seq_lens=from_host(kind, lengths.copy(), device, pin=pin_memory),
         _offsets=tuple(ragged.offsets().tolist()),
     )
 
@@ -103,12 +126,23 @@ def pack_varlen(
     pad_to_multiple_of: int | None = None,
     pad_value: Any = 0,
     return_tensors: ReturnTensors = None,
+    pin_memory: bool = False,
 ) -> Varlen:
     """Concatenate items (first axis = sequence) into the FlashAttention varlen layout.
 
     With ``pad_to_multiple_of``, ``T`` is rounded up by one trailing padding segment
     (filled with ``pad_value``) that ``cu_seqlens`` covers, so kernels leave no rows
-    uncovered; ``unpack`` never returns it.
+    uncovered; ``unpack`` never returns it. With ``pin_memory=True`` (torch output,
+    CUDA available) every array is allocated in page-locked memory; without CUDA it
+    raises ``RuntimeError``.
     """
-    ragged = to_ragged(seqs, return_tensors=return_tensors)
-    return varlen_from_ragged(ragged, pad_to_multiple_of=pad_to_multiple_of, pad_value=pad_value)
+    # Without a padding tail the concatenated items are the output: allocate them pinned.
+    ragged = to_ragged(
+        seqs,
+        return_tensors=return_tensors,
+        pin_memory=pin_memory and pad_to_multiple_of is None,
+        who="pack_varlen",
+    )
+    return varlen_from_ragged(
+        ragged, pad_to_multiple_of=pad_to_multiple_of, pad_value=pad_value, pin_memory=pin_memory
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,3 +131,18 @@ def scribble(x: Any) -> None:
         np.logical_not(x, out=x)
     else:
         x += 1
+
+
+def tensors_in(batch: Any, path: str = "") -> list[tuple[str, torch.Tensor]]:
+    """Every tensor in a batch (layout dataclasses, dicts, lists, tuples), with its path."""
+    if isinstance(batch, torch.Tensor):
+        return [(path, batch)]
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        fields = [(f".{f.name}", getattr(batch, f.name)) for f in dataclasses.fields(batch)]
+    elif isinstance(batch, dict):
+        fields = [(f"[{k!r}]", v) for k, v in batch.items()]
+    elif isinstance(batch, (list, tuple)):
+        fields = [(f"[{i}]", v) for i, v in enumerate(batch)]
+    else:
+        return []
+    return [found for name, value in fields for found in tensors_in(value, path + name)]

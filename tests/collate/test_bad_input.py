@@ -120,6 +120,7 @@ def test_cuda_in_cuda_out() -> None:
         batchkit.pad(items).data,
         batchkit.pack_varlen(items).cu_seqlens,
         batchkit.pack(items, 4).segment_ids,
+        batchkit.PadCollator()([{"input_ids": t} for t in items])["attention_mask"],
     ):
         assert out.device.type == "cuda"
 
@@ -206,3 +207,57 @@ def test_varlen_collator_errors(rt: str) -> None:
         collate([{"input_ids": []}])
     with pytest.raises((TypeError, ValueError), match=r"'input_ids'.*item 1\b"):
         collate([{"input_ids": [1]}, {"input_ids": [[1, 2]]}])
+
+
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+def test_a_pad_value_the_dtype_cannot_hold_is_refused(lib: str) -> None:
+    labels = [np.array([1, 2], np.uint8), np.array([3], np.uint8)]
+    if lib == "torch":
+        labels = [torch.from_numpy(x) for x in labels]
+    with pytest.raises(ValueError, match="pad value -100 does not fit the data's dtype"):
+        batchkit.pad(labels, pad_value=-100)  # torch made it 156: padding trained on
+    features = [{"input_ids": list(range(len(x))), "labels": x} for x in labels]
+    with pytest.raises(ValueError, match="PadCollator: key 'labels': pad value -100"):
+        batchkit.PadCollator(return_tensors="pt")(features)
+    with pytest.raises(ValueError, match="pad value 0.5 does not fit"):
+        batchkit.pad([np.array([1, 2]), np.array([3])], pad_value=0.5)
+    assert batchkit.pad([np.array([1.0, 2.0]), np.array([3.0])], pad_value=0.1).data[1, 1] == 0.1
+
+
+@pytest.mark.parametrize(
+    ("bad", "error", "match"),
+    [
+        (None, TypeError, "item 1: input_ids must be a sequence of token ids, got NoneType"),
+        (5, TypeError, "item 1: input_ids must be a sequence of token ids, got int"),
+        (np.array(5), ValueError, r"item 1: input_ids must be a 1-D sequence .* shape \(\)"),
+    ],
+)
+def test_varlen_collator_names_a_bad_input_ids(bad: object, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        batchkit.VarlenCollator(return_tensors="np")([{"input_ids": [1, 2]}, {"input_ids": bad}])
+
+
+def test_varlen_collator_refuses_nested_input_ids() -> None:
+    features = [{"input_ids": [[1, 2]]}, {"input_ids": [[3, 4], [5, 6]]}]
+    with pytest.raises(ValueError, match=r"input_ids must be 1-D sequences .* \[length, 2\]"):
+        batchkit.VarlenCollator(return_tensors="np")(features)  # was accepted: mismatched outputs
+
+
+def test_pad_refuses_a_max_length_that_is_not_an_int() -> None:
+    with pytest.raises(ValueError, match="max_length must be an int >= 0, got 2.5"):
+        batchkit.pad([[1, 2, 3]], max_length=2.5, truncate=True)  # type: ignore[arg-type]
+
+
+def test_pack_varlen_refuses_more_tokens_than_int32_cu_seqlens_hold(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """cu_seqlens is int32; past 2**31 - 1 tokens it wrapped to negative offsets. The
+    limit is lowered here so the test does not need 8 GiB of tokens."""
+    import batchkit.collate.varlen as varlen
+
+    monkeypatch.setattr(varlen, "_INT32_MAX", 10)
+    assert varlen.pack_varlen([np.ones(4), np.ones(6)]).cu_seqlens.tolist() == [0, 4, 10]
+    with pytest.raises(ValueError, match="11 tokens in one pack; cu_seqlens is int32"):
+        varlen.pack_varlen([np.ones(5), np.ones(6)])
+    with pytest.raises(ValueError, match="12 tokens"):  # the padded total counts
+        varlen.pack_varlen([np.ones(4), np.ones(6)], pad_to_multiple_of=4)

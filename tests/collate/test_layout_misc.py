@@ -109,3 +109,13 @@ def test_pad_collator_pad_values(rt: str, side: str) -> None:
     assert as_np["pixels"].shape == (2, 2, 2)
     assert as_np["attention_mask"].dtype == np.int64
     assert as_np["attention_mask"].sum(1).tolist() == [2, 1]
+
+
+def test_list_items_cut_to_length_zero_keep_their_feature_axis() -> None:
+    """max_length=0 used to cut the lists before conversion: [] has no feature axis, so
+    [B, 0, F] came out as [B, 0]."""
+    nested = [[[1, 2], [3, 4]], [[5, 6]]]
+    assert batchkit.pad(nested, max_length=0, truncate=True).data.shape == (2, 0, 2)
+    assert batchkit.pad(nested, max_length=1, truncate=True).data.shape == (2, 1, 2)
+    flat = batchkit.pad([[1, 2, 3], [5]], max_length=0, truncate=True).data
+    assert (flat.shape, flat.dtype) == ((2, 0), np.int64)

@@ -49,6 +49,22 @@ SCRIPT = textwrap.dedent(
         assert "torch" in str(exc)
     else:
         raise AssertionError("return_tensors='pt' should need torch")
+    for needs_torch in (
+        lambda: batchkit.to_device({"x": np.ones(2)}, "cpu"),
+        lambda: batchkit.pad(seqs, return_tensors="pt", pin_memory=True),
+    ):
+        try:
+            needs_torch()
+        except ImportError as exc:
+            assert "needs torch" in str(exc), exc
+        else:
+            raise AssertionError("to_device and pinning should need torch")
+    try:
+        batchkit.pad(seqs, pin_memory=True)
+    except ValueError as exc:
+        assert "pin_memory=True pins torch tensors" in str(exc), exc
+    else:
+        raise AssertionError("numpy output should not be pinned")
     assert "torch" not in sys.modules
     print("NO-TORCH OK")
     """

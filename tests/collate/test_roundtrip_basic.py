@@ -1,4 +1,4 @@
-"""Basic round trips for every layout, on numpy and torch."""
+"""Basic round trips for every layout, on numpy and torch (registered leaf types too)."""
 
 from __future__ import annotations
 
@@ -55,3 +55,25 @@ def test_unstack_of_items_holding_empty_lists() -> None:
     assert [b["tags"] for b in back] == [[], []] and [int(b["y"]) for b in back] == [1, 2]
     with pytest.raises(ValueError, match="size is unknown"):  # no leaf tells the count
         batchkit.unstack(batchkit.stack([{"tags": []}, {"tags": []}]))
+
+
+class _Box:
+    def __init__(self, a: object) -> None:
+        self.a = np.asarray(a)
+
+
+batchkit.collate.register_leaf(
+    _Box,
+    lambda leaves, path: _Box(np.stack([leaf.a for leaf in leaves])),
+    lambda box: [_Box(x) for x in box.a],
+)
+
+
+def test_registered_leaves_inside_a_list_round_trip() -> None:
+    items = [[_Box([i, i]), _Box([-i])] for i in range(3)]
+    back = batchkit.unstack(batchkit.stack(items))
+    assert len(back) == 3  # was 2: the list's entries were taken for items
+    assert [[b.a.tolist() for b in item] for item in back] == [[[i, i], [-i]] for i in range(3)]
+    mixed = [{"x": np.ones(2), "boxes": [_Box([i])]} for i in range(3)]
+    back_mixed = batchkit.unstack(batchkit.stack(mixed))
+    assert [m["boxes"][0].a.tolist() for m in back_mixed] == [[0], [1], [2]]

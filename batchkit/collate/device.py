@@ -1,0 +1,99 @@
+"""Moving a whole batch to a device: :func:`to_device`.
+
+A batch is whatever the collators return (``Padded``, ``Packed``, ``Varlen``, the dict
+collators' dicts) or any nesting of dicts, lists, tuples and dataclasses around tensors.
+A page-locked (pinned) tensor is copied with ``non_blocking=True``, so the host-to-GPU
+copy overlaps with whatever the GPU is doing; that is what ``pin_memory=True`` is for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar, cast
+
+import numpy as np
+
+from batchkit._backend import check_pin_memory, is_tensor, require_torch
+
+BatchT = TypeVar("BatchT")
+
+
+def to_device(batch: BatchT, device: Any, *, non_blocking: bool | None = None) -> BatchT:
+    """``batch`` with every tensor moved to ``device``, in the same layout type.
+
+    Walks ``Padded``/``Packed``/``Varlen`` (any dataclass), dicts and other mappings,
+    lists, tuples and named tuples; numpy arrays are converted with
+    ``torch.as_tensor`` first (a device copy needs a tensor), and everything else
+    (ints, strings, None, other objects) is returned as it is. ``non_blocking``
+    defaults to "this tensor is pinned": a page-locked tensor is copied asynchronously,
+    a pageable one synchronously (torch would copy it synchronously anyway). Pass
+    ``non_blocking=True`` to force it; reading a tensor copied that way *to the host*
+    needs a ``torch.cuda.synchronize()`` first. Autograd is kept: a moved tensor that
+    requires grad passes its gradient back to the original.
+    """
+    torch = require_torch("to_device")
+    if non_blocking is not None and not isinstance(non_blocking, bool):
+        raise TypeError(
+            f"to_device: non_blocking must be None, True or False, got {non_blocking!r}"
+        )
+    target = torch.device(device)
+    if target.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(
+            f"to_device: device {str(device)!r} needs CUDA, and torch.cuda.is_available() "
+            "is False on this machine"
+        )
+
+    def move(x: Any, path: str) -> Any:
+        if is_tensor(x):
+            pinned = x.is_pinned() if non_blocking is None else non_blocking
+            return x.to(target, non_blocking=pinned)
+        if isinstance(x, np.ndarray):
+            if x.dtype.kind not in "biufc":
+                raise TypeError(
+                    f"to_device: {path or 'the batch'} is a numpy array of dtype {x.dtype}, "
+                    "which has no torch equivalent"
+                )
+            host = torch.as_tensor(x if x.flags.writeable else x.copy())
+            return host.to(target, non_blocking=bool(non_blocking))
+        return x
+
+    return cast(BatchT, map_leaves(batch, move))
+
+
+def pinned_batch(batch: BatchT, who: str) -> BatchT:
+    """``batch`` with every host tensor copied to page-locked memory (pinned ones kept);
+    numpy arrays, GPU tensors and other values as they are, as
+    ``DataLoader(pin_memory=True)`` treats them. ``who`` names the caller when CUDA
+    is missing."""
+
+    def pin(x: Any, path: str) -> Any:
+        if not is_tensor(x) or x.device.type != "cpu" or x.is_pinned():
+            return x
+        check_pin_memory(True, who, "pt", x.device)
+        return x.pin_memory()
+
+    return cast(BatchT, map_leaves(batch, pin))
+
+
+def map_leaves(x: Any, leaf: Callable[[Any, str], Any], path: str = "") -> Any:
+    """``x`` rebuilt with ``leaf(value, path)`` in place of every value that is not a
+    container: dataclasses (their init fields), mappings, lists, tuples, named tuples."""
+    if is_tensor(x) or isinstance(x, np.ndarray):
+        return leaf(x, path)
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        changes = {
+            f.name: map_leaves(getattr(x, f.name), leaf, f"{path}.{f.name}")
+            for f in dataclasses.fields(x)
+            if f.init
+        }
+        return dataclasses.replace(x, **changes)
+    if isinstance(x, Mapping):
+        mapped = {k: map_leaves(v, leaf, f"{path}[{k!r}]") for k, v in x.items()}
+        return mapped if type(x) is dict else type(x)(mapped)  # type: ignore[call-arg]
+    if isinstance(x, (list, tuple)):
+        items = [map_leaves(v, leaf, f"{path}[{i}]") for i, v in enumerate(x)]
+        if isinstance(x, tuple) and hasattr(x, "_fields"):  # a named tuple
+            return type(x)(*items)
+        return type(x)(items)
+    return leaf(x, path)
