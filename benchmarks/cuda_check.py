@@ -61,6 +61,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT / "examples"))  # embed_minilm
@@ -350,7 +352,12 @@ def check_oom(platform: Platform, report: Report, args: argparse.Namespace) -> N
     with memory_cap(platform):
         baseline = settled_memory(platform)
         log.clear()
-        results = f.map(items)
+        try:
+            results = f.map(items)
+        except oom_errors(platform) as exc:
+            f.close()
+            report.check("oom-split", False, f"out-of-memory reached a caller: {exc}")
+            return
         platform.synchronize()
         stats = f.stats()
         fails = [size for kind, size, _ in log.events if kind == "oom"]
@@ -444,11 +451,11 @@ def max_abs_diff(results: list[Any], expected: Any) -> float:
 
 
 # -- pinned: pinned collation, then non-blocking copies ---------------------------------
-def pinned_layouts() -> dict[str, Callable[..., Any]]:
-    """Each layout on a fixed list of CPU items (keywords go to the layout function)."""
+def pinned_layouts(seed: int) -> dict[str, Callable[..., Any]]:
+    """Each layout on CPU items drawn from ``seed`` (keywords go to the layout function)."""
     import batchkit
 
-    gen = torch.Generator().manual_seed(4)
+    gen = torch.Generator().manual_seed(seed)
     seqs = [torch.randn(n, 8, generator=gen) for n in (5, 17, 1, 30, 12)]
     ids = [torch.randint(0, 1000, (n,), generator=gen) for n in (9, 3, 21, 14)]
     rows = [{"x": torch.randn(4, 3, generator=gen), "label": i} for i in range(6)]
@@ -493,13 +500,28 @@ def same_batch(got: Any, expected: Any, device_type: str) -> str | None:
                 return f"{path} is not a tensor on {device_type}"
             if not torch.equal(value.cpu(), want):
                 return f"{path} differs from the CPU result"
+        elif isinstance(want, np.ndarray):  # e.g. stacked numbers: numpy, never pinned
+            host = value.cpu().numpy() if isinstance(value, torch.Tensor) else value
+            if not np.array_equal(host, want):
+                return f"{path} differs from the CPU result"
         elif value != want:
             return f"{path} is {value!r}, expected {want!r}"
     return None
 
 
+PINNED_ROUNDS = 4  # batches collated and copied back to back, no synchronisation between
+QUEUED_KERNEL_MS = 50.0  # device work queued ahead of the copies
+
+
 def check_pinned(platform: Platform, report: Report, args: argparse.Namespace) -> None:
-    """``pin_memory=True`` collation and ``to_device(..., non_blocking=True)``."""
+    """``pin_memory=True`` collation and ``to_device(..., non_blocking=True)``.
+
+    Per layout: the pinned batches equal the plain CPU ones; then, behind a queued
+    50 ms kernel, each round collates a new pinned batch and copies it while the
+    earlier copies still wait (a reused or freed pinned buffer would corrupt them).
+    The copies must equal the CPU results and the ``to_device`` calls must return
+    before the kernel ends (a pageable or synchronising copy would wait for it).
+    """
     import batchkit
     import batchkit.collate
 
@@ -507,34 +529,54 @@ def check_pinned(platform: Platform, report: Report, args: argparse.Namespace) -
         report.skip("pinned", "pinned host memory needs CUDA; not simulated")
         return
     to_device = getattr(batchkit.collate, "to_device", None)
-    layouts = pinned_layouts()
+    delay = int(cycles_per_ms(platform) * QUEUED_KERNEL_MS)
+    rounds = range(PINNED_ROUNDS)
     for name in LAYOUT_FUNCTIONS:
         label = f"pinned-{name}"
         if not supports(getattr(batchkit, name), "pin_memory"):
             report.not_implemented(label, f"batchkit.{name}(..., pin_memory=True)")
             continue
-        plain, pinned = layouts[name](), layouts[name](pin_memory=True)
-        tensors = [v for _, v in leaves(pinned) if isinstance(v, torch.Tensor)]
+        plain = [pinned_layouts(seed)[name]() for seed in rounds]
+        pinned = [pinned_layouts(seed)[name](pin_memory=True) for seed in rounds]
+        problem = next(filter(None, map(same_batch, pinned, plain, ["cpu"] * len(plain))), None)
         unpinned = [
-            p for p, v in leaves(pinned) if isinstance(v, torch.Tensor) and not v.is_pinned()
+            path
+            for path, value in leaves(pinned[0])
+            if isinstance(value, torch.Tensor) and not value.is_pinned()
         ]
-        problem = same_batch(pinned, plain, "cpu")
         if problem is None and unpinned:
             problem = f"not pinned: {', '.join(unpinned)}"
         if problem is None and to_device is None:
             report.not_implemented(label, "batchkit.collate.to_device(batch, device, ...)")
             continue
+        copy_ms = 0.0
         if problem is None:
-            for non_blocking in (True, None):  # explicit, and the default for pinned sources
-                copied = to_device(pinned, platform.device, non_blocking=non_blocking)
-                platform.synchronize()
-                problem = problem or same_batch(copied, plain, "cuda")
+            torch.cuda._sleep(delay)
+            copies = []
+            for seed in rounds:
+                batch = pinned_layouts(seed)[name](pin_memory=True)
+                start = time.perf_counter()
+                copies.append(to_device(batch, platform.device, non_blocking=True))
+                copy_ms += (time.perf_counter() - start) * 1e3
+            copies.append(to_device(pinned[0], platform.device))  # the default non_blocking
+            platform.synchronize()
+            expected = [*plain, plain[0]]
+            devices = ["cuda"] * len(expected)
+            problem = next(filter(None, map(same_batch, copies, expected, devices)), None)
+        if problem is None and copy_ms >= QUEUED_KERNEL_MS / 2:
+            problem = (
+                f"to_device(..., non_blocking=True) took {copy_ms:.1f} ms behind a queued "
+                f"{QUEUED_KERNEL_MS:g} ms kernel: the copies waited for it"
+            )
+        tensors = sum(isinstance(v, torch.Tensor) for _, v in leaves(pinned[0]))
         report.check(
             label,
             problem is None,
             problem
-            or f"{len(tensors)} tensors pinned, equal to the CPU result, and equal after "
-            f"to_device(..., non_blocking=True/None) to {platform.device}",
+            or f"{tensors} tensors per batch pinned and equal to the CPU result; "
+            f"{PINNED_ROUNDS} batches copied with non_blocking=True in {copy_ms:.2f} ms "
+            f"behind a queued {QUEUED_KERNEL_MS:g} ms kernel, each equal to its CPU result "
+            f"(and with the default non_blocking)",
         )
 
 
@@ -604,78 +646,86 @@ def check_profile(platform: Platform, report: Report, args: argparse.Namespace) 
 
 
 # -- attention: reference paged attention against scaled_dot_product_attention ----------
-def check_paged_attention(platform: Platform, report: Report, args: argparse.Namespace) -> None:
-    """``batchkit.kv.paged_attention`` over scattered blocks equals SDPA on contiguous keys."""
-    from batchkit.kv import build_layout, paged_attention, write_kv
+ATTENTION_HEADS, ATTENTION_KV_HEADS, ATTENTION_DIM, BLOCK_SIZE = 8, 2, 64, 16
+# (tokens already cached, tokens computed this step): prefill, chunked prefill, decode
+ATTENTION_SEQS = [(0, 37), (48, 20), (100, 1), (0, 1), (15, 1), (250, 6), (63, 1)]
 
-    heads, kv_heads, dim, block_size = 8, 2, 64, 16
-    # (tokens already cached, tokens computed this step): prefill, chunked prefill, decode
-    seqs = [(0, 37), (48, 20), (100, 1), (0, 1), (15, 1), (250, 6), (63, 1)]
-    gen = torch.Generator().manual_seed(5)
-    device = platform.device
-    blocks_needed = [-(-(cached + new) // block_size) for cached, new in seqs]
+
+def paged_step(device: Any, gen: Any) -> tuple[Any, Any, Any, list[Any], list[Any]]:
+    """``(k_cache, v_cache, layout, keys, values)``: every sequence's keys and values
+    written through ``write_kv`` into scattered blocks (the cached part by an earlier
+    step's layout, this step's part by this step's), and this step's layout."""
+    from batchkit.kv import build_layout, write_kv
+
+    seqs, kv_heads, dim = ATTENTION_SEQS, ATTENTION_KV_HEADS, ATTENTION_DIM
+    blocks_needed = [-(-(cached + new) // BLOCK_SIZE) for cached, new in seqs]
     num_blocks = sum(blocks_needed) + 5
-    order = torch.randperm(num_blocks, generator=gen).tolist()  # scattered blocks
-    block_ids, taken = [], 0
-    for n in blocks_needed:
-        block_ids.append(order[taken : taken + n])
-        taken += n
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    bounds = np.cumsum([0, *blocks_needed]).tolist()
+    block_ids = [order[lo:hi] for lo, hi in zip(bounds, bounds[1:])]
     keys = [torch.randn(c + n, kv_heads, dim, generator=gen).to(device) for c, n in seqs]
     values = [torch.randn(c + n, kv_heads, dim, generator=gen).to(device) for c, n in seqs]
     tokens = [list(range(c + n)) for c, n in seqs]
-    k_cache = torch.zeros(num_blocks, block_size, kv_heads, dim, device=device)
+    k_cache = torch.zeros(num_blocks, BLOCK_SIZE, kv_heads, dim, device=device)
     v_cache = torch.zeros_like(k_cache)
-    cached = [i for i, (c, _) in enumerate(seqs) if c]
-    if cached:  # earlier steps wrote the cached tokens
-        before = build_layout(
-            [tokens[i] for i in cached],
-            [0] * len(cached),
-            [seqs[i][0] for i in cached],
-            [block_ids[i] for i in cached],
-            block_size,
+
+    def write(chosen: list[int], starts: list[int], counts: list[int]) -> Any:
+        """One step computing ``counts[j]`` tokens of sequence ``chosen[j]`` from ``starts[j]``."""
+        layout = build_layout(
+            [tokens[i] for i in chosen], starts, counts, [block_ids[i] for i in chosen], BLOCK_SIZE
         ).to_torch(device)
+        pieces = list(zip(chosen, starts, counts))
         write_kv(
             k_cache,
             v_cache,
-            torch.cat([keys[i][: seqs[i][0]] for i in cached]),
-            torch.cat([values[i][: seqs[i][0]] for i in cached]),
-            before.slot_mapping,
+            torch.cat([keys[i][s : s + n] for i, s, n in pieces]),
+            torch.cat([values[i][s : s + n] for i, s, n in pieces]),
+            layout.slot_mapping,
         )
-    layout = build_layout(
-        tokens, [c for c, _ in seqs], [n for _, n in seqs], block_ids, block_size
-    ).to_torch(device)
-    write_kv(
-        k_cache,
-        v_cache,
-        torch.cat([k[c:] for k, (c, _) in zip(keys, seqs)]),
-        torch.cat([v[c:] for v, (c, _) in zip(values, seqs)]),
-        layout.slot_mapping,
-    )
-    query = torch.randn(layout.num_tokens, heads, dim, generator=gen).to(device)
-    got = paged_attention(query, k_cache, v_cache, layout)
-    expected = []
-    start = 0
-    for (c, n), k, v in zip(seqs, keys, values):
+        return layout
+
+    cached = [i for i, (c, _) in enumerate(seqs) if c]
+    write(cached, [0] * len(cached), [seqs[i][0] for i in cached])  # an earlier step
+    layout = write(list(range(len(seqs))), [c for c, _ in seqs], [n for _, n in seqs])
+    return k_cache, v_cache, layout, keys, values
+
+
+def dense_attention(query: Any, keys: list[Any], values: list[Any]) -> Any:
+    """``scaled_dot_product_attention`` per sequence on its contiguous keys: this step's
+    queries are each sequence's last tokens, query ``i`` of ``n`` sees keys up to its own."""
+    group = ATTENTION_HEADS // ATTENTION_KV_HEADS
+    outs, start = [], 0
+    for (cached, n), k, v in zip(ATTENTION_SEQS, keys, values):
         q = query[start : start + n].transpose(0, 1)  # [heads, n, dim]
         start += n
-        group = heads // kv_heads
-        kk = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, c + n, dim]
-        vv = v.repeat_interleave(group, dim=1).transpose(0, 1)
-        # query i (position c + i) sees keys 0 .. c + i
-        visible = (
-            torch.arange(c + n, device=device)[None, :]
-            <= (c + torch.arange(n, device=device))[:, None]
-        )
-        out = torch.nn.functional.scaled_dot_product_attention(q, kk, vv, attn_mask=visible)
-        expected.append(out.transpose(0, 1))
-    want = torch.cat(expected)
-    worst = float((got - want).abs().max())
+        k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, cached + n, dim]
+        v = v.repeat_interleave(group, dim=1).transpose(0, 1)
+        positions = torch.arange(cached + n, device=query.device)
+        visible = positions[None, :] <= positions[cached:, None]  # [n, cached + n]
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=visible)
+        outs.append(out.transpose(0, 1))
+    return torch.cat(outs)
+
+
+def check_paged_attention(platform: Platform, report: Report, args: argparse.Namespace) -> None:
+    """``batchkit.kv.paged_attention`` over scattered blocks equals SDPA on contiguous keys."""
+    from batchkit.kv import paged_attention
+
+    gen = torch.Generator().manual_seed(5)
+    device = platform.device
+    k_cache, v_cache, layout, keys, values = paged_step(device, gen)
+    query = torch.randn(layout.num_tokens, ATTENTION_HEADS, ATTENTION_DIM, generator=gen)
+    query = query.to(device)
+    got = paged_attention(query, k_cache, v_cache, layout)
+    want = dense_attention(query, keys, values)
+    worst = float((got - want).abs().max()) if got.shape == want.shape else math.inf
     report.check(
         "attention",
-        got.shape == want.shape and got.device.type == device.type and worst <= 1e-4,
-        f"{len(seqs)} sequences ({layout.num_tokens} query tokens, {heads}/{kv_heads} heads, "
-        f"{num_blocks} scattered blocks of {block_size}) on {device}: largest difference "
-        f"from scaled_dot_product_attention {worst:.1e} (atol 1e-4)",
+        got.device.type == device.type and worst <= 1e-4,
+        f"{len(ATTENTION_SEQS)} sequences ({layout.num_tokens} query tokens, "
+        f"{ATTENTION_HEADS}/{ATTENTION_KV_HEADS} heads, {len(k_cache)} scattered blocks of "
+        f"{BLOCK_SIZE}) on {device}: largest difference from "
+        f"scaled_dot_product_attention {worst:.1e} (atol 1e-4)",
     )
 
 
@@ -688,11 +738,13 @@ def load_minilm(path: str | None) -> Any:
         return embed_minilm.MiniLM()
     from transformers import AutoModel, AutoTokenizer
 
-    model = embed_minilm.MiniLM.__new__(embed_minilm.MiniLM)
+    import batchkit
+
+    model = embed_minilm.MiniLM.__new__(embed_minilm.MiniLM)  # its fields, from elsewhere
     model.path = path
     model.tokenizer = AutoTokenizer.from_pretrained(path)
     model.model = AutoModel.from_pretrained(path).eval()
-    model.collate = embed_minilm.batchkit.PadCollator()
+    model.collate = batchkit.PadCollator()
     return model
 
 
