@@ -1,8 +1,11 @@
-"""The GPU readiness check: what batchkit promises on a real CUDA device, one PASS/MISS
-line per promise, in under five minutes on one GPU.
+"""The GPU readiness check: one PASS/MISS line per promise batchkit makes on CUDA.
 
-    PYTHONPATH=. python benchmarks/cuda_check.py                   # on a machine with a GPU
-    PYTHONPATH=. python benchmarks/cuda_check.py --simulate-on-cpu # the same logic on CPU
+It runs in under five minutes on one GPU:
+
+    python benchmarks/cuda_check.py                    # on a machine with a GPU
+    python benchmarks/cuda_check.py --simulate-on-cpu  # the same logic on CPU
+
+(It imports the batchkit of the checkout it sits in; docs/gpu.md explains every line.)
 
 Checks (each runs on its own; one that raises prints MISS with the error and the others
 still run):
