@@ -401,7 +401,7 @@ def check_oom(platform: Platform, report: Report, args: argparse.Namespace) -> N
             "oom-release",
             held == 0,
             f"inputs of failed calls still alive when a retry started: {held:,} bytes at "
-            f"most (must be 0: the failed call's exception and traceback hold its memory)",
+            f"most (must be 0; a failed call's exception kept alive holds them in its traceback)",
         )
         check_oom_hook(platform, report, model, items, max_batch)
 

@@ -72,8 +72,24 @@ def simulated() -> tuple[subprocess.CompletedProcess[str], dict[str, tuple[str, 
     return done, verdicts(done.stdout)
 
 
+# What the check finds in batchkit today; fixed, these XPASS and must move to MUST_PASS.
+KNOWN_MISSES = {
+    "oom-memory": "the idle worker keeps its last batch (and the outputs in it) until the "
+    "next batch or close(): device memory stays above the baseline while idle",
+    "oom-release": "the failed call's exception (and through its traceback, the failed "
+    "call's input and activations) is still referenced while its halves are retried",
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", MUST_PASS)
+@pytest.mark.parametrize(
+    "name",
+    MUST_PASS
+    + [
+        pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=reason))
+        for name, reason in KNOWN_MISSES.items()
+    ],
+)
 def test_simulated_check_passes(simulated: Any, name: str) -> None:
     _, found = simulated
     assert name in found, sorted(found)
@@ -95,28 +111,6 @@ def test_simulated_on_oom_hook_passes_once_batched_takes_it(simulated: Any) -> N
         assert verdict == "PASS", detail
     else:
         assert (verdict, detail) == ("MISS", "not implemented: @batched(on_oom=...)")
-
-
-@pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="the idle worker keeps its last batch (and the outputs in it) until the next "
-    "batch or close(): device memory stays above the baseline while idle",
-)
-def test_simulated_memory_back_to_baseline_while_idle(simulated: Any) -> None:
-    _, found = simulated
-    assert found["oom-memory"][0] == "PASS", found["oom-memory"][1]
-
-
-@pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="the failed call's exception (and through its traceback, the failed call's "
-    "input and activations) is still referenced while the halves are retried",
-)
-def test_simulated_failed_attempt_released_before_retry(simulated: Any) -> None:
-    _, found = simulated
-    assert found["oom-release"][0] == "PASS", found["oom-release"][1]
 
 
 @pytest.mark.slow
