@@ -740,13 +740,18 @@ def load_minilm(path: str | None) -> Any:
     if path is None:
         return embed_minilm.MiniLM()
     from transformers import AutoModel, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     import batchkit
+
+    hf_logging.disable_progress_bar()
 
     model = embed_minilm.MiniLM.__new__(embed_minilm.MiniLM)  # its fields, from elsewhere
     model.path = path
     model.tokenizer = AutoTokenizer.from_pretrained(path)
-    model.model = AutoModel.from_pretrained(path).eval()
+    # float(): a float16 copy of the weights (half the size, for a machine without the
+    # package) runs in float32 like the original; batched and alone stay comparable.
+    model.model = AutoModel.from_pretrained(path).float().eval()
     model.collate = batchkit.PadCollator()
     return model
 
