@@ -886,12 +886,13 @@ def run_guarded(
         try:
             CHECKS[name](platform, report, args)
         except Exception as exc:  # noqa: BLE001 - one broken check must not stop the others
-            where = traceback.extract_tb(exc.__traceback__)[-1]
+            frames = traceback.extract_tb(exc.__traceback__)
+            where = [f for f in frames if f.filename == __file__][-1:] or frames[-1:]
             report.check(
                 name,
                 False,
                 f"raised {type(exc).__name__}: {exc} "
-                f"(at {Path(where.filename).name}:{where.lineno})",
+                f"(at {Path(where[0].filename).name}:{where[0].lineno})",
             )
 
     thread = threading.Thread(target=target, name=f"check-{name}", daemon=True)
