@@ -10,9 +10,8 @@ newest running sequence is preempted: its blocks are freed and it waits again, t
 recomputed from its tokens (prompt and generated so far) when it is readmitted.
 :meth:`Scheduler.update` takes the step's sampled tokens and retires sequences that
 hit a stop token or their length limit. The rows and blocks themselves are taken and
-given back by the :class:`~batchkit.generate.resources.SeqResources` mixin; the driver
-(:mod:`batchkit.generate.batcher`, :mod:`batchkit.generate.driver`) adds threads,
-handles and time.
+given back by its :class:`~batchkit.generate.resources.SeqResources`; the drivers
+(:mod:`batchkit.generate.driver`) add threads, handles and time.
 """
 
 from __future__ import annotations
@@ -25,10 +24,9 @@ from batchkit.generate.sequence import ScheduledSeq, SeqStatus, Sequence, StepBa
 from batchkit.generate.stats import GenerationStatsRecorder
 from batchkit.generate.tokens import check_step_tokens
 from batchkit.kv.allocator import BlockAllocator
-from batchkit.kv.block_table import BlockTableRows
 
 
-class Scheduler(SeqResources):
+class Scheduler:
     """Iteration-level scheduling over a waiting queue and a running set."""
 
     def __init__(
@@ -51,15 +49,15 @@ class Scheduler(SeqResources):
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self._free_slots = list(range(max_num_seqs))  # a heap: lowest free row first
-        self._rows = BlockTableRows(max_num_seqs)  # paged mode: block tables by slot
-        self._released: list[int] = []
+        self.resources = SeqResources(max_num_seqs, allocator)
         self._in_flight: StepBatch | None = None
         self._arrivals = 0
         self._deadlines: list[tuple[float, int, Sequence]] = []
         # Sequences a step's bad result failed alone (seq.error says why); the driver
         # takes them after update() to answer their callers.
         self.errored: list[Sequence] = []
+        # The sequences the last schedule() ran for the first time (for queue times).
+        self.started_now: list[Sequence] = []
         self.stats = GenerationStatsRecorder()
 
     # -- admission -----------------------------------------------------------
@@ -72,6 +70,25 @@ class Scheduler(SeqResources):
     def num_waiting(self) -> int:
         """Sequences waiting (new or preempted)."""
         return len(self.waiting)
+
+    @property
+    def num_free_rows(self) -> int:
+        """Rows (of ``max_num_seqs``) no sequence holds."""
+        return self.resources.num_free_rows
+
+    @property
+    def in_flight(self) -> StepBatch | None:
+        """The batch of the last :meth:`schedule` until its :meth:`update` (or
+        :meth:`fail_step`); None between steps."""
+        return self._in_flight
+
+    def take_errored(self) -> list[Sequence]:
+        """The sequences bad step results failed alone since the last call (see :attr:`errored`)."""
+        errored = self.errored
+        if not errored:
+            return errored
+        self.errored = []
+        return errored
 
     def check_fits(self, seq: Sequence) -> None:
         """Raise ``ValueError`` if ``seq`` could never run, even alone."""
@@ -91,7 +108,7 @@ class Scheduler(SeqResources):
             )
         if limit is not None:
             longest = min(longest, limit)
-        self._check_pool_fits(seq, longest)
+        self.resources.check_pool_fits(seq, longest)
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence (``ValueError`` if it can never fit)."""
@@ -128,79 +145,58 @@ class Scheduler(SeqResources):
         if self._in_flight is not None:
             raise RuntimeError("schedule() called again before update() of the last step")
         alloc = self.allocator
+        res = self.resources
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         running = self.running
         preempted = False
+        self.started_now = []
 
-        # running sequences: one decode token each, or their next prefill chunk
-        bs = 0 if alloc is None else alloc.block_size
-        rows = self._rows
-        fill: list[int] = [] if alloc is None else alloc.fill
-        fast_tokens = 0
+        # running sequences: one decode token each, or their next prefill chunk.
         # Preemption removes only this sequence (then the loop stops) or later ones: a plain
         # for loop over the list stays correct.
         for seq in running:
             if budget <= 0:
                 break
             computed = seq.num_computed_tokens
-            n = len(seq.token_ids) - computed
-            if n > budget:
-                n = budget
+            n = min(len(seq.token_ids) - computed, budget)
             if alloc is not None:
-                table = seq.block_table
-                assert table is not None  # every running sequence holds one in paged mode
-                if n == 1 and table.num_tokens % bs:
-                    # The decode fast path (most sequences, most steps): the token fits in
-                    # the private tail block; what BlockTable.grow(1) does, minus the calls.
-                    table.num_tokens += 1
-                    fill[table.block_ids[-1]] += 1
-                    fast_tokens += 1
-                else:
-                    need = -(-(table.num_tokens + n) // bs) - len(table.block_ids)
-                    while need > alloc.num_free:
-                        victim = running[-1]  # the newest: it loses the least work
-                        self._preempt(victim)
-                        preempted = True
-                        if victim is seq:
-                            break
-                    if seq.status is not SeqStatus.RUNNING:
+                while res.blocks_needed(seq, n) > alloc.num_free:
+                    victim = running[-1]  # the newest: it loses the least work
+                    self._preempt(victim)
+                    preempted = True
+                    if victim is seq:
                         break
-                    table.grow(n)
-                    rows.sync(seq.slot, table.block_ids)  # type: ignore[arg-type]
+                if seq.status is not SeqStatus.RUNNING:
+                    break
+                res.grow(seq, n)
             seq.in_step = True
             scheduled.append(ScheduledSeq(seq, computed, n))
             budget -= n
-
-        if fast_tokens:
-            alloc.add_tokens_stored(fast_tokens)  # type: ignore[union-attr]
 
         # waiting sequences, in order, while rows, budget and blocks last. Nothing joins
         # in a step that preempted: the memory is short, and the preempted go first.
         waiting = self.waiting
         while waiting and not preempted and budget > 0 and len(running) < self.max_num_seqs:
             seq = waiting[0]
-            if alloc is not None and not self._admit_blocks(seq, budget):
+            if alloc is not None and not res.admit_blocks(seq, budget):
                 break
             waiting.popleft()
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            table = seq.block_table
-            if table is not None:  # paged mode
-                table.grow(n)
             seq.status = SeqStatus.RUNNING
-            seq.slot = heapq.heappop(self._free_slots)
-            if table is not None:
-                rows.assign(seq.slot, table.block_ids)
+            res.take_row(seq)
+            res.grow(seq, n)
             running.append(seq)
+            if not seq.started:
+                self.started_now.append(seq)
             seq.in_step = seq.started = True
             scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
             budget -= n
 
-        batch = StepBatch(scheduled, self._released, self.stats.steps)
+        batch = StepBatch(scheduled, res.take_released(), self.stats.steps)
         if alloc is not None:
             batch.block_size = alloc.block_size
-            batch.block_tables = rows.gather([s.slot for s in scheduled])  # type: ignore[misc]
-        self._released = []
+            batch.block_tables = res.block_tables([s.slot for s in scheduled])  # type: ignore[misc]
         self._in_flight = batch
         self.stats.record_step(
             seq_util=len(batch.seqs) / self.max_num_seqs,
@@ -210,6 +206,15 @@ class Scheduler(SeqResources):
             allocator=self.allocator,
         )
         return batch
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Back to waiting, first in line; its blocks are freed and recomputed later."""
+        self.running.remove(seq)
+        self.resources.free(seq)
+        seq.status = SeqStatus.WAITING
+        seq.num_computed_tokens = 0
+        self._enqueue(seq)
+        self.stats.preemptions += 1
 
     # -- results --------------------------------------------------------------
     def update(
@@ -255,13 +260,13 @@ class Scheduler(SeqResources):
             seq = sched.seq
             seq.in_step = False
             if seq.status is finished_status:  # cancelled during the step
-                self._free(seq)
+                self.resources.free(seq)
                 any_finished = True
                 continue
             computed = sched.start + sched.num_tokens
             seq.num_computed_tokens = computed
             if prefix is not None:
-                self._cache_full_blocks(seq, sched.start, computed)
+                self.resources.cache_full_blocks(seq, sched.start, computed)
             ids = seq.token_ids
             if computed < len(ids):
                 continue  # a prefill chunk: nothing sampled yet
@@ -271,7 +276,9 @@ class Scheduler(SeqResources):
             if generated == 1:
                 ttft.append(now - seq.arrival_time)
             else:
-                itl.append(now - seq.last_token_time)
+                gap = now - seq.last_token_time
+                seq.last_token_gap = gap
+                itl.append(gap)
             seq.last_token_time = now
             produced.append(seq)
             if tok in seq.stop_token_ids:
@@ -281,7 +288,7 @@ class Scheduler(SeqResources):
             else:
                 continue
             seq.status = finished_status
-            self._free(seq)
+            self.resources.free(seq)
             st.finished += 1
             any_finished = True
         st.tokens_generated += len(produced)
@@ -303,9 +310,8 @@ class Scheduler(SeqResources):
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         if not seq.in_step:
-            was_running = seq.slot is not None or seq.block_table is not None
-            if was_running:
-                self._free(seq)
+            if self.resources.holds_any(seq):
+                self.resources.free(seq)
                 self.running = [s for s in self.running if s is not seq]
         else:
             self.running = [s for s in self.running if s is not seq]
@@ -326,10 +332,8 @@ class Scheduler(SeqResources):
             s.seq.in_step = False
         seqs = [s.seq for s in batch.seqs]
         for seq in seqs:  # cancelled during the step: its resources are still held
-            if seq.status is SeqStatus.FINISHED and (
-                seq.slot is not None or seq.block_table is not None
-            ):
-                self._free(seq)
+            if seq.status is SeqStatus.FINISHED and self.resources.holds_any(seq):
+                self.resources.free(seq)
         return self.fail(seqs, reason)
 
     def fail(self, seqs: list[Sequence], reason: str = "error") -> list[Sequence]:

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from batchkit.generate.waiters import Outcome
 from batchkit.kv.block_table import BlockTable
 from batchkit.kv.layout import StepLayout, build_decode_layout, build_layout
 
@@ -47,8 +48,10 @@ class Sequence:
         "started",
         "arrival_time",
         "last_token_time",
+        "last_token_gap",
         "deadline",
         "handle",
+        "outcome",
         "error",
     )
 
@@ -80,8 +83,10 @@ class Sequence:
         self.started = False  # scheduled at least once (a timeout no longer applies)
         self.arrival_time = arrival_time
         self.last_token_time = 0.0
+        self.last_token_gap = 0.0  # seconds between its last two tokens
         self.deadline = deadline
         self.handle: Any = None  # the driver's GenerationHandle, if any
+        self.outcome: Outcome | None = None  # the driver's: who waits for this request
         self.error: BaseException | None = None  # why it failed alone (a bad step result)
 
     @property
