@@ -40,6 +40,13 @@ class ContinuousBatcher:
 
     Generation ends at ``eos_token_id`` or a request's ``stop_token_ids`` (included in
     its output), at ``max_new_tokens``, or at ``max_model_len`` total tokens.
+
+    ``max_prefill_chunk``: at most that many prompt (or recomputed) tokens of one
+    sequence per step (None: the whole token budget), so that prefills of several
+    sequences and every decode token share each step; a positive int at most
+    ``max_num_batched_tokens``. A request's ``priority`` reaches running sequences: a
+    more urgent one (lower value) preempts the least urgent running sequences for a
+    row or KV blocks (see :class:`~batchkit.generate.Scheduler`).
     """
 
     def __init__(
@@ -51,6 +58,7 @@ class ContinuousBatcher:
         allocator: BlockAllocator | None = None,
         eos_token_id: int | None = None,
         max_model_len: int | None = None,
+        max_prefill_chunk: int | None = None,
         max_queue_size: int | None = None,
         name: str | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -67,6 +75,7 @@ class ContinuousBatcher:
             max_num_batched_tokens=max_num_batched_tokens,
             allocator=allocator,
             max_model_len=max_model_len,
+            max_prefill_chunk=max_prefill_chunk,
         )
         self._waiters = Waiters()
         self._lock = self._waiters.lock  # guards the scheduler, the driver and the handles

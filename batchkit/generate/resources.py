@@ -88,6 +88,11 @@ class SeqResources:
         table = seq.block_table
         return 0 if table is None else table.blocks_needed(num_tokens)
 
+    def num_blocks_held(self, seq: Sequence) -> int:
+        """Blocks in ``seq``'s table (some may be shared with other sequences)."""
+        table = seq.block_table
+        return 0 if table is None else len(table.block_ids)
+
     def grow(self, seq: Sequence, num_tokens: int) -> None:
         """Make room in ``seq``'s blocks for ``num_tokens`` more (paged mode; they are free)."""
         table = seq.block_table

@@ -4,10 +4,19 @@ Every step, :meth:`Scheduler.schedule` picks the sequences to compute: running o
 first (a decode token each, or their next prefill chunk), then waiting ones,
 first-come-first-served within a priority (lower values first), while there are
 free rows (``max_num_seqs``), tokens in the step's budget
-(``max_num_batched_tokens``; long prompts are split into chunks) and, in paged
-mode, free KV blocks. When a running sequence needs a block and none is free, the
-newest running sequence is preempted: its blocks are freed and it waits again, to be
-recomputed from its tokens (prompt and generated so far) when it is readmitted.
+(``max_num_batched_tokens``; long prompts are split into chunks of at most
+``max_prefill_chunk`` tokens) and, in paged mode, free KV blocks.
+
+Priorities reach running sequences: a waiting request more urgent than a running
+sequence goes first, and takes the row and blocks of the least urgent running ones
+(newest among equals), which are preempted. When a running sequence needs a block
+and none is free, the victim is likewise the least urgent running sequence, never
+one more urgent than the sequence that needs the block. A preempted sequence's
+blocks are freed and it waits again, to be recomputed from its tokens (prompt and
+generated so far) when it is readmitted; until it has produced a token again, no
+sequence of its own priority may preempt it (only a more urgent one), so two equals
+cannot evict each other forever.
+
 :meth:`Scheduler.update` takes the step's sampled tokens and retires sequences that
 hit a stop token or their length limit. The rows and blocks themselves are taken and
 given back by its :class:`~batchkit.generate.resources.SeqResources`; the drivers
@@ -36,6 +45,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         allocator: BlockAllocator | None = None,
         max_model_len: int | None = None,
+        max_prefill_chunk: int | None = None,
     ) -> None:
         if max_num_seqs.__class__ is not int or max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be a positive int, got {max_num_seqs!r}")
@@ -43,8 +53,20 @@ class Scheduler:
             raise ValueError(
                 f"max_num_batched_tokens must be a positive int, got {max_num_batched_tokens!r}"
             )
+        if max_prefill_chunk is not None and (
+            max_prefill_chunk.__class__ is not int
+            or not 1 <= max_prefill_chunk <= max_num_batched_tokens
+        ):
+            raise ValueError(
+                "max_prefill_chunk must be None or a positive int at most "
+                f"max_num_batched_tokens={max_num_batched_tokens}, got {max_prefill_chunk!r}"
+            )
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # Prompt (or recomputed) tokens of one sequence per step; no cap: the budget.
+        self.max_prefill_chunk = (
+            max_num_batched_tokens if max_prefill_chunk is None else max_prefill_chunk
+        )
         self.allocator = allocator
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
@@ -141,78 +163,157 @@ class Scheduler:
 
     # -- scheduling -----------------------------------------------------------
     def schedule(self) -> StepBatch:
-        """The next step's batch (possibly empty); call :meth:`update` with its tokens."""
+        """The next step's batch (possibly empty); call :meth:`update` with its tokens.
+
+        In order: waiting requests more urgent than some running sequence (preempting
+        less urgent ones for their row and blocks); the running sequences; then other
+        waiting ones, unless the step preempted for lack of blocks.
+        """
         if self._in_flight is not None:
             raise RuntimeError("schedule() called again before update() of the last step")
-        alloc = self.allocator
-        res = self.resources
-        budget = self.max_num_batched_tokens
-        scheduled: list[ScheduledSeq] = []
-        running = self.running
-        preempted = False
         self.started_now = []
-
-        # running sequences: one decode token each, or their next prefill chunk.
-        # Preemption removes only this sequence (then the loop stops) or later ones: a plain
-        # for loop over the list stays correct.
-        for seq in running:
-            if budget <= 0:
-                break
-            computed = seq.num_computed_tokens
-            n = min(len(seq.token_ids) - computed, budget)
-            if alloc is not None:
-                while res.blocks_needed(seq, n) > alloc.num_free:
-                    victim = running[-1]  # the newest: it loses the least work
-                    self._preempt(victim)
-                    preempted = True
-                    if victim is seq:
-                        break
-                if seq.status is not SeqStatus.RUNNING:
+        step = _Step(self.max_num_batched_tokens)
+        self._admit_urgent(step)
+        self._schedule_running(step)
+        if not step.short_of_blocks:  # the memory is short: the preempted go first
+            waiting = self.waiting
+            while waiting and step.budget > 0 and len(self.running) < self.max_num_seqs:
+                if not self._admit(waiting[0], step):
                     break
-                res.grow(seq, n)
-            seq.in_step = True
-            scheduled.append(ScheduledSeq(seq, computed, n))
-            budget -= n
 
-        # waiting sequences, in order, while rows, budget and blocks last. Nothing joins
-        # in a step that preempted: the memory is short, and the preempted go first.
-        waiting = self.waiting
-        while waiting and not preempted and budget > 0 and len(running) < self.max_num_seqs:
-            seq = waiting[0]
-            if alloc is not None and not res.admit_blocks(seq, budget):
-                break
-            waiting.popleft()
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            seq.status = SeqStatus.RUNNING
-            res.take_row(seq)
-            res.grow(seq, n)
-            running.append(seq)
-            if not seq.started:
-                self.started_now.append(seq)
-            seq.in_step = seq.started = True
-            scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
-            budget -= n
-
+        scheduled, alloc, res = step.scheduled, self.allocator, self.resources
         batch = StepBatch(scheduled, res.take_released(), self.stats.steps)
         if alloc is not None:
             batch.block_size = alloc.block_size
             batch.block_tables = res.block_tables([s.slot for s in scheduled])  # type: ignore[misc]
         self._in_flight = batch
+        tokens = self.max_num_batched_tokens - step.budget
         self.stats.record_step(
-            seq_util=len(batch.seqs) / self.max_num_seqs,
-            token_util=(self.max_num_batched_tokens - budget) / self.max_num_batched_tokens,
-            tokens=self.max_num_batched_tokens - budget,
+            seq_util=len(scheduled) / self.max_num_seqs,
+            token_util=tokens / self.max_num_batched_tokens,
+            tokens=tokens,
             requests_waiting=bool(self.waiting),
-            allocator=self.allocator,
+            allocator=alloc,
         )
         return batch
 
-    def _preempt(self, seq: Sequence) -> None:
-        """Back to waiting, first in line; its blocks are freed and recomputed later."""
+    def _chunk(self, seq: Sequence, start: int, budget: int) -> int:
+        """Tokens ``seq`` computes this step from ``start``: all it has left, within the
+        budget left and ``max_prefill_chunk``."""
+        return min(len(seq.token_ids) - start, budget, self.max_prefill_chunk)
+
+    def _schedule_running(self, step: _Step) -> None:
+        """Each running sequence: one decode token, or its next prefill chunk."""
+        alloc, res = self.allocator, self.resources
+        for seq in list(self.running):  # a copy: a preemption may remove any of them
+            if step.budget <= 0:
+                break
+            if seq.in_step or seq.status is not SeqStatus.RUNNING:
+                continue  # just admitted, or preempted by an earlier one's need
+            start = seq.num_computed_tokens
+            n = self._chunk(seq, start, step.budget)
+            if alloc is not None:
+                while res.blocks_needed(seq, n) > alloc.num_free:
+                    victim = self._victim_for(seq)
+                    self._preempt(victim, step)
+                    step.short_of_blocks = True
+                    if victim is seq:
+                        break
+                if seq.status is not SeqStatus.RUNNING:
+                    continue  # it preempted itself: nobody else may give way to it
+                res.grow(seq, n)
+            step.add(seq, start, n)
+
+    def _victim_for(self, needer: Sequence) -> Sequence:
+        """The running sequence to preempt when ``needer`` needs a block and none is free:
+        the least urgent (newest among equals), never one more urgent than ``needer``,
+        and never one of its own priority still recomputing after a preemption (see
+        :attr:`Sequence.recomputing`). ``needer`` itself when nobody else qualifies."""
+        return max(
+            (
+                s
+                for s in self.running
+                if s is needer or not (s.recomputing and s.priority == needer.priority)
+            ),
+            key=_urgency_rank,
+        )
+
+    def _admit_urgent(self, step: _Step) -> None:
+        """Admit waiting requests more urgent than a running sequence, preempting the
+        least urgent running ones (newest among equals) for their row and blocks, so an
+        urgent request starts at the next step instead of waiting for them to finish."""
+        waiting, running = self.waiting, self.running
+        while waiting and running and step.budget > 0:
+            head = waiting[0]
+            victims = sorted(
+                (s for s in running if s.priority > head.priority), key=_urgency_rank
+            )
+            if not victims or not self._free_room(head, victims, step):
+                return
+            if not self._admit(head, step):
+                return
+
+    def _free_room(self, head: Sequence, victims: list[Sequence], step: _Step) -> bool:
+        """Preempt ``victims`` from the end (the least urgent first) until ``head`` has a
+        row and the blocks to start; False, preempting nobody, if all of them would not
+        be enough."""
+        alloc, res = self.allocator, self.resources
+        chunk = self._blocks_span(seq=head, step=step)
+        rows_short = len(self.running) + 1 - self.max_num_seqs
+        if rows_short > len(victims):
+            return False
+
+        def blocks_short() -> int:
+            return 0 if alloc is None else res.blocks_to_start(head, chunk) - alloc.num_free
+
+        short = blocks_short()
+        if short > 0 and short > sum(res.num_blocks_held(v) for v in victims):
+            return False  # (an upper bound: blocks shared with others are not freed)
+        while rows_short > 0 or short > 0:
+            if not victims:
+                return False
+            self._preempt(victims.pop(), step)
+            rows_short -= 1
+            short = blocks_short()
+        return True
+
+    def _admit(self, seq: Sequence, step: _Step) -> bool:
+        """Start (or restart) the first waiting sequence; False if its blocks are short."""
+        res = self.resources
+        if self.allocator is not None and not res.admit_blocks(seq, self._blocks_span(seq, step)):
+            return False
+        self.waiting.popleft()
+        start = seq.num_computed_tokens  # a prefix-cache hit computes nothing again
+        n = self._chunk(seq, start, step.budget)
+        seq.status = SeqStatus.RUNNING
+        res.take_row(seq)
+        res.grow(seq, n)
+        self.running.append(seq)
+        if not seq.started:
+            self.started_now.append(seq)
+            seq.started = True
+        step.add(seq, start, n)
+        return True
+
+    def _blocks_span(self, seq: Sequence, step: _Step) -> int:
+        """Tokens whose blocks must be free for a waiting ``seq`` to start: its first
+        chunk; for a preempted one, its whole recompute. Readmitted sooner, with a
+        small chunk, it would take blocks it then cannot keep, and two preempted
+        sequences could take turns forever without either producing a token."""
+        if seq.recomputing:
+            return seq.num_tokens
+        return min(step.budget, self.max_prefill_chunk)
+
+    def _preempt(self, seq: Sequence, step: _Step) -> None:
+        """Back to waiting, in line by (priority, arrival); its blocks are freed and
+        recomputed later. Scheduled in ``step`` already, it leaves the step."""
+        if seq.in_step:
+            step.drop(seq)
         self.running.remove(seq)
         self.resources.free(seq)
         seq.status = SeqStatus.WAITING
         seq.num_computed_tokens = 0
+        seq.recomputing = True
         self._enqueue(seq)
         self.stats.preemptions += 1
 
@@ -272,6 +373,7 @@ class Scheduler:
                 continue  # a prefill chunk: nothing sampled yet
             tok: int = token  # type: ignore[assignment]  # an int: checked above
             ids.append(tok)
+            seq.recomputing = False  # progress: it may be preempted again
             generated = len(ids) - seq.num_prompt_tokens
             if generated == 1:
                 ttft.append(now - seq.arrival_time)
@@ -354,3 +456,31 @@ class Scheduler:
     def abort_all(self, reason: str) -> list[Sequence]:
         """Abort every waiting and running sequence."""
         return self.fail(list(self.waiting) + list(self.running), reason)
+
+
+def _urgency_rank(seq: Sequence) -> tuple[int, int]:
+    """Sorts the least urgent last: highest priority value, then the newest arrival."""
+    return seq.priority, seq.order
+
+
+class _Step:
+    """The step being scheduled: its sequences so far and the token budget left."""
+
+    __slots__ = ("scheduled", "budget", "short_of_blocks")
+
+    def __init__(self, budget: int) -> None:
+        self.scheduled: list[ScheduledSeq] = []
+        self.budget = budget
+        self.short_of_blocks = False  # a running sequence preempted another for a block
+
+    def add(self, seq: Sequence, start: int, num_tokens: int) -> None:
+        """Compute ``num_tokens`` of ``seq`` from ``start`` in this step."""
+        seq.in_step = True
+        self.scheduled.append(ScheduledSeq(seq, start, num_tokens))
+        self.budget -= num_tokens
+
+    def drop(self, seq: Sequence) -> None:
+        """``seq`` was preempted after it was scheduled: it leaves, its tokens return."""
+        i = next(i for i, s in enumerate(self.scheduled) if s.seq is seq)
+        self.budget += self.scheduled.pop(i).num_tokens
+        seq.in_step = False

@@ -46,6 +46,7 @@ class Sequence:
         "finish_reason",
         "in_step",
         "started",
+        "recomputing",
         "arrival_time",
         "last_token_time",
         "last_token_gap",
@@ -81,6 +82,8 @@ class Sequence:
         self.finish_reason: str | None = None  # "stop", "length", "cancelled", "timeout", "error"
         self.in_step = False  # part of the batch the step function is computing now
         self.started = False  # scheduled at least once (a timeout no longer applies)
+        # Preempted, and no token since: no sequence of its own priority may preempt it.
+        self.recomputing = False
         self.arrival_time = arrival_time
         self.last_token_time = 0.0
         self.last_token_gap = 0.0  # seconds between its last two tokens
