@@ -185,11 +185,37 @@ def test_a_block_shortage_preempts_the_least_urgent_never_a_more_urgent_one(
     seqs = [
         Sequence(i, [4, 5, 6 + i], max_new_tokens=4, priority=p) for i, p in enumerate(priorities)
     ]
-    for seq in seqs:
-        sched.add(seq)
+    sched.add(seqs[0])
+    step(sched, model)
+    sched.add(seqs[1])  # there is room: it joins without preempting anyone
     batch = step(sched, model)
     while sched.stats.preemptions == 0:
         batch = step(sched, model)
     assert batch.released == [victim]
     run_to_end(sched, model)
+    assert_solo(*seqs)
+
+
+def test_a_preempted_sequence_is_not_preempted_again_by_an_equal_before_a_token() -> None:
+    # Found by a random search: without the guard, request 2 is preempted (step 2),
+    # readmitted to recompute (step 7) and preempted again by request 1 (step 8) before
+    # it produced a token: its recompute was thrown away. Now request 1 gives way.
+    alloc = BlockAllocator(4, 2)
+    sched, model = make(budget=7, allocator=alloc), PagedToy(4, 2)
+    seqs = [
+        Sequence(0, [18, 11, 2], max_new_tokens=6),
+        Sequence(1, [19, 11], max_new_tokens=5),
+        Sequence(2, [1, 16, 12, 1], max_new_tokens=3),
+    ]
+    for seq in seqs:
+        sched.add(seq)
+    generated_when_preempted: dict[int, int] = {}
+    while sched.has_work:
+        before = [s.num_generated for s in seqs]
+        batch = step(sched, model)
+        for rid in batch.released:
+            if not seqs[rid].is_finished:  # preempted
+                assert generated_when_preempted.get(rid) != before[rid], f"{rid} thrashed"
+                generated_when_preempted[rid] = before[rid]
+    assert sched.stats.preemptions >= 2
     assert_solo(*seqs)
