@@ -14,7 +14,7 @@ import heapq
 import numpy as np
 
 from batchkit.generate.sequence import Sequence
-from batchkit.kv.allocator import BlockAllocator
+from batchkit.kv.allocator import BlockAllocator, OutOfBlocks
 from batchkit.kv.block_table import BlockTable, BlockTableRows, blocks_for
 
 
@@ -83,24 +83,25 @@ class SeqResources:
         if seq.block_table is not None:
             self._tables.assign(seq.slot, seq.block_table.block_ids)
 
-    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
-        """Fresh blocks ``seq`` needs to compute ``num_tokens`` more (0 in slotted mode)."""
-        table = seq.block_table
-        return 0 if table is None else table.blocks_needed(num_tokens)
-
     def num_blocks_held(self, seq: Sequence) -> int:
         """Blocks in ``seq``'s table (some may be shared with other sequences)."""
         table = seq.block_table
         return 0 if table is None else len(table.block_ids)
 
-    def grow(self, seq: Sequence, num_tokens: int) -> None:
-        """Make room in ``seq``'s blocks for ``num_tokens`` more (paged mode; they are free)."""
+    def grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """Make room in ``seq``'s blocks for ``num_tokens`` more; False (nothing taken)
+        if the pool is short of blocks. Always True in slotted mode."""
         table = seq.block_table
-        if table is not None:
-            had = len(table.block_ids)
+        if table is None:
+            return True
+        had = len(table.block_ids)
+        try:
             table.grow(num_tokens)
-            if len(table.block_ids) != had:
-                self._tables.sync(seq.slot, table.block_ids)  # type: ignore[arg-type]
+        except OutOfBlocks:
+            return False
+        if len(table.block_ids) != had:
+            self._tables.sync(seq.slot, table.block_ids)  # type: ignore[arg-type]
+        return True
 
     def block_tables(self, rows: list[int]) -> np.ndarray:
         """The block tables of these rows, as a step's ``block_tables``."""

@@ -204,25 +204,22 @@ class Scheduler:
 
     def _schedule_running(self, step: _Step) -> None:
         """Each running sequence: one decode token, or its next prefill chunk."""
-        alloc, res = self.allocator, self.resources
+        grow, cap, running_status = self.resources.grow, self.max_prefill_chunk, SeqStatus.RUNNING
         for seq in list(self.running):  # a copy: a preemption may remove any of them
             if step.budget <= 0:
                 break
-            if seq.in_step or seq.status is not SeqStatus.RUNNING:
+            if seq.in_step or seq.status is not running_status:
                 continue  # just admitted, or preempted by an earlier one's need
             start = seq.num_computed_tokens
-            n = self._chunk(seq, start, step.budget)
-            if alloc is not None:
-                while res.blocks_needed(seq, n) > alloc.num_free:
-                    victim = self._victim_for(seq)
-                    self._preempt(victim, step)
-                    step.short_of_blocks = True
-                    if victim is seq:
-                        break
-                if seq.status is not SeqStatus.RUNNING:
-                    continue  # it preempted itself: nobody else may give way to it
-                res.grow(seq, n)
-            step.add(seq, start, n)
+            n = min(len(seq.token_ids) - start, step.budget, cap)  # (what _chunk says)
+            while not grow(seq, n):  # short of blocks
+                victim = self._victim_for(seq)
+                self._preempt(victim, step)
+                step.short_of_blocks = True
+                if victim is seq:
+                    break
+            if seq.status is running_status:  # (else it preempted itself: nobody gave way)
+                step.add(seq, start, n)
 
     def _victim_for(self, needer: Sequence) -> Sequence:
         """The running sequence to preempt when ``needer`` needs a block and none is free:
@@ -287,7 +284,8 @@ class Scheduler:
         n = self._chunk(seq, start, step.budget)
         seq.status = SeqStatus.RUNNING
         res.take_row(seq)
-        res.grow(seq, n)
+        grown = res.grow(seq, n)
+        assert grown, "admit_blocks() checked that the blocks are free"
         self.running.append(seq)
         if not seq.started:
             self.started_now.append(seq)

@@ -201,7 +201,7 @@ def test_exposition_has_every_documented_name(registry: Any, exporter: Prometheu
     families = set(re.findall(r"^# TYPE (\S+) ", text, re.M))
     exported = {re.sub(r"_created$", "", n) for n in families}
     assert set(METRIC_NAMES) <= exported
-    documented = set(re.findall(r"^\| `(inference_\w+)` \|", DOCS.read_text(), re.M))
+    documented = set(re.findall(r"^\| `((?:inference|generation)_\w+)` \|", DOCS.read_text(), re.M))
     assert documented == set(METRIC_NAMES)
     assert exporter.content_type.startswith("text/plain")
     f.close()
