@@ -30,7 +30,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 try:
     from prometheus_client import (
@@ -149,6 +149,11 @@ GENERATION_LABEL_VALUES: dict[str, tuple[str, ...]] = {
 }
 
 
+def _shown(f: Any) -> str:
+    """How errors name a tracked object."""
+    return str(f.name if isinstance(f, ContinuousBatcher) else f.__qualname__)
+
+
 class _Tracker:
     """The listener attached to one function, holding its label's metric children
     pre-bound (a ``.labels()`` lookup per event would take a lock and hash each time)."""
@@ -233,6 +238,11 @@ class _GenerationTracker(_Tracker):
         self._recorder("generation_requests", event.reason)(1)
 
 
+_T = TypeVar("_T", bound=_Tracker)
+_Tracked = dict[str, tuple["weakref.ref[Any]", _Tracker]]
+"""Tracked objects by label: a weak reference to each and its listener."""
+
+
 class PrometheusMetrics:
     """A Prometheus exporter for any number of ``@batched`` functions and continuous
     batchers (:class:`~batchkit.ContinuousBatcher`).
@@ -257,10 +267,8 @@ class PrometheusMetrics:
         self.registry = REGISTRY if registry is None else registry
         self.namespace = namespace
         self._lock = threading.Lock()
-        self._tracked: dict[str, tuple[weakref.ref[BatchedFunction[Any]], _Tracker]] = {}
-        self._tracked_batchers: dict[
-            str, tuple[weakref.ref[ContinuousBatcher], _GenerationTracker]
-        ] = {}
+        self._tracked: _Tracked = {}  # @batched functions
+        self._tracked_batchers: _Tracked = {}  # continuous batchers
 
         # First in the registry, so every scrape forgets garbage-collected functions
         # before any family of theirs is written (whatever serves the registry).
@@ -298,75 +306,65 @@ class PrometheusMetrics:
         Continuous batchers have names of their own (their series are other families).
         """
         if isinstance(f, ContinuousBatcher):
-            return self._track_batcher(f, name)
-        if not isinstance(f, BatchedFunction):
+            label = f.name if name is None else name
+        elif isinstance(f, BatchedFunction):
+            label = f.__qualname__ if name is None else name
+        else:
             raise TypeError(
                 f"track() needs a @batched function or a ContinuousBatcher, got {type(f).__name__}"
             )
-        label = f.__qualname__ if name is None else name
         if not isinstance(label, str) or not label:
             raise ValueError(f"name must be a non-empty string, got {label!r}")
         with self._lock:
-            known = self._tracked.get(label)
-            if known is not None:
-                holder = known[0]()
-                if holder is f:
-                    return label
-                if holder is not None:
-                    raise ValueError(f"a function is already tracked as batcher={label!r}")
-                del self._tracked[label]  # its function is gone: the name is free again
-                known[1].remove()
-            if any(ref() is f for ref, _ in self._tracked.values()):
-                raise ValueError(f"{f.__qualname__} is already tracked under another name")
-            tracker = _Tracker(self, label)
-            self._tracked[label] = (weakref.ref(f), tracker)
-        f.add_listener(tracker)
+            if isinstance(f, ContinuousBatcher):
+                batcher_tracker = self._claim(self._tracked_batchers, f, label, _GenerationTracker)
+            else:
+                tracker = self._claim(self._tracked, f, label, _Tracker)
+        if isinstance(f, ContinuousBatcher):
+            if batcher_tracker is not None:
+                f.add_listener(batcher_tracker)
+        elif tracker is not None:
+            f.add_listener(tracker)
         return label
 
-    def _track_batcher(self, b: ContinuousBatcher, name: str | None) -> str:
-        """:meth:`track` of a continuous batcher."""
-        label = b.name if name is None else name
-        if not isinstance(label, str) or not label:
-            raise ValueError(f"name must be a non-empty string, got {label!r}")
-        with self._lock:
-            known = self._tracked_batchers.get(label)
-            if known is not None:
-                holder = known[0]()
-                if holder is b:
-                    return label
-                if holder is not None:
-                    raise ValueError(
-                        f"a continuous batcher is already tracked as batcher={label!r}"
-                    )
-                del self._tracked_batchers[label]  # its batcher is gone: the name is free again
-                known[1].remove()
-            if any(ref() is b for ref, _ in self._tracked_batchers.values()):
-                raise ValueError(f"{b.name} is already tracked under another name")
-            tracker = _GenerationTracker(self, label)
-            self._tracked_batchers[label] = (weakref.ref(b), tracker)
-        b.add_listener(tracker)
-        return label
+    def _claim(
+        self,
+        table: _Tracked,
+        f: Any,
+        label: str,
+        make: Callable[[PrometheusMetrics, str], _T],
+    ) -> _T | None:
+        """Under the lock: a new tracker (``make``) for ``f`` under ``label``, entered in
+        ``table``; None if ``f`` is there already; ``ValueError`` if ``label`` is
+        another's, or ``f`` is tracked under another name."""
+        what = "a continuous batcher" if isinstance(f, ContinuousBatcher) else "a function"
+        known = table.get(label)
+        if known is not None:
+            holder = known[0]()
+            if holder is f:
+                return None
+            if holder is not None:
+                raise ValueError(f"{what} is already tracked as batcher={label!r}")
+            del table[label]  # its function is gone: the name is free again
+            known[1].remove()
+        if any(ref() is f for ref, _ in table.values()):
+            raise ValueError(f"{_shown(f)} is already tracked under another name")
+        tracker = make(self, label)
+        table[label] = (weakref.ref(f), tracker)
+        return tracker
 
     def untrack(self, f: BatchedFunction[Any] | ContinuousBatcher) -> None:
         """Stop exporting ``f``: detach the listener and remove its series."""
-        if isinstance(f, ContinuousBatcher):
-            with self._lock:
-                found = [n for n, (ref, _) in self._tracked_batchers.items() if ref() is f]
-                if not found:
-                    raise KeyError(f"{f.name} is not tracked")
-                _, gen_tracker = self._tracked_batchers.pop(found[0])
-                gen_tracker.remove()
-            f.remove_listener(gen_tracker)
-            return
+        table = self._tracked_batchers if isinstance(f, ContinuousBatcher) else self._tracked
         with self._lock:
-            found = [name for name, (ref, _) in self._tracked.items() if ref() is f]
+            found = [name for name, (ref, _) in table.items() if ref() is f]
             if not found:
-                raise KeyError(f"{f.__qualname__} is not tracked")
-            _, tracker = self._tracked.pop(found[0])
+                raise KeyError(f"{_shown(f)} is not tracked")
+            _, tracker = table.pop(found[0])
             # Under the lock: a track() of a new function under this name must not
             # lose its fresh series to this removal.
             tracker.remove()
-        f.remove_listener(tracker)
+        f.remove_listener(tracker)  # type: ignore[arg-type]  # (the one add_listener got)
 
     @property
     def tracked(self) -> dict[str, BatchedFunction[Any]]:
@@ -385,12 +383,10 @@ class PrometheusMetrics:
     def _prune_dead(self) -> None:
         """Forget functions that were garbage-collected (they were tracked weakly)."""
         with self._lock:
-            dead = [name for name, (ref, _) in self._tracked.items() if ref() is None]
-            for name in dead:
-                self._tracked.pop(name)[1].remove()
-            gone = [name for name, (ref, _) in self._tracked_batchers.items() if ref() is None]
-            for name in gone:
-                self._tracked_batchers.pop(name)[1].remove()
+            for table in (self._tracked, self._tracked_batchers):
+                dead = [name for name, (ref, _) in table.items() if ref() is None]
+                for name in dead:
+                    table.pop(name)[1].remove()
 
     # -- exposition -------------------------------------------------------------
     content_type: str = CONTENT_TYPE_LATEST

@@ -16,6 +16,7 @@ from batchkit.generate import ContinuousBatcher, StepBatch  # noqa: E402
 from batchkit.kv import BlockAllocator  # noqa: E402
 from batchkit.metrics import PrometheusMetrics  # noqa: E402
 from tests.generate._toy import PagedToy, SlottedToy, solo  # noqa: E402
+from tests.metrics._samples import value  # noqa: E402
 
 
 class Clock:
@@ -29,22 +30,6 @@ class Clock:
 
     def tick(self) -> None:
         self.now += 1.0
-
-
-@pytest.fixture
-def registry() -> Any:
-    return prometheus_client.CollectorRegistry()
-
-
-@pytest.fixture
-def exporter(registry: Any) -> PrometheusMetrics:
-    return PrometheusMetrics(registry)
-
-
-def value(registry: Any, name: str, **labels: str) -> float:
-    got = registry.get_sample_value(name, labels)
-    assert got is not None, f"no sample {name}{labels}"
-    return float(got)
 
 
 def clocked_batcher(clock: Clock, **kwargs: Any) -> ContinuousBatcher:
