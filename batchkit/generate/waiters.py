@@ -47,7 +47,7 @@ class Waiters:
 class Outcome:
     """One request's final answer, and the asyncio events of the tasks waiting for it.
 
-    Settled once, by :meth:`settle` (under the batchers's lock): ``error`` is None for a
+    Settled once, by :meth:`settle` (under the batcher's lock): ``error`` is None for a
     request that ended with its tokens.
     """
 
