@@ -219,3 +219,17 @@ def test_a_preempted_sequence_is_not_preempted_again_by_an_equal_before_a_token(
                 generated_when_preempted[rid] = before[rid]
     assert sched.stats.preemptions >= 2
     assert_solo(*seqs)
+
+
+def test_two_preempted_equals_do_not_take_turns_forever() -> None:
+    # With 1-token chunks, each preempted sequence could be readmitted with one block,
+    # take the block the other needs next, and be preempted in turn: neither ever
+    # produced a token. A preempted sequence now waits until its whole recompute fits.
+    alloc = BlockAllocator(4, 2)
+    sched, model = make(budget=8, allocator=alloc, cap=1), PagedToy(4, 2)
+    seqs = [Sequence(0, [1, 2, 3], max_new_tokens=5), Sequence(1, [4, 5, 6], max_new_tokens=5)]
+    for seq in seqs:
+        sched.add(seq)
+    run_to_end(sched, model)
+    assert_solo(*seqs)
+    assert sched.stats.preemptions == 1
