@@ -252,8 +252,9 @@ class Scheduler:
 
     def _free_room(self, head: Sequence, victims: list[Sequence], step: _Step) -> bool:
         """Preempt ``victims`` from the end (the least urgent first) until ``head`` has a
-        row and the blocks to start; False, preempting nobody, if all of them would not
-        be enough."""
+        row and the blocks to start; False if all of them would not be enough. That is
+        checked first, against the rows and blocks they hold, so nobody is preempted in
+        vain unless some of their blocks are shared (a prefix-cache hit) and stay."""
         alloc, res = self.allocator, self.resources
         chunk = self._blocks_span(seq=head, step=step)
         rows_short = len(self.running) + 1 - self.max_num_seqs
