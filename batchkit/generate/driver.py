@@ -160,7 +160,7 @@ class StepDriver:
                 self.finish_locked(seq, None)
         waiters = self.waiters
         if waiters.subscribers:
-            waiters.wake_on_progress(
+            waiters.wake_subscribers(
                 s.outcome for s in produced if s.status is not finished and s.outcome is not None
             )
         waiters.wake_streamers()

@@ -37,11 +37,11 @@ class Waiters:
         if self.streamers:
             self.progress.notify_all()
 
-    def wake_on_progress(self, outcomes: Iterable[Outcome]) -> None:
-        """Tell everyone waiting on ``outcomes`` that their requests moved (hold ``lock``)."""
+    def wake_subscribers(self, outcomes: Iterable[Outcome]) -> None:
+        """Tell the asyncio tasks waiting on ``outcomes`` that their requests moved (hold
+        ``lock``; threads: :meth:`wake_streamers`)."""
         if self.subscribers:
             set_events([e for outcome in outcomes for e in outcome.events])
-        self.wake_streamers()
 
 
 class Outcome:
