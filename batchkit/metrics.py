@@ -1,4 +1,5 @@
-"""Prometheus metrics for ``@batched`` functions (``pip install "batchkit[metrics]"``).
+"""Prometheus metrics for ``@batched`` functions and continuous batchers
+(``pip install "batchkit[metrics]"``).
 
 ```python
 from prometheus_client import start_http_server
@@ -16,7 +17,11 @@ start_http_server(9100, addr="127.0.0.1")    # or serve metrics.generate_latest(
 
 Everything is recorded from the runtime's events (:mod:`batchkit.serve.events`) as
 it happens; only the queue-depth and in-flight gauges are read at scrape time from
-``f.stats()``. Every series carries a ``batcher`` label. The names are listed in
+``f.stats()``. A :class:`~batchkit.ContinuousBatcher` is tracked the same way: its
+latency histograms and requests by outcome come from its listener events
+(:mod:`batchkit.generate.observe`); its token, preemption and prefix-cache counters
+and its load gauges are read at scrape time from ``batcher.stats()`` and its KV pool.
+Every series carries a ``batcher`` label. The names are listed in
 :data:`METRIC_NAMES` and documented in ``docs/metrics.md``.
 """
 
@@ -25,7 +30,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 try:
     from prometheus_client import (
@@ -37,12 +42,14 @@ try:
     )
     from prometheus_client import generate_latest as _generate_latest
     from prometheus_client import make_asgi_app as _make_asgi_app
-    from prometheus_client.core import GaugeMetricFamily, Metric
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
     raise ImportError(
         "batchkit.metrics needs prometheus-client: pip install 'batchkit[metrics]'"
     ) from exc
 
+from batchkit.generate.batcher import ContinuousBatcher
+from batchkit.generate.observe import FinishEvent, StepEvent
 from batchkit.serve.batched import BatchedFunction
 from batchkit.serve.events import BatchEvent, DropEvent
 from batchkit.serve.observe import (
@@ -50,14 +57,17 @@ from batchkit.serve.observe import (
     DEFAULT_SIZE_BUCKETS,
     LABEL_VALUES,
     METRICS,
+    MetricSpec,
     batch_observations,
     drop_observations,
 )
 
 __all__ = [
     "CONTENT_TYPE_LATEST",
+    "DEFAULT_GENERATION_BUCKETS",
     "DEFAULT_LATENCY_BUCKETS",
     "DEFAULT_SIZE_BUCKETS",
+    "GENERATION_METRICS",
     "METRIC_NAMES",
     "PrometheusMetrics",
 ]
@@ -74,23 +84,94 @@ METRIC_NAMES: dict[str, str] = {
     "inference_padding_items_total": "counter: filler items added to reach a strict size",
     "inference_queue_depth": "gauge (read at scrape): requests waiting",
     "inference_in_flight_batches": "gauge (read at scrape): batches running",
+    # continuous batchers (ContinuousBatcher)
+    "generation_time_to_first_token_seconds": "histogram: per request, submit to first token",
+    "generation_inter_token_latency_seconds": "histogram: per later token, since the previous one",
+    "generation_request_latency_seconds": "histogram: per request, submit to its answer",
+    "generation_queue_time_seconds": "histogram: per request, submit to its first step",
+    "generation_requests_total": "counter, label outcome: requests answered, by how they ended",
+    "generation_tokens_generated_total": "counter (read at scrape): tokens sampled",
+    "generation_tokens_computed_total": "counter (read at scrape): tokens computed",
+    "generation_preemptions_total": "counter (read at scrape): sequences preempted",
+    "generation_prefix_cache_hits_total": "counter (read at scrape): prefix-cache block hits",
+    "generation_prefix_cache_lookups_total": "counter (read at scrape): prefix-cache lookups",
+    "generation_waiting_sequences": "gauge (read at scrape): sequences waiting (new or preempted)",
+    "generation_running_sequences": "gauge (read at scrape): sequences running",
+    "generation_kv_blocks_used": "gauge (read at scrape, paged mode): KV blocks in use",
+    "generation_kv_blocks_free": "gauge (read at scrape, paged mode): KV blocks free",
 }
 """Every metric family as exposed (counters with their ``_total``), without the
 namespace, and what it measures."""
+
+DEFAULT_GENERATION_BUCKETS: tuple[float, ...] = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+    120.0, 300.0,
+)  # fmt: skip
+"""Seconds: inter-token latencies of milliseconds up to requests of minutes."""
+
+GENERATION_METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec(
+        "generation_time_to_first_token_seconds",
+        "histogram",
+        "Seconds from each request's submit to its first generated token.",
+        buckets="latency",
+    ),
+    MetricSpec(
+        "generation_inter_token_latency_seconds",
+        "histogram",
+        "Seconds between consecutive generated tokens of a request.",
+        buckets="latency",
+    ),
+    MetricSpec(
+        "generation_request_latency_seconds",
+        "histogram",
+        "Seconds from each request's submit to its answer (finished, cancelled or failed).",
+        buckets="latency",
+    ),
+    MetricSpec(
+        "generation_queue_time_seconds",
+        "histogram",
+        "Seconds each request waited from submit to its first step.",
+        buckets="latency",
+    ),
+    MetricSpec(
+        "generation_requests",
+        "counter",
+        "Requests answered, by outcome: stop, length, cancelled, timeout, error.",
+        "outcome",
+    ),
+)
+"""The continuous batcher's families recorded from its listener events (the others are
+read at scrape time)."""
+
+GENERATION_LABEL_VALUES: dict[str, tuple[str, ...]] = {
+    "generation_requests": ("stop", "length", "cancelled", "timeout", "error"),
+}
+
+
+def _shown(f: Any) -> str:
+    """How errors name a tracked object."""
+    return str(f.name if isinstance(f, ContinuousBatcher) else f.__qualname__)
 
 
 class _Tracker:
     """The listener attached to one function, holding its label's metric children
     pre-bound (a ``.labels()`` lookup per event would take a lock and hash each time)."""
 
-    def __init__(self, owner: PrometheusMetrics, name: str) -> None:
+    def __init__(
+        self,
+        owner: PrometheusMetrics,
+        name: str,
+        specs: tuple[MetricSpec, ...] = METRICS,
+        label_values: dict[str, tuple[str, ...]] = LABEL_VALUES,
+    ) -> None:
         self.name = name
         self._owner = owner
         self._children: list[tuple[Counter | Histogram, tuple[str, ...]]] = []
         self._record: dict[tuple[str, str | None], Callable[[float], None]] = {}
         self.removed = False  # a late event must not bring removed series back
-        for spec in METRICS:  # every known label value starts at 0
-            for value in LABEL_VALUES.get(spec.name, (None,)):
+        for spec in specs:  # every known label value starts at 0
+            for value in label_values.get(spec.name, (None,)):
                 self._recorder(spec.name, value)
 
     def _recorder(self, metric: str, value: str | None) -> Callable[[float], None]:
@@ -127,14 +208,51 @@ class _Tracker:
             self._recorder(metric, value)(amount)
 
 
+class _GenerationTracker(_Tracker):
+    """The listener attached to one continuous batcher (called by its driver, under the
+    batcher's lock)."""
+
+    def __init__(self, owner: PrometheusMetrics, name: str) -> None:
+        super().__init__(owner, name, GENERATION_METRICS, GENERATION_LABEL_VALUES)
+        self._ttft = self._recorder("generation_time_to_first_token_seconds", None)
+        self._itl = self._recorder("generation_inter_token_latency_seconds", None)
+        self._queue = self._recorder("generation_queue_time_seconds", None)
+        self._latency = self._recorder("generation_request_latency_seconds", None)
+
+    def on_step(self, event: StepEvent) -> None:
+        """Record one step's latencies."""
+        if self.removed:
+            return
+        for seconds in event.queue_times:
+            self._queue(seconds)
+        for seconds in event.first_token_times:
+            self._ttft(seconds)
+        for seconds in event.inter_token_times:
+            self._itl(seconds)
+
+    def on_finish(self, event: FinishEvent) -> None:
+        """Record one answered request."""
+        if self.removed:
+            return
+        self._latency(event.latency)
+        self._recorder("generation_requests", event.reason)(1)
+
+
+_T = TypeVar("_T", bound=_Tracker)
+_Tracked = dict[str, tuple["weakref.ref[Any]", _Tracker]]
+"""Tracked objects by label: a weak reference to each and its listener."""
+
+
 class PrometheusMetrics:
-    """A Prometheus exporter for any number of ``@batched`` functions.
+    """A Prometheus exporter for any number of ``@batched`` functions and continuous
+    batchers (:class:`~batchkit.ContinuousBatcher`).
 
     ``registry``: where the metrics are registered (``None``: prometheus-client's
     default ``REGISTRY``, which ``start_http_server`` and ``make_asgi_app`` serve;
     one exporter per registry). ``namespace``: a prefix, e.g. ``"myapp"`` gives
     ``myapp_inference_batch_size``. ``latency_buckets`` (seconds) apply to the queue
-    wait and batch latency histograms, ``size_buckets`` to the batch size histogram.
+    wait and batch latency histograms, ``size_buckets`` to the batch size histogram,
+    ``generation_buckets`` (seconds) to the continuous batchers' histograms.
     """
 
     def __init__(
@@ -144,70 +262,109 @@ class PrometheusMetrics:
         *,
         latency_buckets: Sequence[float] = DEFAULT_LATENCY_BUCKETS,
         size_buckets: Sequence[float] = DEFAULT_SIZE_BUCKETS,
+        generation_buckets: Sequence[float] = DEFAULT_GENERATION_BUCKETS,
     ) -> None:
         self.registry = REGISTRY if registry is None else registry
         self.namespace = namespace
         self._lock = threading.Lock()
-        self._tracked: dict[str, tuple[weakref.ref[BatchedFunction[Any]], _Tracker]] = {}
+        self._tracked: _Tracked = {}  # @batched functions
+        self._tracked_batchers: _Tracked = {}  # continuous batchers
 
         # First in the registry, so every scrape forgets garbage-collected functions
         # before any family of theirs is written (whatever serves the registry).
         self.registry.register(_Pruner(self))
         self._families: dict[str, Counter | Histogram] = {}
         for spec in METRICS:
-            labels = ("batcher",) if spec.label is None else ("batcher", spec.label)
-            family: Counter | Histogram
-            if spec.kind == "histogram":
-                buckets = size_buckets if spec.buckets == "size" else latency_buckets
-                family = Histogram(
-                    spec.name, spec.doc, labels, namespace=namespace, registry=None, buckets=buckets
-                )
-            else:
-                family = Counter(spec.name, spec.doc, labels, namespace=namespace, registry=None)
-            self._families[spec.name] = family
-            self.registry.register(family)
+            buckets = size_buckets if spec.buckets == "size" else latency_buckets
+            self._register(spec, buckets)
         self.registry.register(_ScrapeTimeGauges(self))
+        for spec in GENERATION_METRICS:
+            self._register(spec, generation_buckets)
+        self.registry.register(_GenerationScrapeTime(self))
+
+    def _register(self, spec: MetricSpec, buckets: Sequence[float]) -> None:
+        """Create and register the family of ``spec``."""
+        labels = ("batcher",) if spec.label is None else ("batcher", spec.label)
+        family: Counter | Histogram
+        if spec.kind == "histogram":
+            family = Histogram(
+                spec.name, spec.doc, labels, namespace=self.namespace, registry=None,
+                buckets=buckets,
+            )  # fmt: skip
+        else:
+            family = Counter(spec.name, spec.doc, labels, namespace=self.namespace, registry=None)
+        self._families[spec.name] = family
+        self.registry.register(family)
 
     # -- which functions ------------------------------------------------------
-    def track(self, f: BatchedFunction[Any], name: str | None = None) -> str:
-        """Export ``f``'s metrics under ``batcher=name`` (default: ``f``'s qualname).
+    def track(self, f: BatchedFunction[Any] | ContinuousBatcher, name: str | None = None) -> str:
+        """Export ``f``'s metrics under ``batcher=name`` (default: ``f``'s qualname; a
+        :class:`~batchkit.ContinuousBatcher`'s ``name``).
 
         Returns the label. Tracking the same function under the same name again does
         nothing; a name already used by another function raises ``ValueError``.
+        Continuous batchers have names of their own (their series are other families).
         """
-        if not isinstance(f, BatchedFunction):
-            raise TypeError(f"track() needs a @batched function, got {type(f).__name__}")
-        label = f.__qualname__ if name is None else name
+        if isinstance(f, ContinuousBatcher):
+            label = f.name if name is None else name
+        elif isinstance(f, BatchedFunction):
+            label = f.__qualname__ if name is None else name
+        else:
+            raise TypeError(
+                f"track() needs a @batched function or a ContinuousBatcher, got {type(f).__name__}"
+            )
         if not isinstance(label, str) or not label:
             raise ValueError(f"name must be a non-empty string, got {label!r}")
         with self._lock:
-            known = self._tracked.get(label)
-            if known is not None:
-                holder = known[0]()
-                if holder is f:
-                    return label
-                if holder is not None:
-                    raise ValueError(f"a function is already tracked as batcher={label!r}")
-                del self._tracked[label]  # its function is gone: the name is free again
-                known[1].remove()
-            if any(ref() is f for ref, _ in self._tracked.values()):
-                raise ValueError(f"{f.__qualname__} is already tracked under another name")
-            tracker = _Tracker(self, label)
-            self._tracked[label] = (weakref.ref(f), tracker)
-        f.add_listener(tracker)
+            if isinstance(f, ContinuousBatcher):
+                batcher_tracker = self._claim(self._tracked_batchers, f, label, _GenerationTracker)
+            else:
+                tracker = self._claim(self._tracked, f, label, _Tracker)
+        if isinstance(f, ContinuousBatcher):
+            if batcher_tracker is not None:
+                f.add_listener(batcher_tracker)
+        elif tracker is not None:
+            f.add_listener(tracker)
         return label
 
-    def untrack(self, f: BatchedFunction[Any]) -> None:
+    def _claim(
+        self,
+        table: _Tracked,
+        f: Any,
+        label: str,
+        make: Callable[[PrometheusMetrics, str], _T],
+    ) -> _T | None:
+        """Under the lock: a new tracker (``make``) for ``f`` under ``label``, entered in
+        ``table``; None if ``f`` is there already; ``ValueError`` if ``label`` is
+        another's, or ``f`` is tracked under another name."""
+        what = "a continuous batcher" if isinstance(f, ContinuousBatcher) else "a function"
+        known = table.get(label)
+        if known is not None:
+            holder = known[0]()
+            if holder is f:
+                return None
+            if holder is not None:
+                raise ValueError(f"{what} is already tracked as batcher={label!r}")
+            del table[label]  # its function is gone: the name is free again
+            known[1].remove()
+        if any(ref() is f for ref, _ in table.values()):
+            raise ValueError(f"{_shown(f)} is already tracked under another name")
+        tracker = make(self, label)
+        table[label] = (weakref.ref(f), tracker)
+        return tracker
+
+    def untrack(self, f: BatchedFunction[Any] | ContinuousBatcher) -> None:
         """Stop exporting ``f``: detach the listener and remove its series."""
+        table = self._tracked_batchers if isinstance(f, ContinuousBatcher) else self._tracked
         with self._lock:
-            found = [name for name, (ref, _) in self._tracked.items() if ref() is f]
+            found = [name for name, (ref, _) in table.items() if ref() is f]
             if not found:
-                raise KeyError(f"{f.__qualname__} is not tracked")
-            _, tracker = self._tracked.pop(found[0])
+                raise KeyError(f"{_shown(f)} is not tracked")
+            _, tracker = table.pop(found[0])
             # Under the lock: a track() of a new function under this name must not
             # lose its fresh series to this removal.
             tracker.remove()
-        f.remove_listener(tracker)
+        f.remove_listener(tracker)  # type: ignore[arg-type]  # (the one add_listener got)
 
     @property
     def tracked(self) -> dict[str, BatchedFunction[Any]]:
@@ -216,12 +373,20 @@ class PrometheusMetrics:
             items = [(name, ref()) for name, (ref, _) in self._tracked.items()]
         return {name: f for name, f in items if f is not None}
 
+    @property
+    def tracked_batchers(self) -> dict[str, ContinuousBatcher]:
+        """The tracked continuous batchers by label (those still alive)."""
+        with self._lock:
+            items = [(name, ref()) for name, (ref, _) in self._tracked_batchers.items()]
+        return {name: b for name, b in items if b is not None}
+
     def _prune_dead(self) -> None:
         """Forget functions that were garbage-collected (they were tracked weakly)."""
         with self._lock:
-            dead = [name for name, (ref, _) in self._tracked.items() if ref() is None]
-            for name in dead:
-                self._tracked.pop(name)[1].remove()
+            for table in (self._tracked, self._tracked_batchers):
+                dead = [name for name, (ref, _) in table.items() if ref() is None]
+                for name in dead:
+                    table.pop(name)[1].remove()
 
     # -- exposition -------------------------------------------------------------
     content_type: str = CONTENT_TYPE_LATEST
@@ -286,3 +451,67 @@ class _ScrapeTimeGauges:
             depth.add_metric([name], waiting)
             in_flight.add_metric([name], running)
         return [depth, in_flight]
+
+
+class _GenerationScrapeTime:
+    """A custom collector: the continuous batchers' counters and load, read when scraped
+    from ``batcher.stats()`` and its KV pool (counted by the batcher anyway: exact, and
+    nothing to do per step)."""
+
+    COUNTERS: tuple[tuple[str, str], ...] = (
+        ("generation_tokens_generated", "Tokens sampled."),
+        ("generation_tokens_computed", "Tokens computed: prefill, recompute and decode."),
+        (
+            "generation_preemptions",
+            "Sequences preempted (their KV blocks freed, recomputed later).",
+        ),
+        ("generation_prefix_cache_hits", "Full prompt blocks found in the prefix cache."),
+        ("generation_prefix_cache_lookups", "Full prompt blocks looked up in the prefix cache."),
+    )
+    GAUGES: tuple[tuple[str, str], ...] = (
+        ("generation_waiting_sequences", "Sequences waiting (new or preempted)."),
+        ("generation_running_sequences", "Sequences running."),
+        ("generation_kv_blocks_used", "KV blocks in use (paged mode)."),
+        ("generation_kv_blocks_free", "KV blocks free (paged mode)."),
+    )
+
+    def __init__(self, owner: PrometheusMetrics) -> None:
+        self.owner = owner
+        self.prefix = f"{owner.namespace}_" if owner.namespace else ""
+
+    def describe(self) -> Iterable[Metric]:
+        """Names for the registry's duplicate check (no samples)."""
+        return self._families({})
+
+    def collect(self) -> Iterable[Metric]:
+        """One sample per tracked batcher (KV series for paged ones only)."""
+        return self._families(self.owner.tracked_batchers)
+
+    def _families(self, tracked: dict[str, ContinuousBatcher]) -> list[Metric]:
+        p = self.prefix
+        counters = {
+            name: CounterMetricFamily(p + name, doc, labels=["batcher"])
+            for name, doc in self.COUNTERS
+        }
+        gauges = {
+            name: GaugeMetricFamily(p + name, doc, labels=["batcher"]) for name, doc in self.GAUGES
+        }
+        for label, batcher in tracked.items():
+            stats = batcher.stats()
+            alloc = batcher.allocator
+            pool = alloc.stats() if alloc is not None else None
+            counts = {
+                "generation_tokens_generated": stats.tokens_generated,
+                "generation_tokens_computed": stats.tokens_computed,
+                "generation_preemptions": stats.preemptions,
+                "generation_prefix_cache_hits": pool.prefix_hits if pool else 0,
+                "generation_prefix_cache_lookups": pool.prefix_queries if pool else 0,
+            }
+            for name, count in counts.items():
+                counters[name].add_metric([label], count)
+            gauges["generation_waiting_sequences"].add_metric([label], stats.waiting)
+            gauges["generation_running_sequences"].add_metric([label], stats.running)
+            if pool is not None:
+                gauges["generation_kv_blocks_used"].add_metric([label], pool.num_used)
+                gauges["generation_kv_blocks_free"].add_metric([label], pool.num_free)
+        return [*counters.values(), *gauges.values()]

@@ -3,22 +3,28 @@
 ``ContinuousBatcher`` drives a step function: every step, finished sequences leave and
 waiting ones join, with chunked prefill, a token budget, and (with a
 :class:`~batchkit.kv.BlockAllocator`) paged KV memory with preemption by recompute.
-The scheduler core (``Scheduler``) is pure and usable on its own.
+The scheduler core (``Scheduler``) is pure and usable on its own. Listeners
+(``add_listener``) get a ``StepEvent`` per step and a ``FinishEvent`` per answered
+request (``batchkit.metrics`` exports them to Prometheus).
 """
 
 from batchkit.generate.batcher import ContinuousBatcher
 from batchkit.generate.handle import GenerationHandle
+from batchkit.generate.observe import FinishEvent, GenerationListener, StepEvent
 from batchkit.generate.scheduler import Scheduler
 from batchkit.generate.sequence import ScheduledSeq, SeqStatus, Sequence, StepBatch
 from batchkit.generate.stats import GenerationStats
 
 __all__ = [
     "ContinuousBatcher",
+    "FinishEvent",
     "GenerationHandle",
+    "GenerationListener",
     "GenerationStats",
     "ScheduledSeq",
     "Scheduler",
     "SeqStatus",
     "Sequence",
     "StepBatch",
+    "StepEvent",
 ]

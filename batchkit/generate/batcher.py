@@ -2,30 +2,31 @@
 
 This module is the callers' side: submit (or generate) and get a
 :class:`~batchkit.generate.handle.GenerationHandle` to stream, wait on or cancel;
-stats; close. The driver that runs the steps, on a worker thread or an event loop, is
-the :class:`~batchkit.generate.driver.StepDriver` mixin.
+stats; listeners; close. The batcher holds a scheduler and a driver
+(:mod:`batchkit.generate.driver`), which runs the steps on a worker thread or an
+event loop.
 """
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import operator
-import threading
 import time
 from collections.abc import Callable, Iterable
 
 from batchkit.errors import BatcherClosed, QueueFull
-from batchkit.generate.driver import StepDriver, StepFn
+from batchkit.generate.driver import LoopDriver, StepDriver, StepFn, ThreadDriver
 from batchkit.generate.handle import GenerationHandle
+from batchkit.generate.observe import GenerationListener, StepObserver
 from batchkit.generate.scheduler import Scheduler
 from batchkit.generate.sequence import Sequence
 from batchkit.generate.stats import GenerationStats
 from batchkit.generate.tokens import is_index, token_ids
+from batchkit.generate.waiters import Outcome, Waiters
 from batchkit.kv.allocator import BlockAllocator
 
 
-class ContinuousBatcher(StepDriver):
+class ContinuousBatcher:
     """Iteration-level batching of autoregressive generation around a step function.
 
     ``step_fn(batch)`` computes ``seq.token_ids[seq.start : seq.start + seq.num_tokens]``
@@ -39,6 +40,13 @@ class ContinuousBatcher(StepDriver):
 
     Generation ends at ``eos_token_id`` or a request's ``stop_token_ids`` (included in
     its output), at ``max_new_tokens``, or at ``max_model_len`` total tokens.
+
+    ``max_prefill_chunk``: at most that many prompt (or recomputed) tokens of one
+    sequence per step (None: the whole token budget), so that prefills of several
+    sequences and every decode token share each step; a positive int at most
+    ``max_num_batched_tokens``. A request's ``priority`` reaches running sequences: a
+    more urgent one (lower value) preempts the least urgent running sequences for a
+    row or KV blocks (see :class:`~batchkit.generate.Scheduler`).
     """
 
     def __init__(
@@ -50,6 +58,7 @@ class ContinuousBatcher(StepDriver):
         allocator: BlockAllocator | None = None,
         eos_token_id: int | None = None,
         max_model_len: int | None = None,
+        max_prefill_chunk: int | None = None,
         max_queue_size: int | None = None,
         name: str | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -66,20 +75,16 @@ class ContinuousBatcher(StepDriver):
             max_num_batched_tokens=max_num_batched_tokens,
             allocator=allocator,
             max_model_len=max_model_len,
+            max_prefill_chunk=max_prefill_chunk,
         )
-        self._lock = threading.Lock()
-        self._work = threading.Condition(self._lock)  # the driver waits here for requests
-        self._progress = threading.Condition(self._lock)  # streaming threads wait here
-        # Under the lock: threads iterating a handle, asyncio events handles hold. While both
-        # are 0, a step wakes nobody and touches no handle but those of finished requests.
-        self._streamers = 0
-        self._subscribers = 0
+        self._waiters = Waiters()
+        self._lock = self._waiters.lock  # guards the scheduler, the driver and the handles
+        self._observer = StepObserver(self.name)
+        driver = LoopDriver if self.is_async else ThreadDriver
+        self._driver: StepDriver = driver(
+            step_fn, self.sched, self._waiters, name=self.name, clock=clock, observer=self._observer
+        )
         self._next_id = 0
-        self._closed = False
-        self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._task: asyncio.Task[None] | None = None
-        self._wakeup: asyncio.Event | None = None
 
     @property
     def allocator(self) -> BlockAllocator | None:
@@ -114,8 +119,9 @@ class ContinuousBatcher(StepDriver):
         if self.eos_token_id is not None:
             stops |= {self.eos_token_id}
         prompt = token_ids(prompt_ids, "prompt_ids")
+        driver = self._driver
         with self._lock:
-            if self._closed:
+            if driver.closed:
                 raise BatcherClosed(f"{self.name} is closed")
             limit = self.max_queue_size
             if limit is not None and self.sched.num_waiting >= limit:
@@ -132,9 +138,10 @@ class ContinuousBatcher(StepDriver):
                 deadline=None if timeout is None else now + timeout,
             )
             self.sched.add(seq)  # ValueError here if it can never fit
-            handle = GenerationHandle(self, seq)
+            seq.outcome = Outcome(self._waiters)
+            handle = GenerationHandle(seq, seq.outcome, self._waiters, driver.cancel)
             seq.handle = handle
-            self._start_locked()
+            driver.start_locked()
         return handle
 
     def generate(self, prompts: Iterable[Iterable[int]], *, max_new_tokens: int) -> list[list[int]]:
@@ -166,14 +173,17 @@ class ContinuousBatcher(StepDriver):
                 raise
         return handles
 
-    def _cancel(self, handle: GenerationHandle) -> bool:
-        """:meth:`GenerationHandle.cancel <batchkit.generate.GenerationHandle.cancel>`."""
+    # -- observing ----------------------------------------------------------------
+    def add_listener(self, listener: GenerationListener) -> None:
+        """Call ``listener.on_step`` after every step and ``listener.on_finish`` for
+        every answered request (see :mod:`batchkit.generate.observe`); once per listener."""
         with self._lock:
-            if not self.sched.abort(handle._seq, "cancelled"):
-                return False
-            self._finish_locked(handle._seq, None)
-            self._work.notify()
-            return True
+            self._observer.add(listener)
+
+    def remove_listener(self, listener: GenerationListener) -> None:
+        """Detach a listener :meth:`add_listener` attached (``ValueError`` if it is not)."""
+        with self._lock:
+            self._observer.remove(listener)
 
     # -- stats and shutdown ---------------------------------------------------------
     def stats(self) -> GenerationStats:
@@ -195,40 +205,11 @@ class ContinuousBatcher(StepDriver):
         Called from the step function itself, it returns at once (a driver cannot wait
         for itself); the driver drains the rest after that step.
         """
-        if self.is_async and self._loop is not None and asyncio._get_running_loop() is self._loop:
-            raise RuntimeError(f"{self.name}: use 'await aclose()' inside the event loop")
-        if self._thread is not None and self._thread is threading.current_thread():
-            with self._lock:  # from the step function: the driver drains after this step
-                self._closed = True
-            return
-        with self._lock:
-            self._closed = True
-            if self.is_async:
-                self._wake_loop()
-            else:
-                self._work.notify_all()
-            idle = self._thread is None and self._task is None
-            finished = idle or self._work.wait_for(lambda: not self.sched.has_work, timeout)
-            if not finished or (idle and self.sched.has_work):
-                self._abort_all_locked()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
+        self._driver.close(timeout)
 
     async def aclose(self, timeout: float | None = None) -> None:
         """:meth:`close` from asyncio (never blocks the loop)."""
-        if not self.is_async or self._task is None:
-            await asyncio.get_running_loop().run_in_executor(None, self.close, timeout)
-            return
-        with self._lock:
-            self._closed = True
-            self._wake_loop()
-        if asyncio.current_task() is self._task:
-            return  # from the step function: the driver drains after this step
-        try:
-            await asyncio.wait_for(asyncio.shield(self._task), timeout)
-        except asyncio.TimeoutError:
-            with self._lock:
-                self._abort_all_locked()
+        await self._driver.aclose(timeout)
 
     def __enter__(self) -> ContinuousBatcher:
         return self

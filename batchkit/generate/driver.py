@@ -1,91 +1,109 @@
-"""The driver of :class:`~batchkit.generate.ContinuousBatcher`: the loop that runs its steps.
+"""The drivers of :class:`~batchkit.generate.ContinuousBatcher`: the loops that run its steps.
 
-A sync step function runs on one worker thread (started by the first submit), an
-async one as a task on the event loop of the first submit. Between steps, under one
-lock, the driver drops timed-out requests, schedules, and after the step applies its
-tokens and wakes the callers whose requests moved. The batcher itself
-(:mod:`batchkit.generate.batcher`) is the callers' side: submit, cancel, stats, close.
+A sync step function runs on one worker thread (:class:`ThreadDriver`, started by the
+first submit), an async one as a task on the event loop of the first submit
+(:class:`LoopDriver`). Between steps, under the batcher's lock, a driver drops
+timed-out requests, schedules, and after the step applies its tokens and wakes the
+callers whose requests moved. What both share (applying a step, answering callers,
+draining on close) is :class:`StepDriver`'s. The batcher
+(:mod:`batchkit.generate.batcher`) is the callers' side and holds one driver.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import threading
 from collections.abc import Callable
 from typing import Any
 
 from batchkit.errors import BatcherClosed, RequestTimeout
-from batchkit.generate.handle import GenerationHandle
+from batchkit.generate.observe import StepObserver
 from batchkit.generate.scheduler import Scheduler
 from batchkit.generate.sequence import SeqStatus, Sequence, StepBatch
+from batchkit.generate.waiters import Waiters
+from batchkit.loops import call_on_loop, on_loop_thread
 
 StepFn = Callable[[StepBatch], Any]
 
 
 class StepDriver:
-    """Runs the step function and applies its steps (a mixin of
-    :class:`~batchkit.generate.batcher.ContinuousBatcher`, whose ``__init__`` sets the
-    state below and says what each piece is for).
+    """Applies steps and answers callers; the thread and event-loop drivers add the loop.
 
-    Every method named ``*_locked`` expects the caller to hold ``_lock``.
+    Every method named ``*_locked`` expects the caller to hold ``lock`` (the
+    ``waiters``' lock, which guards the scheduler too).
     """
 
-    step_fn: StepFn
-    is_async: bool
-    name: str
-    clock: Callable[[], float]
-    sched: Scheduler
-    _lock: threading.Lock
-    _work: threading.Condition
-    _progress: threading.Condition
-    _streamers: int
-    _subscribers: int
-    _closed: bool
-    _thread: threading.Thread | None
-    _loop: asyncio.AbstractEventLoop | None
-    _task: asyncio.Task[None] | None
-    _wakeup: asyncio.Event | None
+    def __init__(
+        self,
+        step_fn: StepFn,
+        sched: Scheduler,
+        waiters: Waiters,
+        *,
+        name: str,
+        clock: Callable[[], float],
+        observer: StepObserver,
+    ) -> None:
+        self.step_fn = step_fn
+        self.sched = sched
+        self.waiters = waiters
+        self.name = name
+        self.clock = clock
+        self.observer = observer
+        self.lock = waiters.lock
+        # The driver waits here for requests, close() for the drain.
+        self.work = threading.Condition(self.lock)
+        self.closed = False
 
-    # -- starting and waking ------------------------------------------------------
-    def _start_locked(self) -> None:
-        """Start the driver on first use, or wake it."""
-        if self.is_async:
-            task, loop = self._task, self._loop
-            if task is None or task.done() or loop is None or loop.is_closed():
-                # No driver, or one that will never run again (its loop closed or it was
-                # cancelled): start one on this caller's loop.
-                try:
-                    loop = asyncio.get_running_loop()
-                except RuntimeError:
-                    raise RuntimeError(
-                        f"{self.name}: an async step function runs on an event loop; "
-                        "submit the first request from a coroutine"
-                    ) from None
-                if self.sched._in_flight is not None:  # a step cut off with its old loop
-                    self._fail_step_locked(self.sched._in_flight, self._driver_gone())
-                self._loop, self._wakeup = loop, asyncio.Event()
-                self._task = loop.create_task(self._arun())
-            self._wake_loop()
-        elif self._thread is None:
-            self._thread = threading.Thread(
-                target=self._run, name=f"batchkit-{self.name}", daemon=True
-            )
-            self._thread.start()
-        else:
-            self._work.notify()
+    # -- what each driver does its own way -------------------------------------------
+    def start_locked(self) -> None:
+        """Start the driver on first use, or wake it: there is a new request."""
+        raise NotImplementedError
 
-    def _wake_loop(self) -> None:
-        loop, event = self._loop, self._wakeup
-        if loop is None or event is None or loop.is_closed():
-            return
-        if asyncio._get_running_loop() is loop:
-            event.set()
-        else:
-            loop.call_soon_threadsafe(event.set)
+    def _wake_locked(self) -> None:
+        """Wake the driver (closing: it drains, then stops)."""
+        raise NotImplementedError
+
+    def _started(self) -> bool:
+        """Whether a driver was started (close() then waits for it to drain)."""
+        raise NotImplementedError
+
+    def close(self, timeout: float | None) -> None:
+        """:meth:`ContinuousBatcher.close <batchkit.ContinuousBatcher.close>`."""
+        self._drain(timeout)
+
+    async def aclose(self, timeout: float | None) -> None:
+        """:meth:`ContinuousBatcher.aclose <batchkit.ContinuousBatcher.aclose>`."""
+        await asyncio.get_running_loop().run_in_executor(None, self.close, timeout)
+
+    # -- shared: closing, cancelling ---------------------------------------------------
+    def _drain(self, timeout: float | None) -> None:
+        """Close; wait until every request is answered, failing what is left after
+        ``timeout`` seconds (at once if no driver runs) with BatcherClosed."""
+        with self.lock:
+            self.closed = True
+            self._wake_locked()
+            idle = not self._started()
+            finished = idle or self.work.wait_for(lambda: not self.sched.has_work, timeout)
+            if not finished or (idle and self.sched.has_work):
+                self.abort_all_locked()
+
+    def _stop_if_closed_locked(self) -> bool:
+        """Nothing to do: True if closed (the driver stops; close() is woken)."""
+        if self.closed:
+            self.work.notify_all()
+        return self.closed
+
+    def cancel(self, seq: Sequence) -> bool:
+        """Cancel ``seq``'s request (any thread); False if it had finished already."""
+        with self.lock:
+            if not self.sched.abort(seq, "cancelled"):
+                return False
+            self.finish_locked(seq, None)
+            self.work.notify()
+            return True
 
     # -- one step: schedule, then apply its outcome and answer the callers --------
-    def _next_batch_locked(self) -> StepBatch | None:
+    def next_batch_locked(self) -> StepBatch | None:
         """Expire, then schedule; None when there is nothing to do.
 
         Should scheduling itself fail (a bug), every request fails with that error
@@ -93,7 +111,7 @@ class StepDriver:
         """
         try:
             for seq in self.sched.expire(self.clock()):
-                self._finish_locked(
+                self.finish_locked(
                     seq,
                     RequestTimeout(
                         f"{self.name}: request {seq.request_id} did not start within its timeout"
@@ -101,81 +119,112 @@ class StepDriver:
                 )
             if not self.sched.has_work:
                 return None
-            return self.sched.schedule()
+            batch = self.sched.schedule()
         except Exception as exc:  # noqa: BLE001 - the driver must answer, not die
-            self._abort_all_locked(exc)
+            self.abort_all_locked(exc)
             return None
+        if self.observer.active:
+            self.observer.scheduled(self.sched.started_now, self.clock())
+        return batch
 
-    def _fail_step_locked(self, batch: StepBatch, error: BaseException) -> None:
+    def fail_step_locked(self, batch: StepBatch, error: BaseException) -> None:
         """The step of ``batch`` will never report: fail its sequences with ``error``."""
-        self._apply_locked(batch, None, error)
+        self.apply_locked(batch, None, error)
 
-    def _apply_locked(self, batch: StepBatch, output: Any, error: BaseException | None) -> None:
+    def apply_locked(self, batch: StepBatch, output: Any, error: BaseException | None) -> None:
         """Apply a step's outcome and wake whoever waits on the sequences it moved."""
+        sched = self.sched
+        now = self.clock()
         if error is None:
             try:
                 tokens = output if isinstance(output, list) else list(output)
-                produced = self.sched.update(batch, tokens, self.clock())
+                produced = sched.update(batch, tokens, now)
             except Exception as exc:  # noqa: BLE001 - a bad result fails its step, not the driver
                 error, produced = exc, []
-                if self.sched._in_flight is batch:
-                    self.sched.fail_step(batch)
+                if sched.in_flight is batch:
+                    sched.fail_step(batch)
         else:
             produced = []
-            self.sched.fail_step(batch)
+            sched.fail_step(batch)
         if error is not None:
             for s in batch.seqs:
                 if s.seq.finish_reason == "error":
-                    self._finish_locked(s.seq, error)
-        errored = self.sched.errored
-        if errored:  # bad results of single sequences: only their callers fail
-            for seq in errored:
-                self._finish_locked(seq, seq.error)
-            errored.clear()
-        events: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
-        watch, finished = self._subscribers > 0, SeqStatus.FINISHED
+                    self.finish_locked(s.seq, error)
+        for seq in sched.take_errored():  # bad results of single sequences: only theirs fail
+            self.finish_locked(seq, seq.error)
+        if self.observer.active:
+            self.observer.stepped(batch, produced, now)
+        finished = SeqStatus.FINISHED
         for seq in produced:
             if seq.status is finished:
-                self._finish_locked(seq, None)
-            elif watch and seq.handle._events:
-                events.extend(seq.handle._events)
-        if events:
-            _set_events(events)
-        if self._streamers:
-            self._progress.notify_all()
+                self.finish_locked(seq, None)
+        waiters = self.waiters
+        if waiters.subscribers:
+            waiters.wake_subscribers(
+                s.outcome for s in produced if s.status is not finished and s.outcome is not None
+            )
+        waiters.wake_streamers()
 
-    def _finish_locked(self, seq: Sequence, error: BaseException | None) -> None:
+    def finish_locked(self, seq: Sequence, error: BaseException | None) -> None:
         """Answer ``seq``'s caller (``error``, or its tokens) unless it has its answer."""
-        handle: GenerationHandle | None = seq.handle
-        if handle is None or handle.done():
-            return
-        handle._error = error
-        handle._done.release()
-        if handle._events:
-            _set_events(handle._events)
-        if handle._streaming:
-            self._progress.notify_all()
+        outcome = seq.outcome
+        if outcome is not None and outcome.settle(error) and self.observer.active:
+            self.observer.finished(seq, self.clock())
 
-    def _abort_all_locked(self, error: BaseException | None = None) -> None:
+    def abort_all_locked(self, error: BaseException | None = None) -> None:
         """Fail every waiting and running request (default: :class:`~batchkit.BatcherClosed`)."""
         if error is None:
             error = BatcherClosed(f"{self.name} closed before this request finished")
         for seq in self.sched.abort_all("error"):
-            self._finish_locked(seq, error)
-        self._work.notify_all()
+            self.finish_locked(seq, error)
+        self.work.notify_all()
 
-    # -- the loops: a worker thread, or a task on the event loop ------------------
+
+class ThreadDriver(StepDriver):
+    """A sync step function's driver: one worker thread, started by the first request."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._thread: threading.Thread | None = None
+
+    def start_locked(self) -> None:
+        """Start the worker thread on first use, or wake it."""
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._run, name=f"batchkit-{self.name}", daemon=True
+            )
+            self._thread.start()
+        else:
+            self.work.notify()
+
+    def _wake_locked(self) -> None:
+        self.work.notify_all()
+
+    def _started(self) -> bool:
+        return self._thread is not None
+
+    def close(self, timeout: float | None) -> None:
+        """Drain and stop; from the step function itself (the worker thread), only mark
+        the batcher closed: the worker drains after this step."""
+        thread = self._thread
+        if thread is threading.current_thread():
+            with self.lock:
+                self.closed = True
+            return
+        self._drain(timeout)
+        if thread is not None:
+            thread.join(timeout)
+
     def _run(self) -> None:
         """The worker thread: schedule, step (outside the lock), apply, repeat."""
-        step_fn, lock = self.step_fn, self._lock
+        step_fn, lock = self.step_fn, self.lock
         with lock:
             while True:
-                batch = self._next_batch_locked()
+                batch = self.next_batch_locked()
                 if batch is None:
-                    if self._closed:
-                        self._work.notify_all()  # wake close()
+                    if self._stop_if_closed_locked():
                         return
-                    self._work.wait()
+                    self.work.wait()
                     continue
                 lock.release()
                 output: Any = None
@@ -186,10 +235,73 @@ class StepDriver:
                     error = exc
                 finally:
                     lock.acquire()
-                self._apply_locked(batch, output, error)
+                self.apply_locked(batch, output, error)
 
-    async def _arun(self) -> None:
-        """The event-loop task: the same cycle, awaiting the step function.
+
+class LoopDriver(StepDriver):
+    """An async step function's driver: a task on the event loop of the first request
+    (a new one on the caller's loop if that loop closed or cancelled it)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._wakeup: asyncio.Event | None = None
+
+    def start_locked(self) -> None:
+        """Start the driver task on first use (or after its loop went), or wake it."""
+        task, loop = self._task, self._loop
+        if task is None or task.done() or loop is None or loop.is_closed():
+            # No driver, or one that will never run again (its loop closed or it was
+            # cancelled): start one on this caller's loop.
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                raise RuntimeError(
+                    f"{self.name}: an async step function runs on an event loop; "
+                    "submit the first request from a coroutine"
+                ) from None
+            cut_off = self.sched.in_flight  # a step cut off with its old loop
+            if cut_off is not None:
+                self.fail_step_locked(cut_off, self._driver_gone())
+            self._loop, self._wakeup = loop, asyncio.Event()
+            self._task = loop.create_task(self._run())
+        self._wake_locked()
+
+    def _wake_locked(self) -> None:
+        loop, event = self._loop, self._wakeup
+        if loop is not None and event is not None:
+            call_on_loop(loop, event.set)  # (a closed loop: no driver left to wake)
+
+    def _started(self) -> bool:
+        return self._task is not None
+
+    def close(self, timeout: float | None) -> None:
+        """Drain and stop, from outside the driver's loop (blocking it would deadlock)."""
+        if on_loop_thread(self._loop):
+            raise RuntimeError(f"{self.name}: use 'await aclose()' inside the event loop")
+        self._drain(timeout)
+
+    async def aclose(self, timeout: float | None) -> None:
+        """Drain and stop without blocking the loop; from the step function itself, only
+        mark the batcher closed (the driver drains after this step)."""
+        task = self._task
+        if task is None:
+            await super().aclose(timeout)
+            return
+        with self.lock:
+            self.closed = True
+            self._wake_locked()
+        if asyncio.current_task() is task:
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(task), timeout)
+        except asyncio.TimeoutError:
+            with self.lock:
+                self.abort_all_locked()
+
+    async def _run(self) -> None:
+        """The driver task: the thread's cycle, awaiting the step function.
 
         Cancelled (its loop shutting down), it answers every request with
         :class:`~batchkit.BatcherClosed` instead of leaving them waiting; a later
@@ -199,11 +311,10 @@ class StepDriver:
         assert wakeup is not None
         try:
             while True:
-                with self._lock:
-                    batch = self._next_batch_locked()
+                with self.lock:
+                    batch = self.next_batch_locked()
                     if batch is None:
-                        if self._closed:
-                            self._work.notify_all()
+                        if self._stop_if_closed_locked():
                             return
                         wakeup.clear()
                 if batch is None:
@@ -217,15 +328,16 @@ class StepDriver:
                     raise
                 except BaseException as exc:  # noqa: BLE001 - the loop task must survive anything
                     error = exc
-                with self._lock:
-                    self._apply_locked(batch, output, error)
+                with self.lock:
+                    self.apply_locked(batch, output, error)
                 await asyncio.sleep(0)  # let callers and submitters on this loop run
         except asyncio.CancelledError:
-            with self._lock:
+            with self.lock:
                 gone = self._driver_gone()
-                if self.sched._in_flight is not None:
-                    self._fail_step_locked(self.sched._in_flight, gone)
-                self._abort_all_locked(gone)
+                cut_off = self.sched.in_flight
+                if cut_off is not None:
+                    self.fail_step_locked(cut_off, gone)
+                self.abort_all_locked(gone)
             raise
 
     def _driver_gone(self) -> BatcherClosed:
@@ -233,14 +345,3 @@ class StepDriver:
             f"{self.name}: the driver task was cancelled (its event loop shut down) before "
             "this request finished"
         )
-
-
-def _set_events(events: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]) -> None:
-    """Set asyncio events, each on its own loop (directly when already there)."""
-    here = asyncio._get_running_loop()
-    for loop, event in events:
-        if loop is here:
-            event.set()
-        else:
-            with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits there
-                loop.call_soon_threadsafe(event.set)

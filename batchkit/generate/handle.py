@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
-import threading
-from collections.abc import AsyncIterator, Generator, Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Callable, Generator, Iterator
+from typing import Any
 
 from batchkit.generate.sequence import Sequence
-
-if TYPE_CHECKING:
-    from batchkit.generate.batcher import ContinuousBatcher
+from batchkit.generate.waiters import Outcome, Waiters
 
 
 class GenerationHandle:
@@ -23,16 +19,19 @@ class GenerationHandle:
     :meth:`~batchkit.ContinuousBatcher.close` timeout raises that error instead.
     """
 
-    __slots__ = ("_batcher", "_seq", "_done", "_error", "_events", "_streaming")
+    __slots__ = ("_seq", "_outcome", "_waiters", "_cancel")
 
-    def __init__(self, batcher: ContinuousBatcher, seq: Sequence) -> None:
-        self._batcher = batcher
+    def __init__(
+        self,
+        seq: Sequence,
+        outcome: Outcome,
+        waiters: Waiters,
+        cancel: Callable[[Sequence], bool],
+    ) -> None:
         self._seq = seq
-        self._done = threading.Lock()  # held until the outcome is final (lock-as-event)
-        self._done.acquire()
-        self._error: BaseException | None = None
-        self._events: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
-        self._streaming = 0  # threads iterating: the driver wakes them every step
+        self._outcome = outcome
+        self._waiters = waiters  # its batcher's lock: the sequence's tokens grow under it
+        self._cancel = cancel
 
     @property
     def request_id(self) -> int:
@@ -46,99 +45,83 @@ class GenerationHandle:
 
     def done(self) -> bool:
         """Whether the outcome is final."""
-        return not self._done.locked()
+        return self._outcome.done()
 
     def cancel(self) -> bool:
         """Stop generating (thread-safe); False if it had already finished.
 
         If a step is computing this request right now, that step's token is dropped.
         """
-        return self._batcher._cancel(self)
+        return self._cancel(self._seq)
 
     def result(self, timeout: float | None = None) -> list[int]:
         """Block until done; the generated ids. ``TimeoutError`` if ``timeout`` passes first
         (the request goes on; :meth:`cancel` it if it is no longer wanted)."""
-        if not self._done.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
+        if not self._outcome.wait(timeout):
             raise TimeoutError(f"request {self.request_id} not done within {timeout}s")
-        self._done.release()
-        return self._outcome()
+        return self._result()
 
-    def _outcome(self) -> list[int]:
-        if self._error is not None:
-            raise self._error
+    def _result(self) -> list[int]:
+        error = self._outcome.error
+        if error is not None:
+            raise error
         return self._seq.generated_ids
 
     def __iter__(self) -> Iterator[int]:
         """Stream the generated tokens from a thread, as they are produced."""
-        cond = self._batcher._progress
+        cond = self._waiters.progress
+        ids = self._seq.token_ids
         pos = self._seq.num_prompt_tokens
-        with cond:
-            self._streaming += 1
-            self._batcher._streamers += 1
+        self._outcome.start_streaming()
         try:
             while True:
                 with cond:
-                    while len(self._seq.token_ids) <= pos and not self.done():
+                    while len(ids) <= pos and not self.done():
                         cond.wait()
-                    new = self._seq.token_ids[pos:]
+                    new = ids[pos:]
                     finished = self.done()
                 yield from new
                 pos += len(new)
-                if finished and pos >= len(self._seq.token_ids):
-                    if self._error is not None:
-                        raise self._error
+                if finished and pos >= len(ids):
+                    self._result()  # raises the request's error, if it failed
                     return
         finally:
-            with cond:
-                self._streaming -= 1
-                self._batcher._streamers -= 1
+            self._outcome.stop_streaming()
 
     async def __aiter__(self) -> AsyncIterator[int]:
         """Stream the generated tokens in asyncio, as they are produced."""
-        event = self._subscribe()
+        event = self._outcome.subscribe()
+        ids = self._seq.token_ids
         pos = self._seq.num_prompt_tokens
         try:
             while True:
                 event.clear()
-                with self._batcher._lock:
-                    new = self._seq.token_ids[pos:]
+                with self._waiters.lock:
+                    new = ids[pos:]
                     finished = self.done()
                 for tok in new:
                     yield tok
                 pos += len(new)
-                if finished and pos >= len(self._seq.token_ids):
-                    if self._error is not None:
-                        raise self._error
+                if finished and pos >= len(ids):
+                    self._result()  # raises the request's error, if it failed
                     return
                 if not new:
                     await event.wait()
         finally:
-            self._unsubscribe(event)
+            self._outcome.unsubscribe(event)
 
     def __await__(self) -> Generator[Any, None, list[int]]:
         return self._aresult().__await__()
 
     async def _aresult(self) -> list[int]:
-        event = self._subscribe()
+        event = self._outcome.subscribe()
         try:
             while not self.done():
                 await event.wait()
                 event.clear()
         finally:
-            self._unsubscribe(event)
-        return self._outcome()
-
-    def _subscribe(self) -> asyncio.Event:
-        event = asyncio.Event()
-        with self._batcher._lock:
-            self._events.append((asyncio.get_running_loop(), event))
-            self._batcher._subscribers += 1
-        return event
-
-    def _unsubscribe(self, event: asyncio.Event) -> None:
-        with self._batcher._lock:
-            self._events = [(lp, e) for lp, e in self._events if e is not event]
-            self._batcher._subscribers -= 1
+            self._outcome.unsubscribe(event)
+        return self._result()
 
     def __repr__(self) -> str:
         state = self.finish_reason or "running"

@@ -1,36 +1,38 @@
 """What the scheduler's sequences hold while they run: a row each and, in paged mode, KV blocks.
 
-:class:`SeqResources` (a mixin of :class:`~batchkit.generate.scheduler.Scheduler`)
-checks that a request could ever fit the KV pool, gives a waiting sequence its blocks
-(adopting any prefix-cache hit), registers the blocks a step completed in the prefix
-cache, and takes rows and blocks back when a sequence finishes or is preempted. The
-scheduler decides who runs; per-step growth of a running sequence (the decode fast
-path) stays inline in :meth:`~batchkit.generate.scheduler.Scheduler.schedule`.
+:class:`SeqResources` (held by the :class:`~batchkit.generate.scheduler.Scheduler`)
+checks that a request could ever fit the KV pool, gives a sequence its row and its
+blocks (adopting any prefix-cache hit), grows its blocks step by step, registers the
+blocks a step completed in the prefix cache, and takes rows and blocks back when a
+sequence finishes or is preempted. The scheduler decides who runs.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable
 
-from batchkit.generate.sequence import SeqStatus, Sequence
-from batchkit.generate.stats import GenerationStatsRecorder
-from batchkit.kv.allocator import BlockAllocator
-from batchkit.kv.block_table import BlockTable, blocks_for
+import numpy as np
+
+from batchkit.generate.sequence import Sequence
+from batchkit.kv.allocator import BlockAllocator, OutOfBlocks
+from batchkit.kv.block_table import BlockTable, BlockTableRows, blocks_for
 
 
 class SeqResources:
-    """Rows and KV blocks of the scheduler's sequences: taken, registered, given back (a
-    mixin of :class:`~batchkit.generate.scheduler.Scheduler`, which sets the state below)."""
+    """Rows (``max_num_seqs``) and, with an ``allocator``, KV blocks of running sequences."""
 
-    allocator: BlockAllocator | None
-    running: list[Sequence]
-    stats: GenerationStatsRecorder
-    _free_slots: list[int]  # a heap: lowest free row first
-    _released: list[int]  # ids freed since the last step, for the next StepBatch
-    _enqueue: Callable[[Sequence], None]  # the scheduler's: into the waiting line, in order
+    def __init__(self, max_num_seqs: int, allocator: BlockAllocator | None) -> None:
+        self.allocator = allocator
+        self._free_rows = list(range(max_num_seqs))  # a heap: lowest free row first
+        self._tables = BlockTableRows(max_num_seqs)  # paged mode: block tables by row
+        self._released: list[int] = []  # ids freed since the last step, for the next StepBatch
 
-    def _check_pool_fits(self, seq: Sequence, longest: int) -> None:
+    @property
+    def num_free_rows(self) -> int:
+        """Rows no sequence holds."""
+        return len(self._free_rows)
+
+    def check_pool_fits(self, seq: Sequence, longest: int) -> None:
         """Raise ``ValueError`` if ``longest`` tokens of ``seq`` could never fit the KV pool."""
         alloc = self.allocator
         if alloc is not None:
@@ -43,46 +45,88 @@ class SeqResources:
                     f"{alloc.block_size}, the pool has {alloc.num_blocks}"
                 )
 
-    def _admit_blocks(self, seq: Sequence, budget: int) -> bool:
+    def blocks_to_start(self, seq: Sequence, chunk: int) -> int:
+        """Free blocks a waiting ``seq`` would take to start with (at most) ``chunk`` tokens,
+        its prefix-cache hit counted in (nothing is taken or counted as a lookup)."""
+        return self._start_plan(seq, chunk)[0]
+
+    def _start_plan(self, seq: Sequence, chunk: int) -> tuple[int, list[int]]:
+        """(free blocks needed, prefix-cache hit) for ``seq`` to start with ``chunk`` tokens."""
+        alloc = self.allocator
+        assert alloc is not None
+        hits = alloc.match_prefix(seq.token_ids)
+        cached = len(hits) * alloc.block_size
+        n = min(seq.num_tokens - cached, chunk)
+        need = blocks_for(cached + n, alloc.block_size) - len(hits)
+        return need + (alloc.num_revived(hits) if hits else 0), hits
+
+    def admit_blocks(self, seq: Sequence, chunk: int) -> bool:
         """Give a waiting sequence its table (with any prefix hit); False if blocks are short."""
         alloc = self.allocator
         assert alloc is not None
         # Check before taking anything: a sequence short of blocks holds no memory, and
         # its lookups (repeated every step it waits) do not count as prefix queries.
-        hits = alloc.match_prefix(seq.token_ids)
-        cached = len(hits) * alloc.block_size
-        n = min(seq.num_tokens - cached, budget)
-        need = blocks_for(cached + n, alloc.block_size) - len(hits)
-        if need + (alloc.num_revived(hits) if hits else 0) > alloc.num_free:
+        need, hits = self._start_plan(seq, chunk)
+        if need > alloc.num_free:
             return False
         table = BlockTable(alloc)
         if alloc.adopt_prefix(seq.token_ids, hits):  # retained now; a miss is counted too
-            table.adopt(hits, cached)
+            table.adopt(hits, len(hits) * alloc.block_size)
         seq.block_table = table
         seq.num_computed_tokens = table.num_tokens
         seq.num_cached_tokens += table.num_tokens
         return True
 
-    def _preempt(self, seq: Sequence) -> None:
-        """Back to waiting, first in line; its blocks are freed and recomputed later."""
-        self.running.remove(seq)
-        self._free(seq)
-        seq.status = SeqStatus.WAITING
-        seq.num_computed_tokens = 0
-        self._enqueue(seq)
-        self.stats.preemptions += 1
+    def take_row(self, seq: Sequence) -> None:
+        """Give an admitted sequence the lowest free row."""
+        seq.slot = heapq.heappop(self._free_rows)
+        if seq.block_table is not None:
+            self._tables.assign(seq.slot, seq.block_table.block_ids)
 
-    def _free(self, seq: Sequence) -> None:
+    def num_blocks_held(self, seq: Sequence) -> int:
+        """Blocks in ``seq``'s table (some may be shared with other sequences)."""
+        table = seq.block_table
+        return 0 if table is None else len(table.block_ids)
+
+    def grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """Make room in ``seq``'s blocks for ``num_tokens`` more; False (nothing taken)
+        if the pool is short of blocks. Always True in slotted mode."""
+        table = seq.block_table
+        if table is None:
+            return True
+        had = len(table.block_ids)
+        try:
+            table.grow(num_tokens)
+        except OutOfBlocks:
+            return False
+        if len(table.block_ids) != had:
+            self._tables.sync(seq.slot, table.block_ids)  # type: ignore[arg-type]
+        return True
+
+    def block_tables(self, rows: list[int]) -> np.ndarray:
+        """The block tables of these rows, as a step's ``block_tables``."""
+        return self._tables.gather(rows)
+
+    def free(self, seq: Sequence) -> None:
         """Give back the sequence's blocks and row, and tell the step function."""
         if seq.block_table is not None:
             seq.block_table.free()
             seq.block_table = None
         if seq.slot is not None:
-            heapq.heappush(self._free_slots, seq.slot)
+            heapq.heappush(self._free_rows, seq.slot)
             seq.slot = None
         self._released.append(seq.request_id)
 
-    def _cache_full_blocks(self, seq: Sequence, start: int, end: int) -> None:
+    def holds_any(self, seq: Sequence) -> bool:
+        """Whether ``seq`` still holds a row or blocks."""
+        return seq.slot is not None or seq.block_table is not None
+
+    def take_released(self) -> list[int]:
+        """Ids freed since the last call (the next step's ``released``)."""
+        released, self._released = self._released, []
+        return released
+
+    def cache_full_blocks(self, seq: Sequence, start: int, end: int) -> None:
         """Register the blocks this step completed (their keys/values now exist)."""
         alloc = self.allocator
         assert alloc is not None and alloc.prefix is not None and seq.block_table is not None

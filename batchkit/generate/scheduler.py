@@ -4,15 +4,23 @@ Every step, :meth:`Scheduler.schedule` picks the sequences to compute: running o
 first (a decode token each, or their next prefill chunk), then waiting ones,
 first-come-first-served within a priority (lower values first), while there are
 free rows (``max_num_seqs``), tokens in the step's budget
-(``max_num_batched_tokens``; long prompts are split into chunks) and, in paged
-mode, free KV blocks. When a running sequence needs a block and none is free, the
-newest running sequence is preempted: its blocks are freed and it waits again, to be
-recomputed from its tokens (prompt and generated so far) when it is readmitted.
+(``max_num_batched_tokens``; long prompts are split into chunks of at most
+``max_prefill_chunk`` tokens) and, in paged mode, free KV blocks.
+
+Priorities reach running sequences: a waiting request more urgent than a running
+sequence goes first, and takes the row and blocks of the least urgent running ones
+(newest among equals), which are preempted. When a running sequence needs a block
+and none is free, the victim is likewise the least urgent running sequence, never
+one more urgent than the sequence that needs the block. A preempted sequence's
+blocks are freed and it waits again, to be recomputed from its tokens (prompt and
+generated so far) when it is readmitted; until it has produced a token again, no
+sequence of its own priority may preempt it (only a more urgent one), so two equals
+cannot evict each other forever.
+
 :meth:`Scheduler.update` takes the step's sampled tokens and retires sequences that
 hit a stop token or their length limit. The rows and blocks themselves are taken and
-given back by the :class:`~batchkit.generate.resources.SeqResources` mixin; the driver
-(:mod:`batchkit.generate.batcher`, :mod:`batchkit.generate.driver`) adds threads,
-handles and time.
+given back by its :class:`~batchkit.generate.resources.SeqResources`; the drivers
+(:mod:`batchkit.generate.driver`) add threads, handles and time.
 """
 
 from __future__ import annotations
@@ -25,10 +33,9 @@ from batchkit.generate.sequence import ScheduledSeq, SeqStatus, Sequence, StepBa
 from batchkit.generate.stats import GenerationStatsRecorder
 from batchkit.generate.tokens import check_step_tokens
 from batchkit.kv.allocator import BlockAllocator
-from batchkit.kv.block_table import BlockTableRows
 
 
-class Scheduler(SeqResources):
+class Scheduler:
     """Iteration-level scheduling over a waiting queue and a running set."""
 
     def __init__(
@@ -38,6 +45,7 @@ class Scheduler(SeqResources):
         max_num_batched_tokens: int,
         allocator: BlockAllocator | None = None,
         max_model_len: int | None = None,
+        max_prefill_chunk: int | None = None,
     ) -> None:
         if max_num_seqs.__class__ is not int or max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be a positive int, got {max_num_seqs!r}")
@@ -45,21 +53,33 @@ class Scheduler(SeqResources):
             raise ValueError(
                 f"max_num_batched_tokens must be a positive int, got {max_num_batched_tokens!r}"
             )
+        if max_prefill_chunk is not None and (
+            max_prefill_chunk.__class__ is not int
+            or not 1 <= max_prefill_chunk <= max_num_batched_tokens
+        ):
+            raise ValueError(
+                "max_prefill_chunk must be None or a positive int at most "
+                f"max_num_batched_tokens={max_num_batched_tokens}, got {max_prefill_chunk!r}"
+            )
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # Prompt (or recomputed) tokens of one sequence per step; no cap: the budget.
+        self.max_prefill_chunk = (
+            max_num_batched_tokens if max_prefill_chunk is None else max_prefill_chunk
+        )
         self.allocator = allocator
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self._free_slots = list(range(max_num_seqs))  # a heap: lowest free row first
-        self._rows = BlockTableRows(max_num_seqs)  # paged mode: block tables by slot
-        self._released: list[int] = []
+        self.resources = SeqResources(max_num_seqs, allocator)
         self._in_flight: StepBatch | None = None
         self._arrivals = 0
         self._deadlines: list[tuple[float, int, Sequence]] = []
         # Sequences a step's bad result failed alone (seq.error says why); the driver
         # takes them after update() to answer their callers.
         self.errored: list[Sequence] = []
+        # The sequences the last schedule() ran for the first time (for queue times).
+        self.started_now: list[Sequence] = []
         self.stats = GenerationStatsRecorder()
 
     # -- admission -----------------------------------------------------------
@@ -72,6 +92,25 @@ class Scheduler(SeqResources):
     def num_waiting(self) -> int:
         """Sequences waiting (new or preempted)."""
         return len(self.waiting)
+
+    @property
+    def num_free_rows(self) -> int:
+        """Rows (of ``max_num_seqs``) no sequence holds."""
+        return self.resources.num_free_rows
+
+    @property
+    def in_flight(self) -> StepBatch | None:
+        """The batch of the last :meth:`schedule` until its :meth:`update` (or
+        :meth:`fail_step`); None between steps."""
+        return self._in_flight
+
+    def take_errored(self) -> list[Sequence]:
+        """The sequences bad step results failed alone since the last call (see :attr:`errored`)."""
+        errored = self.errored
+        if not errored:
+            return errored
+        self.errored = []
+        return errored
 
     def check_fits(self, seq: Sequence) -> None:
         """Raise ``ValueError`` if ``seq`` could never run, even alone."""
@@ -91,7 +130,7 @@ class Scheduler(SeqResources):
             )
         if limit is not None:
             longest = min(longest, limit)
-        self._check_pool_fits(seq, longest)
+        self.resources.check_pool_fits(seq, longest)
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence (``ValueError`` if it can never fit)."""
@@ -124,92 +163,158 @@ class Scheduler(SeqResources):
 
     # -- scheduling -----------------------------------------------------------
     def schedule(self) -> StepBatch:
-        """The next step's batch (possibly empty); call :meth:`update` with its tokens."""
+        """The next step's batch (possibly empty); call :meth:`update` with its tokens.
+
+        In order: waiting requests more urgent than some running sequence (preempting
+        less urgent ones for their row and blocks); the running sequences; then other
+        waiting ones, unless the step preempted for lack of blocks.
+        """
         if self._in_flight is not None:
             raise RuntimeError("schedule() called again before update() of the last step")
-        alloc = self.allocator
-        budget = self.max_num_batched_tokens
-        scheduled: list[ScheduledSeq] = []
-        running = self.running
-        preempted = False
+        self.started_now = []
+        step = _Step(self.max_num_batched_tokens)
+        self._admit_urgent(step)
+        self._schedule_running(step)
+        if not step.short_of_blocks:  # the memory is short: the preempted go first
+            waiting = self.waiting
+            while waiting and step.budget > 0 and len(self.running) < self.max_num_seqs:
+                if not self._admit(waiting[0], step):
+                    break
 
-        # running sequences: one decode token each, or their next prefill chunk
-        bs = 0 if alloc is None else alloc.block_size
-        rows = self._rows
-        fill: list[int] = [] if alloc is None else alloc.fill
-        fast_tokens = 0
-        # Preemption removes only this sequence (then the loop stops) or later ones: a plain
-        # for loop over the list stays correct.
-        for seq in running:
-            if budget <= 0:
-                break
-            computed = seq.num_computed_tokens
-            n = len(seq.token_ids) - computed
-            if n > budget:
-                n = budget
-            if alloc is not None:
-                table = seq.block_table
-                assert table is not None  # every running sequence holds one in paged mode
-                if n == 1 and table.num_tokens % bs:
-                    # The decode fast path (most sequences, most steps): the token fits in
-                    # the private tail block; what BlockTable.grow(1) does, minus the calls.
-                    table.num_tokens += 1
-                    fill[table.block_ids[-1]] += 1
-                    fast_tokens += 1
-                else:
-                    need = -(-(table.num_tokens + n) // bs) - len(table.block_ids)
-                    while need > alloc.num_free:
-                        victim = running[-1]  # the newest: it loses the least work
-                        self._preempt(victim)
-                        preempted = True
-                        if victim is seq:
-                            break
-                    if seq.status is not SeqStatus.RUNNING:
-                        break
-                    table.grow(n)
-                    rows.sync(seq.slot, table.block_ids)  # type: ignore[arg-type]
-            seq.in_step = True
-            scheduled.append(ScheduledSeq(seq, computed, n))
-            budget -= n
-
-        if fast_tokens:
-            alloc.add_tokens_stored(fast_tokens)  # type: ignore[union-attr]
-
-        # waiting sequences, in order, while rows, budget and blocks last. Nothing joins
-        # in a step that preempted: the memory is short, and the preempted go first.
-        waiting = self.waiting
-        while waiting and not preempted and budget > 0 and len(running) < self.max_num_seqs:
-            seq = waiting[0]
-            if alloc is not None and not self._admit_blocks(seq, budget):
-                break
-            waiting.popleft()
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            table = seq.block_table
-            if table is not None:  # paged mode
-                table.grow(n)
-            seq.status = SeqStatus.RUNNING
-            seq.slot = heapq.heappop(self._free_slots)
-            if table is not None:
-                rows.assign(seq.slot, table.block_ids)
-            running.append(seq)
-            seq.in_step = seq.started = True
-            scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
-            budget -= n
-
-        batch = StepBatch(scheduled, self._released, self.stats.steps)
+        scheduled, alloc, res = step.scheduled, self.allocator, self.resources
+        batch = StepBatch(scheduled, res.take_released(), self.stats.steps)
         if alloc is not None:
             batch.block_size = alloc.block_size
-            batch.block_tables = rows.gather([s.slot for s in scheduled])  # type: ignore[misc]
-        self._released = []
+            batch.block_tables = res.block_tables([s.slot for s in scheduled])  # type: ignore[misc]
         self._in_flight = batch
+        tokens = self.max_num_batched_tokens - step.budget
         self.stats.record_step(
-            seq_util=len(batch.seqs) / self.max_num_seqs,
-            token_util=(self.max_num_batched_tokens - budget) / self.max_num_batched_tokens,
-            tokens=self.max_num_batched_tokens - budget,
+            seq_util=len(scheduled) / self.max_num_seqs,
+            token_util=tokens / self.max_num_batched_tokens,
+            tokens=tokens,
             requests_waiting=bool(self.waiting),
-            allocator=self.allocator,
+            allocator=alloc,
         )
         return batch
+
+    def _chunk(self, seq: Sequence, start: int, budget: int) -> int:
+        """Tokens ``seq`` computes this step from ``start``: all it has left, within the
+        budget left and ``max_prefill_chunk``."""
+        return min(len(seq.token_ids) - start, budget, self.max_prefill_chunk)
+
+    def _schedule_running(self, step: _Step) -> None:
+        """Each running sequence: one decode token, or its next prefill chunk."""
+        grow, cap, running_status = self.resources.grow, self.max_prefill_chunk, SeqStatus.RUNNING
+        for seq in list(self.running):  # a copy: a preemption may remove any of them
+            if step.budget <= 0:
+                break
+            if seq.in_step or seq.status is not running_status:
+                continue  # just admitted, or preempted by an earlier one's need
+            start = seq.num_computed_tokens
+            n = min(len(seq.token_ids) - start, step.budget, cap)  # (what _chunk says)
+            while not grow(seq, n):  # short of blocks
+                victim = self._victim_for(seq)
+                self._preempt(victim, step)
+                step.short_of_blocks = True
+                if victim is seq:
+                    break
+            if seq.status is running_status:  # (else it preempted itself: nobody gave way)
+                step.add(seq, start, n)
+
+    def _victim_for(self, needer: Sequence) -> Sequence:
+        """The running sequence to preempt when ``needer`` needs a block and none is free:
+        the least urgent (newest among equals), never one more urgent than ``needer``,
+        and never one of its own priority still recomputing after a preemption (see
+        :attr:`Sequence.recomputing`). ``needer`` itself when nobody else qualifies."""
+        return max(
+            (
+                s
+                for s in self.running
+                if s is needer or not (s.recomputing and s.priority == needer.priority)
+            ),
+            key=_urgency_rank,
+        )
+
+    def _admit_urgent(self, step: _Step) -> None:
+        """Admit waiting requests more urgent than a running sequence, preempting the
+        least urgent running ones (newest among equals) for their row and blocks, so an
+        urgent request starts at the next step instead of waiting for them to finish."""
+        waiting, running = self.waiting, self.running
+        while waiting and running and step.budget > 0:
+            head = waiting[0]
+            victims = sorted(
+                (s for s in running if s.priority > head.priority), key=_urgency_rank
+            )
+            if not victims or not self._free_room(head, victims, step):
+                return
+            if not self._admit(head, step):
+                return
+
+    def _free_room(self, head: Sequence, victims: list[Sequence], step: _Step) -> bool:
+        """Preempt ``victims`` from the end (the least urgent first) until ``head`` has a
+        row and the blocks to start; False if all of them would not be enough. That is
+        checked first, against the rows and blocks they hold, so nobody is preempted in
+        vain unless some of their blocks are shared (a prefix-cache hit) and stay."""
+        alloc, res = self.allocator, self.resources
+        chunk = self._blocks_span(seq=head, step=step)
+        rows_short = len(self.running) + 1 - self.max_num_seqs
+        if rows_short > len(victims):
+            return False
+
+        def blocks_short() -> int:
+            return 0 if alloc is None else res.blocks_to_start(head, chunk) - alloc.num_free
+
+        short = blocks_short()
+        if short > 0 and short > sum(res.num_blocks_held(v) for v in victims):
+            return False  # (an upper bound: blocks shared with others are not freed)
+        while rows_short > 0 or short > 0:
+            if not victims:
+                return False
+            self._preempt(victims.pop(), step)
+            rows_short -= 1
+            short = blocks_short()
+        return True
+
+    def _admit(self, seq: Sequence, step: _Step) -> bool:
+        """Start (or restart) the first waiting sequence; False if its blocks are short."""
+        res = self.resources
+        if self.allocator is not None and not res.admit_blocks(seq, self._blocks_span(seq, step)):
+            return False
+        self.waiting.popleft()
+        start = seq.num_computed_tokens  # a prefix-cache hit computes nothing again
+        n = self._chunk(seq, start, step.budget)
+        seq.status = SeqStatus.RUNNING
+        res.take_row(seq)
+        grown = res.grow(seq, n)
+        assert grown, "admit_blocks() checked that the blocks are free"
+        self.running.append(seq)
+        if not seq.started:
+            self.started_now.append(seq)
+            seq.started = True
+        step.add(seq, start, n)
+        return True
+
+    def _blocks_span(self, seq: Sequence, step: _Step) -> int:
+        """Tokens whose blocks must be free for a waiting ``seq`` to start: its first
+        chunk; for a preempted one, its whole recompute. Readmitted sooner, with a
+        small chunk, it would take blocks it then cannot keep, and two preempted
+        sequences could take turns forever without either producing a token."""
+        if seq.recomputing:
+            return seq.num_tokens
+        return min(step.budget, self.max_prefill_chunk)
+
+    def _preempt(self, seq: Sequence, step: _Step) -> None:
+        """Back to waiting, in line by (priority, arrival); its blocks are freed and
+        recomputed later. Scheduled in ``step`` already, it leaves the step."""
+        if seq.in_step:
+            step.drop(seq)
+        self.running.remove(seq)
+        self.resources.free(seq)
+        seq.status = SeqStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.recomputing = True
+        self._enqueue(seq)
+        self.stats.preemptions += 1
 
     # -- results --------------------------------------------------------------
     def update(
@@ -255,23 +360,26 @@ class Scheduler(SeqResources):
             seq = sched.seq
             seq.in_step = False
             if seq.status is finished_status:  # cancelled during the step
-                self._free(seq)
+                self.resources.free(seq)
                 any_finished = True
                 continue
             computed = sched.start + sched.num_tokens
             seq.num_computed_tokens = computed
             if prefix is not None:
-                self._cache_full_blocks(seq, sched.start, computed)
+                self.resources.cache_full_blocks(seq, sched.start, computed)
             ids = seq.token_ids
             if computed < len(ids):
                 continue  # a prefill chunk: nothing sampled yet
             tok: int = token  # type: ignore[assignment]  # an int: checked above
             ids.append(tok)
+            seq.recomputing = False  # progress: it may be preempted again
             generated = len(ids) - seq.num_prompt_tokens
             if generated == 1:
                 ttft.append(now - seq.arrival_time)
             else:
-                itl.append(now - seq.last_token_time)
+                gap = now - seq.last_token_time
+                seq.last_token_gap = gap
+                itl.append(gap)
             seq.last_token_time = now
             produced.append(seq)
             if tok in seq.stop_token_ids:
@@ -281,7 +389,7 @@ class Scheduler(SeqResources):
             else:
                 continue
             seq.status = finished_status
-            self._free(seq)
+            self.resources.free(seq)
             st.finished += 1
             any_finished = True
         st.tokens_generated += len(produced)
@@ -303,9 +411,8 @@ class Scheduler(SeqResources):
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         if not seq.in_step:
-            was_running = seq.slot is not None or seq.block_table is not None
-            if was_running:
-                self._free(seq)
+            if self.resources.holds_any(seq):
+                self.resources.free(seq)
                 self.running = [s for s in self.running if s is not seq]
         else:
             self.running = [s for s in self.running if s is not seq]
@@ -326,10 +433,8 @@ class Scheduler(SeqResources):
             s.seq.in_step = False
         seqs = [s.seq for s in batch.seqs]
         for seq in seqs:  # cancelled during the step: its resources are still held
-            if seq.status is SeqStatus.FINISHED and (
-                seq.slot is not None or seq.block_table is not None
-            ):
-                self._free(seq)
+            if seq.status is SeqStatus.FINISHED and self.resources.holds_any(seq):
+                self.resources.free(seq)
         return self.fail(seqs, reason)
 
     def fail(self, seqs: list[Sequence], reason: str = "error") -> list[Sequence]:
@@ -350,3 +455,31 @@ class Scheduler(SeqResources):
     def abort_all(self, reason: str) -> list[Sequence]:
         """Abort every waiting and running sequence."""
         return self.fail(list(self.waiting) + list(self.running), reason)
+
+
+def _urgency_rank(seq: Sequence) -> tuple[int, int]:
+    """Sorts the least urgent last: highest priority value, then the newest arrival."""
+    return seq.priority, seq.order
+
+
+class _Step:
+    """The step being scheduled: its sequences so far and the token budget left."""
+
+    __slots__ = ("scheduled", "budget", "short_of_blocks")
+
+    def __init__(self, budget: int) -> None:
+        self.scheduled: list[ScheduledSeq] = []
+        self.budget = budget
+        self.short_of_blocks = False  # a running sequence preempted another for a block
+
+    def add(self, seq: Sequence, start: int, num_tokens: int) -> None:
+        """Compute ``num_tokens`` of ``seq`` from ``start`` in this step."""
+        seq.in_step = True
+        self.scheduled.append(ScheduledSeq(seq, start, num_tokens))
+        self.budget -= num_tokens
+
+    def drop(self, seq: Sequence) -> None:
+        """``seq`` was preempted after it was scheduled: it leaves, its tokens return."""
+        i = next(i for i, s in enumerate(self.scheduled) if s.seq is seq)
+        self.budget += self.scheduled.pop(i).num_tokens
+        seq.in_step = False

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from batchkit.generate.waiters import Outcome
 from batchkit.kv.block_table import BlockTable
 from batchkit.kv.layout import StepLayout, build_decode_layout, build_layout
 
@@ -45,10 +46,13 @@ class Sequence:
         "finish_reason",
         "in_step",
         "started",
+        "recomputing",
         "arrival_time",
         "last_token_time",
+        "last_token_gap",
         "deadline",
         "handle",
+        "outcome",
         "error",
     )
 
@@ -78,10 +82,14 @@ class Sequence:
         self.finish_reason: str | None = None  # "stop", "length", "cancelled", "timeout", "error"
         self.in_step = False  # part of the batch the step function is computing now
         self.started = False  # scheduled at least once (a timeout no longer applies)
+        # Preempted, and no token since: no sequence of its own priority may preempt it.
+        self.recomputing = False
         self.arrival_time = arrival_time
         self.last_token_time = 0.0
+        self.last_token_gap = 0.0  # seconds between its last two tokens
         self.deadline = deadline
         self.handle: Any = None  # the driver's GenerationHandle, if any
+        self.outcome: Outcome | None = None  # the driver's: who waits for this request
         self.error: BaseException | None = None  # why it failed alone (a bad step result)
 
     @property

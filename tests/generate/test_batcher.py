@@ -224,3 +224,19 @@ def test_sync_step_function_awaited_from_asyncio() -> None:
             assert streamed == await h == solo([1, 2], 6)
 
     asyncio.run(main())
+
+
+def test_an_urgent_request_preempts_a_running_one_and_both_stay_exact() -> None:
+    step = Gated()
+    b = ContinuousBatcher(step, max_num_seqs=1, max_prefill_chunk=2)
+    background = b.submit([1, 2, 3], max_new_tokens=8, priority=1)
+    step.entered.acquire()  # it runs: the only row is taken
+    urgent = b.submit([4, 5], max_new_tokens=2, priority=0)
+    for _ in range(40):
+        step.go.release()
+    assert urgent.result(timeout=10) == solo([4, 5], 2)
+    assert background.result(timeout=10) == solo([1, 2, 3], 8)
+    b.close()
+    # the urgent one ran in the step right after the one it arrived in
+    assert step.batches[1] == [urgent.request_id]
+    assert b.stats().preemptions == 1

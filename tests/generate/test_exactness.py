@@ -1,8 +1,9 @@
 """Each request's tokens equal its solo run, whatever else shares its steps.
 
 Hypothesis drives the pure scheduler core over the toy recurrence (``_toy.py``) with
-random prompts, lengths, arrival steps, cancellations (some during a step), row and
-token limits small enough to chunk every prompt, and KV pools small enough to preempt.
+random prompts, lengths, arrival steps, priorities, cancellations (some during a step),
+row and token limits small enough to chunk every prompt, prefill caps, and KV pools
+small enough to preempt (for blocks and for more urgent requests).
 In paged mode every step's layout is also checked against the general one.
 """
 
@@ -25,7 +26,7 @@ request = st.fixed_dictionaries(
         "max_new": st.integers(1, 12),
         "arrive": st.integers(0, 6),  # the step before which it is submitted
         "cancel": st.none() | st.tuples(st.integers(0, 15), st.booleans()),  # (step, in-step?)
-        "priority": st.sampled_from([0, 0, 0, 1, -1]),
+        "priority": st.sampled_from([0, 0, 0, 1, -1, 2]),
     }
 )
 COMMON = [7, 1, 9, 4, 4, 2, 8, 6]
@@ -47,7 +48,8 @@ def scenarios(draw: st.DrawFn) -> dict:
         "num_blocks": longest + draw(st.integers(0, 12)),  # tight pools force preemption
         "prefix_caching": draw(st.booleans()),
         "max_num_seqs": draw(st.integers(1, 5)),
-        "budget": draw(st.integers(1, 24)),
+        "budget": (budget := draw(st.integers(1, 24))),
+        "max_prefill_chunk": draw(st.none() | st.integers(1, budget)),
     }
 
 
@@ -61,7 +63,10 @@ def run(sc: dict) -> tuple[list[Sequence], Scheduler]:
     else:
         step = SlottedToy()
     sched = Scheduler(
-        max_num_seqs=sc["max_num_seqs"], max_num_batched_tokens=sc["budget"], allocator=alloc
+        max_num_seqs=sc["max_num_seqs"],
+        max_num_batched_tokens=sc["budget"],
+        allocator=alloc,
+        max_prefill_chunk=sc["max_prefill_chunk"],
     )
     seqs = [
         Sequence(
@@ -84,6 +89,7 @@ def run(sc: dict) -> tuple[list[Sequence], Scheduler]:
             if sc["reqs"][i]["cancel"] == (step_no, False):
                 sched.abort(seqs[i])
         batch = sched.schedule()
+        check_step(batch, sc)
         if alloc is not None:
             check_layout(batch)
         for i in added:  # cancelled while the step runs
@@ -93,6 +99,15 @@ def run(sc: dict) -> tuple[list[Sequence], Scheduler]:
         step_no += 1
         assert step_no < 2000, "no progress"
     return seqs, sched
+
+
+def check_step(batch: StepBatch, sc: dict) -> None:
+    """Within the budget, the prefill cap, the rows; no sequence twice."""
+    cap = sc["max_prefill_chunk"] or sc["budget"]
+    assert batch.num_tokens <= sc["budget"]
+    assert all(1 <= s.num_tokens <= cap for s in batch.seqs)
+    assert len(batch.seqs) <= sc["max_num_seqs"]
+    assert len({s.request_id for s in batch.seqs}) == len(batch.seqs)
 
 
 def check_layout(batch: StepBatch) -> None:
@@ -130,4 +145,4 @@ def test_tokens_equal_solo_run(sc: dict) -> None:
         assert alloc.num_free == alloc.num_blocks
         assert all(c == 0 for c in alloc.refcounts)
         assert alloc.tokens_stored == 0
-    assert sorted(sched._free_slots) == list(range(sc["max_num_seqs"]))
+    assert sched.num_free_rows == sc["max_num_seqs"]  # every row given back

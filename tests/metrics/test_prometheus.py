@@ -18,24 +18,9 @@ prometheus_client = pytest.importorskip("prometheus_client")
 import batchkit  # noqa: E402
 from batchkit import DynamicBatcher, QueueFull, RequestTimeout, StaticBatcher  # noqa: E402
 from batchkit.metrics import METRIC_NAMES, PrometheusMetrics  # noqa: E402
+from tests.metrics._samples import value  # noqa: E402
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
-
-
-@pytest.fixture
-def registry() -> Any:
-    return prometheus_client.CollectorRegistry()
-
-
-@pytest.fixture
-def exporter(registry: Any) -> PrometheusMetrics:
-    return PrometheusMetrics(registry)
-
-
-def value(registry: Any, name: str, **labels: str) -> float:
-    got = registry.get_sample_value(name, labels)
-    assert got is not None, f"no sample {name}{labels}"
-    return float(got)
 
 
 def double(xs: list[int]) -> list[int]:
@@ -201,7 +186,7 @@ def test_exposition_has_every_documented_name(registry: Any, exporter: Prometheu
     families = set(re.findall(r"^# TYPE (\S+) ", text, re.M))
     exported = {re.sub(r"_created$", "", n) for n in families}
     assert set(METRIC_NAMES) <= exported
-    documented = set(re.findall(r"^\| `(inference_\w+)` \|", DOCS.read_text(), re.M))
+    documented = set(re.findall(r"^\| `((?:inference|generation)_\w+)` \|", DOCS.read_text(), re.M))
     assert documented == set(METRIC_NAMES)
     assert exporter.content_type.startswith("text/plain")
     f.close()
