@@ -70,6 +70,9 @@ def load_callable(spec: str) -> Callable[[Any], Any]:
             if loaded is None or loaded.loader is None:
                 raise CliError(f"cannot import {module_name}")
             module = importlib.util.module_from_spec(loaded)
+            # Registered first, as an import would: a dataclass under postponed
+            # annotations looks its module up in sys.modules while it is created.
+            sys.modules[loaded.name] = module
             loaded.loader.exec_module(module)
         else:
             module = importlib.import_module(module_name)

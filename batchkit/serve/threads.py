@@ -58,7 +58,7 @@ class ThreadDriver:
             worker.start()
 
     def _work(self) -> None:
-        """One worker: take a batch, run it outside the lock, settle it, repeat."""
+        """One worker: take a batch, run and settle it, repeat; sleep when there is none."""
         core, sched, cond, clock = self.core, self.core.sched, self.cond, self.core.clock
         batch: FormedBatch | None = None
         with cond:
@@ -73,22 +73,30 @@ class ThreadDriver:
                     cond.wait(None if wake_at is None else max(wake_at - clock(), 0.0))
                     self.idle_workers -= 1
                     continue
-                cond.release()
-                try:
-                    run = self._run(batch)
-                finally:
-                    cond.acquire()
-                done = core.finish_locked(batch, run)
-                # Take the next batch before waking this one's callers, and wake them
-                # outside the lock: they call again at once and must not queue on it.
-                batch, wake_at = sched.poll(clock())
-                if sched.drained or (self.idle_workers and sched.num_waiting):
-                    cond.notify_all()
-                cond.release()
-                try:
-                    deliver(done)
-                finally:
-                    cond.acquire()
+                batch, wake_at = self._serve(batch)
+
+    def _serve(self, batch: FormedBatch) -> tuple[FormedBatch | None, float | None]:
+        """With the lock held: run ``batch`` outside it, settle it, answer its callers;
+        the next batch, if one is ready. (A method of its own so that nothing of a
+        finished batch, its outputs included, stays referenced while the worker idles.)"""
+        cond, sched = self.cond, self.core.sched
+        cond.release()
+        try:
+            run = self._run(batch)
+        finally:
+            cond.acquire()
+        done = self.core.finish_locked(batch, run)
+        # Take the next batch before waking this one's callers, and wake them outside
+        # the lock: they call again at once and must not queue on it.
+        following = sched.poll(self.core.clock())
+        if sched.drained or (self.idle_workers and sched.num_waiting):
+            cond.notify_all()
+        cond.release()
+        try:
+            deliver(done)
+        finally:
+            cond.acquire()
+        return following
 
     def _run(self, batch: FormedBatch) -> BatchRun:
         """Call the function as :func:`run_steps` asks (parts too, if split); never raises."""

@@ -81,23 +81,10 @@ def simulated() -> tuple[subprocess.CompletedProcess[str], dict[str, tuple[str, 
     return done, verdicts(done.stdout)
 
 
-# What the check finds in batchkit today; fixed, these XPASS and must move to MUST_PASS.
-KNOWN_MISSES = {
-    "oom-memory": "the idle worker keeps its last batch (and the outputs in it) until the "
-    "next batch or close(): device memory stays above the baseline while idle",
-    "oom-release": "the failed call's exception (and through its traceback, the failed "
-    "call's input and activations) is still referenced while its halves are retried",
-}
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "name",
-    MUST_PASS
-    + [
-        pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=reason))
-        for name, reason in KNOWN_MISSES.items()
-    ],
+    [*MUST_PASS, "oom-memory", "oom-release", "oom-hook"],
 )
 def test_simulated_check_passes(simulated: Any, name: str) -> None:
     _, found = simulated

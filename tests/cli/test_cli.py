@@ -258,3 +258,21 @@ def test_rate_too_low_for_finite_arrivals(capsys: pytest.CaptureFixture[str]) ->
     assert_one_line_error(code, err, "--rate", "too low")
     assert "RuntimeWarning" not in err
 
+
+
+def test_profile_loads_a_file_that_defines_a_dataclass_under_postponed_annotations(
+    tmp_path: Path,
+) -> None:
+    """A dataclass looks its module up in sys.modules while it is created; a file
+    loaded by path must be registered there first (it raised AttributeError)."""
+    from batchkit.cli.profile import load_callable
+
+    model = tmp_path / "dc_model.py"
+    model.write_text(
+        "from __future__ import annotations\n"
+        "from dataclasses import dataclass\n\n"
+        "@dataclass\nclass Config:\n    scale: int = 2\n\n"
+        "def predict(xs):\n    return [x * Config().scale for x in xs]\n"
+    )
+    fn = load_callable(f"{model}:predict")
+    assert fn([1, 2]) == [2, 4]
