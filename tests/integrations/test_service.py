@@ -6,14 +6,10 @@ closed 503); batch settings read from the environment."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import re
-import socket
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -26,40 +22,14 @@ pytest.importorskip("prometheus_client")
 httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
 
+from tests.integrations._http import load_module, serving  # noqa: E402
+
 APP_PATH = Path(__file__).resolve().parents[2] / "examples" / "service" / "app.py"
 N_REQUESTS = 300
 
 
 def load_app_module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("batchkit_example_service", APP_PATH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # pydantic resolves the module's annotations through it
-    spec.loader.exec_module(module)
-    return module
-
-
-@contextmanager
-def serving(app: Any) -> Iterator[str]:
-    """``app`` served by uvicorn in a thread on a free loopback port; yields its URL."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))  # a free port, only on loopback
-    port = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level="warning", lifespan="on")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(20)
-        sock.close()
+    return load_module(APP_PATH, "batchkit_example_service")
 
 
 @pytest.fixture(scope="module")
