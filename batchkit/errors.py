@@ -18,3 +18,10 @@ class QueueFull(BatchkitError, RuntimeError):
 
 class RequestTimeout(BatchkitError, TimeoutError):
     """The request's ``timeout`` passed before it started running; it will not run."""
+
+
+class BatchTimeout(BatchkitError, TimeoutError):
+    """The batch function ran past ``batch_timeout`` on this request's batch: the batch
+    was given up (its slot freed; a stuck sync worker thread is replaced), so this
+    request has no result. Not a :class:`RequestTimeout`: the request did start."""
+

@@ -1,16 +1,18 @@
 """The runtime: ``@batched``, its queue-and-worker core, errors and stats."""
 
-from batchkit.errors import BatcherClosed, BatchkitError, QueueFull, RequestTimeout
+from batchkit.errors import BatcherClosed, BatchkitError, BatchTimeout, QueueFull, RequestTimeout
 from batchkit.percentiles import Percentiles
 from batchkit.serve.batched import BatchedFunction, batched
 from batchkit.serve.channels import END
 from batchkit.serve.events import BatchEvent, DropEvent, Listener
 from batchkit.serve.scheduler import Scheduler
+from batchkit.serve.settings import Settings
 from batchkit.serve.stats import DispatchReason, Stats
 
 __all__ = [
     "END",
     "BatchEvent",
+    "BatchTimeout",
     "BatchedFunction",
     "BatcherClosed",
     "BatchkitError",
@@ -21,6 +23,7 @@ __all__ = [
     "QueueFull",
     "RequestTimeout",
     "Scheduler",
+    "Settings",
     "Stats",
     "batched",
 ]

@@ -17,6 +17,7 @@ from batchkit.serve.core import ServingCore
 from batchkit.serve.event_loop import LoopDriver
 from batchkit.serve.events import Listener
 from batchkit.serve.options import Clock, OomRecovery, Options, empty_cuda_cache
+from batchkit.serve.settings import Settings
 from batchkit.serve.stats import Stats
 from batchkit.serve.threads import ThreadDriver
 
@@ -230,6 +231,41 @@ class BatchedFunction(Generic[R]):
         """A snapshot: requests, batches, batch sizes, waits, latencies, dispatch reasons."""
         return self._driver.core.stats()
 
+    def configure(
+        self,
+        *,
+        max_batch_size: int | None = None,
+        max_wait_ms: float | None = None,
+        max_concurrent_batches: int | None = None,
+        max_queue_size: int | None = None,
+    ) -> Settings:
+        """Change settings while serving; with no argument, read them.
+
+        What is given changes at once, atomically, for batches formed from then on (a
+        running batch is not touched; a larger size or concurrency wakes the scheduler
+        at once). Thread-safe under load: nothing queued is lost or run twice.
+
+        Args:
+            max_batch_size: The policy's largest batch.
+            max_wait_ms: The policy's longest wait for a batch to fill (milliseconds);
+                a policy without one (``StaticBatcher``) refuses it by name.
+            max_concurrent_batches: Batches that may run at once.
+            max_queue_size: Requests that may wait (a bound; ``None`` leaves it as it is).
+
+        Returns:
+            The settings in force afterwards.
+
+        Raises:
+            ValueError: A value is not valid, or the policy has no such setting;
+                nothing was changed.
+        """
+        return self._driver.core.configure(
+            max_batch_size=max_batch_size,
+            max_wait_ms=max_wait_ms,
+            max_concurrent_batches=max_concurrent_batches,
+            max_queue_size=max_queue_size,
+        )
+
     def load(self) -> tuple[int, int]:
         """``(queue depth, batches in flight)`` now, cheaply (what a metrics scrape reads)."""
         return self._driver.core.load()
@@ -281,6 +317,27 @@ def _oom_recovery(
     return OomRecovery(enabled=len(oom_errors) > 0, extra_types=tuple(oom_errors), on_oom=hook)
 
 
+def _check_serving_options(
+    max_queue_size: int | None,
+    max_concurrent_batches: int,
+    when_full: str,
+    batch_timeout: float | None,
+) -> None:
+    """ValueError naming the first option of ``@batched`` that is not valid."""
+    check_positive_int("max_queue_size", max_queue_size, allow_none=True)
+    check_positive_int("max_concurrent_batches", max_concurrent_batches)
+    if when_full not in ("reject", "block"):
+        raise ValueError(f'when_full must be "reject" or "block", got {when_full!r}')
+    if when_full == "block" and max_queue_size is None:
+        raise ValueError('when_full="block" needs a max_queue_size')
+    if batch_timeout is not None and (
+        isinstance(batch_timeout, bool)
+        or not isinstance(batch_timeout, (int, float))
+        or not 0 < batch_timeout < float("inf")
+    ):
+        raise ValueError(f"batch_timeout must be a number of seconds > 0, got {batch_timeout!r}")
+
+
 @overload
 def batched(fn: Callable[[Any], R], /) -> BatchedFunction[R]: ...
 @overload
@@ -297,6 +354,7 @@ def batched(
     oom_errors: tuple[type[BaseException], ...] | None = ...,
     on_oom: OnOom | Literal[False] | None = ...,
     isolate_errors: bool = ...,
+    batch_timeout: float | None = ...,
     clock: Clock | None = ...,
 ) -> Callable[[Callable[[Any], R]], BatchedFunction[R]]: ...
 
@@ -316,6 +374,7 @@ def batched(
     oom_errors: tuple[type[BaseException], ...] | None = None,
     on_oom: OnOom | Literal[False] | None = None,
     isolate_errors: bool = False,
+    batch_timeout: float | None = None,
     clock: Clock | None = None,
 ) -> Any:
     """Decorate a batch function (list of items -> sequence of results).
@@ -342,6 +401,12 @@ def batched(
     turns it off. ``isolate_errors=True`` re-runs a failing batch in halves so that
     only the items that fail alone get the exception. A batch whose ``collate`` fails
     is always split the same way: a malformed item fails only its own caller.
+
+    ``batch_timeout``: seconds one call of the function may run. Past it, that batch's
+    callers get ``BatchTimeout`` and serving goes on: an async call is cancelled; a
+    sync function's stuck worker thread is abandoned (its late result dropped) and
+    replaced, up to ``max_concurrent_batches`` stuck threads (past that, no more are
+    spawned and ``stats().healthy`` is False until one returns).
     """
     if batcher is not None and (max_batch_size is not None or max_wait_ms is not None):
         raise ValueError("pass max_batch_size/max_wait_ms to the batcher, not to @batched")
@@ -352,12 +417,7 @@ def batched(
         )
     elif not isinstance(batcher, Batcher):
         raise TypeError(f"batcher must be a batchkit Batcher, got {type(batcher).__name__}")
-    check_positive_int("max_queue_size", max_queue_size, allow_none=True)
-    check_positive_int("max_concurrent_batches", max_concurrent_batches)
-    if when_full not in ("reject", "block"):
-        raise ValueError(f'when_full must be "reject" or "block", got {when_full!r}')
-    if when_full == "block" and max_queue_size is None:
-        raise ValueError('when_full="block" needs a max_queue_size')
+    _check_serving_options(max_queue_size, max_concurrent_batches, when_full, batch_timeout)
     for name, cb in (("collate", collate), ("split", split)):
         if cb is not None and not callable(cb):
             raise TypeError(f"{name} must be callable, got {type(cb).__name__}")
@@ -369,6 +429,7 @@ def batched(
         max_concurrent_batches=max_concurrent_batches,
         clock=clock or time.monotonic,
         oom=_oom_recovery(oom_errors, on_oom),
+        batch_timeout=None if batch_timeout is None else float(batch_timeout),
         isolate_errors=bool(isolate_errors),
         when_full=when_full,
     )

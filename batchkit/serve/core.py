@@ -13,11 +13,12 @@ loops: a driver gives it two callbacks, :attr:`ServingCore.wake` and
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from batchkit.errors import BatcherClosed, QueueFull, RequestTimeout
+from batchkit.errors import BatcherClosed, BatchTimeout, QueueFull, RequestTimeout
 from batchkit.serve.admission import BlockingAdmission
 from batchkit.serve.channels import Channel
 from batchkit.serve.events import BatchEvent, DropEvent, DropReason, Listener, notify
@@ -25,6 +26,7 @@ from batchkit.serve.execute import BatchRun, start_run
 from batchkit.serve.options import Options
 from batchkit.serve.request import Request, State, deliver, resolve_on_loop
 from batchkit.serve.scheduler import FormedBatch, Scheduler
+from batchkit.serve.settings import Settings, check_settings, read_settings, reconfigured
 from batchkit.serve.stats import Stats
 
 LoopCheck = Callable[["asyncio.AbstractEventLoop | None"], None]
@@ -60,6 +62,12 @@ class ServingCore:
         # enqueue, refuse (raise) a caller's loop the driver cannot serve.
         self.wake: Callable[[], None] = _nothing
         self.check_loop: LoopCheck | None = None
+        # settings_changed(): under the lock, after configure() changed something.
+        self.settings_changed: Callable[[], None] = _nothing
+        # Kept by the driver: worker threads stuck in a timed-out call, and whether
+        # they are still replaced (see ThreadDriver).
+        self.abandoned_workers = 0
+        self.healthy = True
         self.admission: BlockingAdmission | None = None  # when_full="block"
         if options.when_full == "block":
             self.admission = BlockingAdmission(
@@ -277,6 +285,40 @@ class ServingCore:
         if self.admission is not None:
             self.admission.waiters.wake_all()  # blocked callers see BatcherClosed
 
+    # -- live settings ------------------------------------------------------------
+    def settings(self) -> Settings:
+        """The settings in force."""
+        with self.lock:
+            return read_settings(
+                self.sched.policy, self.sched.max_concurrent_batches, self.sched.max_queue_size
+            )
+
+    def configure(
+        self,
+        *,
+        max_batch_size: int | None = None,
+        max_wait_ms: float | None = None,
+        max_concurrent_batches: int | None = None,
+        max_queue_size: int | None = None,
+    ) -> Settings:
+        """Change the given settings at once for batches formed from now on (a running
+        batch is not touched); the settings in force. A bad value changes nothing."""
+        check_settings(max_batch_size, max_wait_ms, max_concurrent_batches, max_queue_size)
+        with self.lock:
+            policy = reconfigured(self.sched.policy, max_batch_size, max_wait_ms)
+            self.options = dataclasses.replace(self.options, policy=policy)
+            self.sched.policy = policy
+            if max_concurrent_batches is not None:
+                self.sched.max_concurrent_batches = max_concurrent_batches
+            if max_queue_size is not None:
+                # A bounded queue refuses at once: no more bulk arrivals, which skip it.
+                self.bulk_arrivals = False
+                self.sched.set_max_queue_size(max_queue_size)
+                self._room_freed_locked()
+            self.settings_changed()
+            self.wake()
+            return self.settings()
+
     # -- observers and stats ------------------------------------------------------
     def add_listener(self, listener: Listener) -> None:
         """Observe every batch and every dropped request."""
@@ -331,4 +373,13 @@ class ServingCore:
                 caps={
                     "default" if b is None else str(b): cap for b, cap in self.sched.caps.items()
                 },
+                abandoned_workers=self.abandoned_workers,
+                healthy=self.healthy,
             )
+
+    def batch_timeout_error(self) -> BatchTimeout:
+        """The error for the callers of a batch whose call ran past ``batch_timeout``."""
+        return BatchTimeout(
+            f"{self.name}: the batch function ran longer than "
+            f"batch_timeout={self.options.batch_timeout}s on this request's batch"
+        )

@@ -13,7 +13,7 @@ import asyncio
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
-from batchkit.errors import BatcherClosed
+from batchkit.errors import BatcherClosed, BatchTimeout
 from batchkit.loops import on_loop_thread, schedule_on_loop
 from batchkit.serve import callers
 from batchkit.serve.core import ServingCore
@@ -31,6 +31,22 @@ async def call_async(fn: Callable[[Any], Awaitable[Any]], argument: Any) -> Outc
         raise
     except BaseException as exc:  # noqa: BLE001 - a failing batch must not kill the loop
         return False, exc
+
+
+async def call_async_within(
+    fn: Callable[[Any], Awaitable[Any]], argument: Any, timeout: float, expired: BaseException
+) -> Outcome:
+    """:func:`call_async`, cancelled after ``timeout`` seconds: then ``(False, expired)``."""
+    call = asyncio.ensure_future(call_async(fn, argument))
+    try:
+        done, _ = await asyncio.wait({call}, timeout=timeout)
+    except asyncio.CancelledError:
+        call.cancel()
+        raise
+    if not done:
+        call.cancel()  # its batch is given up now; the call unwinds on its own
+        return False, expired
+    return call.result()
 
 
 class LoopDriver:
@@ -51,6 +67,7 @@ class LoopDriver:
         self._drained: asyncio.Event | None = None
         core.wake = self._wake
         core.check_loop = self._check_loop_locked
+        core.settings_changed = self._settings_changed_locked
 
     # -- which loop ------------------------------------------------------------
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -87,6 +104,11 @@ class LoopDriver:
             if loop is None:
                 raise RuntimeError(f"{self.core.name} is async: call it from an event loop")
             self.bind(loop)
+
+    def _settings_changed_locked(self) -> None:
+        if not self.core.bulk_arrivals:
+            self._owner_loop = None  # a bounded queue: every caller takes the checked path
+        self._poll_due = False  # the slots may have changed: the next wake polls
 
     # -- scheduling passes --------------------------------------------------------
     def _wake(self) -> None:
@@ -225,11 +247,23 @@ class LoopDriver:
             while True:
                 argument = steps.send(outcome)  # type: ignore[arg-type]
                 outcome = None  # (released before the next call: see ThreadDriver._run)
-                outcome = await call_async(self.fn, argument)
+                outcome = await self._call(argument)
                 del argument
         except StopIteration as done:
             run: BatchRun = done.value
             return run
+
+    async def _call(self, argument: Any) -> Outcome:
+        """One call of the function, cancelled past ``batch_timeout`` if there is one."""
+        core = self.core
+        timeout = core.options.batch_timeout
+        if timeout is None:
+            return await call_async(self.fn, argument)
+        outcome = await call_async_within(self.fn, argument, timeout, core.batch_timeout_error())
+        if outcome[1].__class__ is BatchTimeout:
+            with core.lock:
+                core.sched.stats.batch_timeouts += 1
+        return outcome
 
     # -- callers -------------------------------------------------------------------
     async def acall(self, item: Any, *, priority: int = 0, timeout: float | None = None) -> Any:

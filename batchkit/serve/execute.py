@@ -30,6 +30,7 @@ from collections.abc import Generator, Iterable, Sequence
 from enum import Enum
 from typing import Any
 
+from batchkit.errors import BatchTimeout
 from batchkit.serve.options import OomRecovery, Options
 from batchkit.serve.request import Request
 
@@ -130,7 +131,7 @@ class BatchRun:
         start, stop = part
         size = stop - start
         oom = stage is Stage.CALL and self.oom.is_oom(exc)
-        retry = size > 1 and (
+        retry = size > 1 and not isinstance(exc, BatchTimeout) and (
             oom or stage is Stage.COLLATE or (stage is Stage.CALL and self.isolate_errors)
         )
         # A retried part's exception is discarded; a settled one is kept for its callers

@@ -60,3 +60,4 @@ class Options:
     isolate_errors: bool = False
     when_full: Literal["reject", "block"] = "reject"
     streaming: bool = False  # the function is a generator (or async generator) function
+    batch_timeout: float | None = None  # seconds one call of the function may run

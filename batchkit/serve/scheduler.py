@@ -150,6 +150,12 @@ class Scheduler:
         self._cap_successes: dict[Hashable, int] = {}
         self.stats = StatsRecorder()
 
+    def set_max_queue_size(self, limit: int) -> None:
+        """Bound the queue at ``limit`` waiting requests from now on (those already
+        waiting stay, even past it)."""
+        self.max_queue_size = limit
+        self._queue_limit = limit
+
     # -- requests in and out ----------------------------------------------
     @property
     def num_waiting(self) -> int:
@@ -257,7 +263,8 @@ class Scheduler:
                 self.caps[bucket] = raised
 
     def _limit(self, name: Hashable) -> int:
-        return self.caps.get(name, self.policy.max_batch_size)
+        # (A cap learned before the maximum was lowered live does not lift it.)
+        return min(self.caps.get(name, self.policy.max_batch_size), self.policy.max_batch_size)
 
     # -- dispatch ----------------------------------------------------------
     def _reason(self, name: Hashable, bucket: Bucket, now: float) -> DispatchReason | None:

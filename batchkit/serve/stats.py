@@ -47,6 +47,9 @@ class Stats:
     queue_wait: Percentiles
     batch_latency: Percentiles  # to the last chunk, for a streaming function
     time_to_first_chunk: Percentiles = field(default_factory=Percentiles.empty)  # streams only
+    batch_timeouts: int = 0  # calls of the function given up after batch_timeout
+    abandoned_workers: int = 0  # sync worker threads still stuck in a timed-out call
+    healthy: bool = True  # False once stuck threads pass the bound and are not replaced
 
     @property
     def mean_batch_size(self) -> float:
@@ -75,6 +78,7 @@ class StatsRecorder:
     queue_wait: deque[float] = field(default_factory=lambda: deque(maxlen=SAMPLE_WINDOW))
     batch_latency: deque[float] = field(default_factory=lambda: deque(maxlen=SAMPLE_WINDOW))
     first_chunk: deque[float] = field(default_factory=lambda: deque(maxlen=SAMPLE_WINDOW))
+    batch_timeouts: int = 0
 
     def record_batch(
         self, requests: list[Request], reason: DispatchReason, padded: int, now: float
@@ -90,7 +94,14 @@ class StatsRecorder:
         self.queue_wait.extend([now - req.enqueued_at for req in requests])
 
     def snapshot(
-        self, *, queue_depth: int, in_flight: int, caps: dict[str, int], unplaced: int = 0
+        self,
+        *,
+        queue_depth: int,
+        in_flight: int,
+        caps: dict[str, int],
+        unplaced: int = 0,
+        abandoned_workers: int = 0,
+        healthy: bool = True,
     ) -> Stats:
         """Freeze the current values (``unplaced``: admitted requests not yet counted)."""
         return Stats(
@@ -114,4 +125,7 @@ class StatsRecorder:
             queue_wait=Percentiles.of(self.queue_wait),
             batch_latency=Percentiles.of(self.batch_latency),
             time_to_first_chunk=Percentiles.of(self.first_chunk),
+            batch_timeouts=self.batch_timeouts,
+            abandoned_workers=abandoned_workers,
+            healthy=healthy,
         )

@@ -17,10 +17,11 @@ from typing import Any
 
 from batchkit.serve import callers
 from batchkit.serve.core import ServingCore
-from batchkit.serve.execute import BatchRun, Outcome, run_steps
+from batchkit.serve.execute import BatchRun, Outcome, run_steps, start_run
 from batchkit.serve.request import deliver
 from batchkit.serve.scheduler import FormedBatch
 from batchkit.serve.streaming import run_stream_sync
+from batchkit.serve.watchdog import Watchdog
 
 
 def call_sync(fn: Callable[[Any], Any], argument: Any) -> Outcome:
@@ -31,17 +32,40 @@ def call_sync(fn: Callable[[Any], Any], argument: Any) -> Outcome:
         return False, exc
 
 
+class Worker:
+    """One worker thread, and the batch it runs now (for the watchdog)."""
+
+    __slots__ = ("thread", "batch", "abandoned")
+
+    def __init__(self) -> None:
+        self.thread: threading.Thread | None = None
+        self.batch: FormedBatch | None = None
+        self.abandoned = False  # given up in a timed-out call: its late result is dropped
+
+
 class ThreadDriver:
-    """Runs a sync batch function on worker threads (started on first use)."""
+    """Runs a sync batch function on worker threads (started on first use).
+
+    With ``batch_timeout``, a call that runs past it has its batch given up (its
+    callers get ``BatchTimeout``, its slot is freed) and its stuck thread abandoned
+    and replaced, while at most ``max_concurrent_batches`` threads are stuck at once;
+    past that bound nothing more is spawned and the function reports itself unhealthy
+    (``stats().healthy``) until a stuck call returns (its thread then serves again).
+    """
 
     def __init__(self, fn: Callable[[Any], Any], core: ServingCore) -> None:
         self.fn = fn
         self.core = core
         self.cond = threading.Condition(core.lock)
-        self.workers: list[threading.Thread] = []
+        self.workers: list[Worker] = []  # live workers (not stuck in a timed-out call)
         self.idle_workers = 0
         self._warned_on_loop = False
+        self.watchdog: Watchdog | None = None
+        timeout = core.options.batch_timeout
+        if timeout is not None and not core.options.streaming:
+            self.watchdog = Watchdog(core.lock, core.clock, timeout, self._expired, core.name)
         core.wake = self._wake_locked
+        core.settings_changed = self._settings_changed_locked
 
     def _wake_locked(self) -> None:
         if not self.workers:
@@ -50,14 +74,21 @@ class ThreadDriver:
             self.cond.notify()
 
     def _start_workers_locked(self) -> None:
-        for i in range(self.core.options.max_concurrent_batches):
-            worker = threading.Thread(
-                target=self._work, name=f"batchkit-{self.core.name}-{i}", daemon=True
-            )
+        """Start workers up to one per concurrent batch (none while unhealthy)."""
+        while self.core.healthy and len(self.workers) < self.core.sched.max_concurrent_batches:
+            worker = Worker()
+            name = f"batchkit-{self.core.name}-{len(self.workers)}"
+            worker.thread = threading.Thread(target=self._work, args=(worker,), name=name)
+            worker.thread.daemon = True
             self.workers.append(worker)
-            worker.start()
+            worker.thread.start()
 
-    def _work(self) -> None:
+    def _settings_changed_locked(self) -> None:
+        if self.workers:  # (none yet: the first call starts them)
+            self._start_workers_locked()
+        self.cond.notify_all()  # a larger size or limit may make a batch ready now
+
+    def _work(self, worker: Worker) -> None:
         """One worker: take a batch, run and settle it, repeat; sleep when there is none."""
         core, sched, cond, clock = self.core, self.core.sched, self.cond, self.core.clock
         batch: FormedBatch | None = None
@@ -73,18 +104,26 @@ class ThreadDriver:
                     cond.wait(None if wake_at is None else max(wake_at - clock(), 0.0))
                     self.idle_workers -= 1
                     continue
-                batch, wake_at = self._serve(batch)
+                batch, wake_at = self._serve(worker, batch)
+                if worker.abandoned and not self._rejoin_locked(worker):
+                    return
 
-    def _serve(self, batch: FormedBatch) -> tuple[FormedBatch | None, float | None]:
+    def _serve(
+        self, worker: Worker, batch: FormedBatch
+    ) -> tuple[FormedBatch | None, float | None]:
         """With the lock held: run ``batch`` outside it, settle it, answer its callers;
         the next batch, if one is ready. (A method of its own so that nothing of a
         finished batch, its outputs included, stays referenced while the worker idles.)"""
         cond, sched = self.cond, self.core.sched
+        worker.batch = batch
         cond.release()
         try:
-            run = self._run(batch)
+            run = self._run(batch, worker)
         finally:
             cond.acquire()
+            worker.batch = None
+        if worker.abandoned:
+            return None, None  # its callers had their BatchTimeout: the late result is dropped
         done = self.core.finish_locked(batch, run)
         # Take the next batch before waking this one's callers, and wake them outside
         # the lock: they call again at once and must not queue on it.
@@ -98,12 +137,42 @@ class ThreadDriver:
             cond.acquire()
         return following
 
-    def _run(self, batch: FormedBatch) -> BatchRun:
-        """Call the function as :func:`run_steps` asks (parts too, if split); never raises."""
+    # -- the watchdog (batch_timeout) ----------------------------------------------
+    def _expired(self, call: Any) -> None:
+        """Watchdog callback, under the lock: ``call`` (a worker) ran past the timeout."""
+        worker: Worker = call
+        batch, core = worker.batch, self.core
+        if batch is None or worker.abandoned:
+            return
+        worker.abandoned = True
+        self.workers.remove(worker)
+        core.abandoned_workers += 1
+        core.sched.stats.batch_timeouts += 1
+        core.healthy = core.abandoned_workers <= core.sched.max_concurrent_batches
+        if id(batch) in core.sched.running:
+            deliver(core.abandon_locked(batch, core.batch_timeout_error()))
+        self._start_workers_locked()  # a replacement (none while unhealthy)
+        self.cond.notify_all()  # the freed slot may start what waits
+
+    def _rejoin_locked(self, worker: Worker) -> bool:
+        """A stuck call returned: serve again if a worker is missing, else exit."""
+        core = self.core
+        core.abandoned_workers -= 1
+        core.healthy = core.abandoned_workers <= core.sched.max_concurrent_batches
+        worker.abandoned = False
+        if core.closed or len(self.workers) >= core.sched.max_concurrent_batches:
+            return False
+        self.workers.append(worker)
+        return True
+
+    def _run(self, batch: FormedBatch, worker: Worker) -> BatchRun:
+        """Call the function as :func:`run_steps` asks (parts too, if split); never raises.
+
+        A worker abandoned by the watchdog stops after its late call returns."""
         core = self.core
         if core.options.streaming:
             return run_stream_sync(self.fn, batch.requests, core.options, core.name, core.clock)
-        steps = run_steps(batch.requests, self.core.options, self.core.name)
+        steps = run_steps(batch.requests, core.options, core.name)
         outcome: Outcome | None = None
         try:
             while True:
@@ -111,11 +180,27 @@ class ThreadDriver:
                 # Neither the last call's outcome nor its argument is kept while the
                 # steps decide on a retry or the next call runs (see execute.py).
                 outcome = None
-                outcome = call_sync(self.fn, argument)
+                outcome = self._call(worker, argument)
                 del argument
+                if worker.abandoned:
+                    steps.close()
+                    return start_run(batch.requests, core.options)  # (dropped unread)
         except StopIteration as done:
             run: BatchRun = done.value
             return run
+
+    def _call(self, worker: Worker, argument: Any) -> Outcome:
+        """One call of the function, watched when there is a ``batch_timeout``."""
+        watchdog = self.watchdog
+        if watchdog is None:
+            return call_sync(self.fn, argument)
+        with self.cond:
+            watchdog.call_started_locked(worker)
+        try:
+            return call_sync(self.fn, argument)
+        finally:
+            with self.cond:
+                watchdog.call_ended_locked(worker)
 
     # -- callers -----------------------------------------------------------
     def call(self, item: Any, *, priority: int = 0, timeout: float | None = None) -> Any:
@@ -174,10 +259,14 @@ class ThreadDriver:
             if not finished:
                 core.fail_all_locked(core.closed_error())
                 self.cond.notify_all()
+            if self.watchdog is not None:
+                self.watchdog.stop_locked()
         if finished:
-            for worker in self.workers:
-                if worker is not threading.current_thread():
-                    worker.join()
+            for worker in list(self.workers):
+                if worker.thread is not None and worker.thread is not threading.current_thread():
+                    worker.thread.join()
+        if self.watchdog is not None:
+            self.watchdog.join()
 
     async def aclose(self, timeout: float | None = None) -> None:
         """:meth:`close` without blocking the event loop."""

@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import batchkit
-from batchkit import END, RequestTimeout
+from batchkit import END, DynamicBatcher, RequestTimeout
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,12 @@ specs_strategy = st.lists(
 ).map(lambda rows: [Spec(i, *row) for i, row in enumerate(rows)])
 
 
+def one_batch_of(size: int) -> DynamicBatcher:
+    """A policy whose batch leaves only when ``size`` requests wait: the streams made
+    one after another share one batch, however the worker thread is scheduled."""
+    return DynamicBatcher(max_batch_size=size, max_wait_ms=60_000, eager=False)
+
+
 def read_in_thread(f: batchkit.BatchedFunction[Any], spec: Spec) -> tuple[list[str], str | None]:
     chunks: list[str] = []
     stream = f.stream(spec)
@@ -108,6 +114,7 @@ def read_in_thread(f: batchkit.BatchedFunction[Any], spec: Spec) -> tuple[list[s
 @given(specs_strategy, st.integers(1, 4))
 def test_thread_callers_get_exactly_their_solo_chunks(specs: list[Spec], batch: int) -> None:
     model = Model()
+    before = set(threading.enumerate())
     f = batchkit.batched(max_batch_size=batch, max_wait_ms=2)(model)
     results: dict[int, tuple[list[str], str | None]] = {}
 
@@ -123,7 +130,8 @@ def test_thread_callers_get_exactly_their_solo_chunks(specs: list[Spec], batch: 
     f.close()
     for spec in specs:
         assert results[spec.name] == solo(spec), spec
-    assert all(not w.is_alive() for w in f.runtime.workers)  # type: ignore[attr-defined]
+    left = [t for t in threading.enumerate() if t not in before and t.name.startswith("batchkit")]
+    assert not left  # close() leaves no thread of this function behind
     stats = f.stats()
     assert stats.requests == len(specs) == stats.items_run + stats.cancelled
 
@@ -172,7 +180,7 @@ def test_asyncio_callers_get_exactly_their_solo_chunks(
 def test_once_every_caller_has_left_the_generator_is_closed_and_the_slot_freed() -> None:
     closed = threading.Event()
 
-    @batchkit.batched(max_batch_size=2, max_wait_ms=50)
+    @batchkit.batched(batcher=one_batch_of(2))
     def endless(xs: list[int]) -> Iterator[list[int]]:
         try:
             step = 0
@@ -188,12 +196,13 @@ def test_once_every_caller_has_left_the_generator_is_closed_and_the_slot_freed()
     assert next(b) == 201 and not closed.is_set()  # one caller still reads
     b.close()  # type: ignore[attr-defined]
     assert closed.wait(5)  # GeneratorExit at its current yield
+    endless.configure(max_wait_ms=0)  # a batch of one may leave now
     assert next(endless.stream(3)) == 300  # the slot is free again
     endless.close(timeout=0.1)
 
 
 def test_a_yield_of_the_wrong_length_fails_the_open_streams_with_both_lengths() -> None:
-    @batchkit.batched(max_batch_size=2, max_wait_ms=50)
+    @batchkit.batched(batcher=one_batch_of(2))
     def short(xs: list[int]) -> Iterator[list[int]]:
         yield xs
         yield xs[:1]
@@ -210,7 +219,7 @@ def test_a_yield_of_the_wrong_length_fails_the_open_streams_with_both_lengths() 
 def test_a_raising_generator_fails_every_open_stream_with_its_own_exception() -> None:
     error = Boom("the model broke")
 
-    @batchkit.batched(max_batch_size=3, max_wait_ms=50)
+    @batchkit.batched(batcher=one_batch_of(3))
     def breaks(xs: list[int]) -> Iterator[list[Any]]:
         yield [END if x == 1 else x for x in xs]
         raise error
@@ -232,7 +241,7 @@ def test_a_malformed_item_fails_only_its_own_stream() -> None:
             raise TypeError("items must be str")
         return items
 
-    @batchkit.batched(max_batch_size=3, max_wait_ms=50, collate=collate)
+    @batchkit.batched(batcher=one_batch_of(3), collate=collate)
     def echo(xs: list[str]) -> Iterator[list[str]]:
         yield [x.upper() for x in xs]
 

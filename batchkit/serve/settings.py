@@ -1,0 +1,86 @@
+"""Live settings: what ``f.configure()`` reads and changes while a function serves.
+
+A change is validated whole before anything moves (a bad value changes nothing), and
+applies to batches formed from then on. The policy is never changed in place (it may
+be shared, e.g. by every instance of a class whose method is batched): the function
+gets a changed copy.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+
+from batchkit.batchers.base import Batcher, check_positive_int
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The settings in force for one batched function (see ``f.configure()``).
+
+    Attributes:
+        max_batch_size: The largest batch the policy forms.
+        max_wait_ms: How long a batch may wait to fill, in milliseconds; None for a
+            policy without one (``StaticBatcher`` waits until full).
+        max_concurrent_batches: Batches that may run at once.
+        max_queue_size: Requests that may wait; None for no bound.
+    """
+
+    max_batch_size: int
+    max_wait_ms: float | None
+    max_concurrent_batches: int
+    max_queue_size: int | None
+
+
+def read_settings(
+    policy: Batcher, max_concurrent_batches: int, max_queue_size: int | None
+) -> Settings:
+    """The settings of ``policy`` and the queue, as :class:`Settings`."""
+    wait = policy.max_wait_s
+    return Settings(
+        max_batch_size=policy.max_batch_size,
+        max_wait_ms=None if wait is None else wait * 1000.0,
+        max_concurrent_batches=max_concurrent_batches,
+        max_queue_size=max_queue_size,
+    )
+
+
+def check_settings(
+    max_batch_size: int | None,
+    max_wait_ms: float | None,
+    max_concurrent_batches: int | None,
+    max_queue_size: int | None,
+) -> None:
+    """Raise ValueError, naming the setting, for a value no policy could take."""
+    check_positive_int("max_batch_size", max_batch_size, allow_none=True)
+    check_positive_int("max_concurrent_batches", max_concurrent_batches, allow_none=True)
+    check_positive_int("max_queue_size", max_queue_size, allow_none=True)
+    if max_wait_ms is not None and (
+        isinstance(max_wait_ms, bool)
+        or not isinstance(max_wait_ms, (int, float))
+        or not (max_wait_ms >= 0 and math.isfinite(max_wait_ms))
+    ):
+        raise ValueError(f"max_wait_ms must be a finite number >= 0, got {max_wait_ms!r}")
+
+
+def reconfigured(policy: Batcher, max_batch_size: int | None, max_wait_ms: float | None) -> Batcher:
+    """A copy of ``policy`` with the given settings (the same object if none is given);
+    ValueError when the policy has no such setting or cannot take the value."""
+    if max_batch_size is None and max_wait_ms is None:
+        return policy
+    kind = type(policy).__name__
+    if max_wait_ms is not None and policy.max_wait_s is None:
+        raise ValueError(f"{kind} has no max_wait_ms: it waits until a batch is full")
+    sizes: tuple[int, ...] = getattr(policy, "preferred_batch_sizes", ())
+    if max_batch_size is not None and sizes and max_batch_size > sizes[-1]:
+        raise ValueError(
+            f"max_batch_size={max_batch_size} exceeds the largest of {kind}'s "
+            f"preferred_batch_sizes {list(sizes)}"
+        )
+    changed = copy.copy(policy)
+    if max_batch_size is not None:
+        changed.max_batch_size = max_batch_size
+    if max_wait_ms is not None:
+        changed.max_wait_s = max_wait_ms / 1000.0
+    return changed

@@ -1,0 +1,70 @@
+"""A bound on how long one call of a sync batch function may run (``batch_timeout``).
+
+A call cannot be interrupted from outside its thread, so the watchdog does not try: a
+call past its deadline is reported (``expired``, under the lock), and the driver gives
+its batch up and replaces the stuck thread. One watchdog thread serves every worker of
+a function; it sleeps until the earliest deadline, and exits on ``stop``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Hashable
+
+from batchkit.serve.options import Clock
+
+
+class Watchdog:
+    """Deadlines of the calls running now, and a thread that reports the late ones."""
+
+    def __init__(
+        self,
+        lock: threading.RLock,
+        clock: Clock,
+        timeout: float,
+        expired: Callable[[Hashable], None],
+        name: str,
+    ) -> None:
+        self.cond = threading.Condition(lock)
+        self.clock = clock
+        self.timeout = timeout
+        self._expired = expired
+        self._name = name
+        self._deadlines: dict[Hashable, float] = {}
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+
+    def call_started_locked(self, call: Hashable) -> None:
+        """Under the lock: ``call`` starts now and must end within the timeout."""
+        self._deadlines[call] = self.clock() + self.timeout
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._watch, name=f"batchkit-{self._name}-watchdog", daemon=True
+            )
+            self._thread.start()
+        self.cond.notify()
+
+    def call_ended_locked(self, call: Hashable) -> None:
+        """Under the lock: ``call`` returned (in time or not)."""
+        self._deadlines.pop(call, None)
+
+    def stop_locked(self) -> None:
+        """Under the lock: the function is closed; the watchdog thread exits."""
+        self._stopped = True
+        self.cond.notify()
+
+    def join(self) -> None:
+        """Wait for the watchdog thread to exit (after :meth:`stop_locked`)."""
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def _watch(self) -> None:
+        with self.cond:
+            while not self._stopped:
+                now = self.clock()
+                for call, deadline in list(self._deadlines.items()):
+                    if deadline <= now:
+                        del self._deadlines[call]
+                        self._expired(call)
+                upcoming = min(self._deadlines.values(), default=None)
+                self.cond.wait(None if upcoming is None else max(upcoming - self.clock(), 0.0))
