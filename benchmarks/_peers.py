@@ -12,6 +12,10 @@ to the loop they first run on) and exposes ``call(x) -> awaitable`` and ``close(
   :func:`fake_ray_replica_context` installs one (Ray's own internal setter, the call
   a replica makes at start-up). No ``ray.init``: Serve's metrics then record nothing,
   which if anything flatters Ray;
+- ``ray-stream``: the same for a *streaming* batch function, an async generator
+  method under ``@serve.batch`` (each ``yield`` one list with an entry per item, the
+  ``StopIteration`` class as an entry ending that item's stream); a call returns that
+  item's async generator of chunks;
 - ``floor``: not a batcher anyone should use, the least work one can do with one batch
   in flight (a list, a future per caller, one task per run of batches; no max wait, no
   timer, no checks): the reference for what this machine allows per request;
@@ -24,10 +28,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 AsyncBatchFn = Callable[[list[Any]], Awaitable[list[Any]]]
+AsyncStreamFn = Callable[[list[Any]], AsyncIterator[list[Any]]]
 
 
 # --------------------------------------------------------------------------- minimal
@@ -184,6 +189,28 @@ class RayServeBatcher:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+
+class RayServeStreamBatcher(RayServeBatcher):
+    """``@serve.batch`` on an async generator method: ``call(x)`` is that item's async
+    iterator of chunks. ``fn`` yields one list per step, an entry per item, with
+    ``StopIteration`` (the class, which Ray compares entries against) to end one item's
+    stream; its return ends every stream still open. Closed as ``RayServeBatcher``."""
+
+    def __init__(self, fn: AsyncStreamFn, max_batch_size: int, max_wait_s: float) -> None:
+        from ray import serve
+
+        fake_ray_replica_context()
+
+        class Model:
+            @serve.batch(max_batch_size=max_batch_size, batch_wait_timeout_s=max_wait_s)
+            async def handle(self, xs: list[Any]) -> AsyncIterator[list[Any]]:
+                async for entries in fn(xs):
+                    yield entries
+
+        self._cls = Model
+        self.model = Model()
+        self.call = self.model.handle
 
 
 # --------------------------------------------------------------------------- mixedbread
