@@ -84,7 +84,7 @@ def to_numpy(x: Any) -> np.ndarray:
 def to_kind(x: np.ndarray | Any, kind: str, device: Any = None, *, pin: bool = False) -> Any:
     """Convert a numpy array or tensor to ``kind`` ("np" or "pt"), on ``device`` for torch;
     with ``pin``, a torch result lies in page-locked host memory (see
-    :func:`check_pin_memory`)."""
+    `check_pin_memory`)."""
     if kind == "np":
         return to_numpy(x)
     torch = require_torch()

@@ -1,4 +1,4 @@
-"""Moving a whole batch to a device: :func:`to_device`.
+"""Moving a whole batch to a device: `to_device`.
 
 A batch is whatever the collators return (``Padded``, ``Packed``, ``Varlen``, the dict
 collators' dicts) or any nesting of dicts, lists, tuples and dataclasses around tensors.
@@ -31,6 +31,22 @@ def to_device(batch: BatchT, device: Any, *, non_blocking: bool | None = None) -
     ``non_blocking=True`` to force it; reading a tensor copied that way *to the host*
     needs a ``torch.cuda.synchronize()`` first. Autograd is kept: a moved tensor that
     requires grad passes its gradient back to the original.
+
+    Args:
+        batch: The batch: a collator's output or any nesting of containers around
+            tensors and numpy arrays.
+        device: Anything ``torch.device`` takes (``"cuda"``, ``"cuda:1"``, a
+            ``torch.device``).
+        non_blocking: ``None`` copies pinned tensors asynchronously and the others
+            synchronously; ``True`` or ``False`` forces it for every tensor.
+
+    Returns:
+        A new batch of the same type; the input is not changed.
+
+    Raises:
+        TypeError: ``non_blocking`` is not None or a bool, or a numpy array's dtype
+            has no torch equivalent (the message names where it is in the batch).
+        RuntimeError: ``device`` is a CUDA device and CUDA is not available.
     """
     torch = require_torch("to_device")
     if non_blocking is not None and not isinstance(non_blocking, bool):

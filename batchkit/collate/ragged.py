@@ -1,5 +1,5 @@
-"""Variable-length items as one flat buffer (:class:`Ragged`), the layout every
-sequence collator starts from, and :func:`to_ragged`, which validates the items (lists,
+"""Variable-length items as one flat buffer (`Ragged`), the layout every
+sequence collator starts from, and `to_ragged`, which validates the items (lists,
 arrays or tensors) and concatenates them, with fast paths for the common inputs.
 """
 
@@ -151,7 +151,7 @@ def to_ragged(
     pin_memory: bool = False,
     who: str = "to_ragged",
 ) -> Ragged:
-    """Validate and concatenate items (lists, arrays or tensors) into a :class:`Ragged`.
+    """Validate and concatenate items (lists, arrays or tensors) into a `Ragged`.
 
     Items longer than ``max_length`` are cut to their first ``max_length`` steps
     (callers decide beforehand whether that is allowed). Inputs are never mutated:

@@ -34,11 +34,16 @@ def positions_restarting(lengths: np.ndarray) -> np.ndarray:
 class Varlen:
     """Items packed end to end for varlen attention kernels.
 
-    ``values`` ``[T, *feat]``; ``cu_seqlens`` int32, 0 first and ``T`` last, with
-    ``N+1`` entries, plus one when ``pad_to_multiple_of`` added a trailing padding
-    segment; ``max_seqlen`` the longest segment (padding segment included, since a
-    kernel sizes its tiles by it); ``position_ids`` int64 ``[T]`` restarting at 0
-    per segment; ``seq_lens`` int64 ``[N]`` the items' lengths.
+    [`pack_varlen`][batchkit.pack_varlen] returns it; it is not constructed directly.
+
+    Attributes:
+        values: ``[T, *feat]``, the items' steps one after another.
+        cu_seqlens: Int32, 0 first and ``T`` last, with ``N+1`` entries, plus one
+            when ``pad_to_multiple_of`` added a trailing padding segment.
+        max_seqlen: The longest segment (the padding segment included, since a
+            kernel sizes its tiles by it).
+        position_ids: Int64 ``[T]``, restarting at 0 in every segment.
+        seq_lens: Int64 ``[N]``, the items' lengths.
     """
 
     values: Any
@@ -67,7 +72,17 @@ class Varlen:
         return pinned_batch(self, "Varlen.pin_memory()")
 
     def unpack(self, outputs: Any) -> list[Any]:
-        """The N items' slices (views) of any output whose leading axis is ``T``."""
+        """The N items' slices (views) of any output whose leading axis is ``T``.
+
+        Args:
+            outputs: An array or tensor computed from the batch, ``[T, ...]``.
+
+        Returns:
+            One view per item, in input order (the padding segment left out).
+
+        Raises:
+            ValueError: ``outputs``'s leading axis is not ``T``.
+        """
         check_leading_axes(outputs, (self.total_length,), "unpack")
         offs = self._offsets
         return [outputs[offs[i] : offs[i + 1]] for i in range(self.num_items)]
@@ -132,9 +147,25 @@ def pack_varlen(
 
     With ``pad_to_multiple_of``, ``T`` is rounded up by one trailing padding segment
     (filled with ``pad_value``) that ``cu_seqlens`` covers, so kernels leave no rows
-    uncovered; ``unpack`` never returns it. With ``pin_memory=True`` (torch output,
-    CUDA available) every array is allocated in page-locked memory; without CUDA it
-    raises ``RuntimeError``.
+    uncovered; ``unpack`` never returns it.
+
+    Args:
+        seqs: The items: Python lists, numpy arrays or torch tensors, all with the
+            same trailing (feature) shape.
+        pad_to_multiple_of: Round ``T`` up to a multiple of this with one trailing
+            padding segment (``None``: no padding).
+        pad_value: The value the padding segment holds.
+        return_tensors: ``"np"`` for numpy output, ``"pt"`` for torch, ``None`` to follow
+            the input (torch in, torch out; lists and numpy arrays give numpy).
+        pin_memory: Allocate every output array in page-locked memory (torch output,
+            CUDA available), so [`to_device`][batchkit.collate.to_device] with
+            ``non_blocking`` overlaps the copy to the GPU.
+
+    Raises:
+        ValueError: Items differ in feature shape, or the pack holds more tokens
+            than an int32 ``cu_seqlens`` can count.
+        ValueError: ``pin_memory=True`` for numpy output or items already on a GPU.
+        RuntimeError: ``pin_memory=True`` without CUDA, or in a ``DataLoader`` worker.
     """
     # Without a padding tail the concatenated items are the output: allocate them pinned.
     ragged = to_ragged(
