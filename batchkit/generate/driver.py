@@ -1,12 +1,12 @@
-"""The drivers of :class:`~batchkit.generate.ContinuousBatcher`: the loops that run its steps.
+"""The drivers of `ContinuousBatcher`: the loops that run its steps.
 
-A sync step function runs on one worker thread (:class:`ThreadDriver`, started by the
+A sync step function runs on one worker thread (`ThreadDriver`, started by the
 first submit), an async one as a task on the event loop of the first submit
-(:class:`LoopDriver`). Between steps, under the batcher's lock, a driver drops
+(`LoopDriver`). Between steps, under the batcher's lock, a driver drops
 timed-out requests, schedules, and after the step applies its tokens and wakes the
 callers whose requests moved. What both share (applying a step, answering callers,
-draining on close) is :class:`StepDriver`'s. The batcher
-(:mod:`batchkit.generate.batcher`) is the callers' side and holds one driver.
+draining on close) is `StepDriver`'s. The batcher
+(`batchkit.generate.batcher`) is the callers' side and holds one driver.
 """
 
 from __future__ import annotations
@@ -68,11 +68,11 @@ class StepDriver:
         raise NotImplementedError
 
     def close(self, timeout: float | None) -> None:
-        """:meth:`ContinuousBatcher.close <batchkit.ContinuousBatcher.close>`."""
+        """What `ContinuousBatcher.close` does."""
         self._drain(timeout)
 
     async def aclose(self, timeout: float | None) -> None:
-        """:meth:`ContinuousBatcher.aclose <batchkit.ContinuousBatcher.aclose>`."""
+        """What `ContinuousBatcher.aclose` does."""
         await asyncio.get_running_loop().run_in_executor(None, self.close, timeout)
 
     # -- shared: closing, cancelling ---------------------------------------------------
@@ -172,7 +172,7 @@ class StepDriver:
             self.observer.finished(seq, self.clock())
 
     def abort_all_locked(self, error: BaseException | None = None) -> None:
-        """Fail every waiting and running request (default: :class:`~batchkit.BatcherClosed`)."""
+        """Fail every waiting and running request (default: `BatcherClosed`)."""
         if error is None:
             error = BatcherClosed(f"{self.name} closed before this request finished")
         for seq in self.sched.abort_all("error"):
@@ -304,7 +304,7 @@ class LoopDriver(StepDriver):
         """The driver task: the thread's cycle, awaiting the step function.
 
         Cancelled (its loop shutting down), it answers every request with
-        :class:`~batchkit.BatcherClosed` instead of leaving them waiting; a later
+        `BatcherClosed` instead of leaving them waiting; a later
         submit starts a new driver.
         """
         wakeup = self._wakeup

@@ -19,12 +19,21 @@ log = logging.getLogger("batchkit")
 
 @dataclass(frozen=True, slots=True)
 class StepEvent:
-    """One step that ended (its tokens applied, or its failure)."""
+    """One step that ended (its tokens applied, or its failure).
 
-    name: str  # the batcher
-    tokens: int  # tokens computed in the step, all sequences together
-    # Seconds since arrival of the requests the step started, and of those whose first
-    # token it produced; seconds since the previous token of the other tokens it produced.
+    Attributes:
+        name: The batcher's name.
+        tokens: Tokens computed in the step, all sequences together.
+        queue_times: Seconds from arrival to this step, of each request the step ran
+            for the first time.
+        first_token_times: Seconds from arrival to now, of each request whose first
+            token the step produced.
+        inter_token_times: Seconds since the previous token, of each other token the
+            step produced.
+    """
+
+    name: str
+    tokens: int
     queue_times: tuple[float, ...]
     first_token_times: tuple[float, ...]
     inter_token_times: tuple[float, ...]
@@ -32,22 +41,37 @@ class StepEvent:
 
 @dataclass(frozen=True, slots=True)
 class FinishEvent:
-    """One request that got its answer."""
+    """One request that got its answer.
+
+    Attributes:
+        name: The batcher's name.
+        reason: Its finish reason: ``"stop"``, ``"length"``, ``"cancelled"``,
+            ``"timeout"`` or ``"error"``.
+        latency: Seconds from submit to the answer.
+    """
 
     name: str
-    reason: str  # "stop", "length", "cancelled", "timeout" or "error"
-    latency: float  # seconds from submit to the answer
+    reason: str
+    latency: float
 
 
 class GenerationListener(Protocol):
-    """What :meth:`ContinuousBatcher.add_listener <batchkit.ContinuousBatcher.add_listener>`
+    """What [`ContinuousBatcher.add_listener`][batchkit.ContinuousBatcher.add_listener]
     accepts."""
 
     def on_step(self, event: StepEvent) -> None:
-        """A step ended."""
+        """A step ended.
+
+        Args:
+            event: What the step did.
+        """
 
     def on_finish(self, event: FinishEvent) -> None:
-        """A request was answered (finished, cancelled, timed out or failed)."""
+        """A request was answered (finished, cancelled, timed out or failed).
+
+        Args:
+            event: Which request's batcher, why it ended, and its latency.
+        """
 
 
 class StepObserver:

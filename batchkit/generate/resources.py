@@ -1,6 +1,6 @@
 """What the scheduler's sequences hold while they run: a row each and, in paged mode, KV blocks.
 
-:class:`SeqResources` (held by the :class:`~batchkit.generate.scheduler.Scheduler`)
+`SeqResources` (held by the `Scheduler`)
 checks that a request could ever fit the KV pool, gives a sequence its row and its
 blocks (adopting any prefix-cache hit), grows its blocks step by step, registers the
 blocks a step completed in the prefix cache, and takes rows and blocks back when a

@@ -1,9 +1,9 @@
 """Who waits on a continuous batcher's requests, and how they are woken.
 
-:class:`Waiters` is one batcher's lock (it guards the scheduler too) and the callers
+`Waiters` is one batcher's lock (it guards the scheduler too) and the callers
 waiting under it: threads streaming a handle wait on one condition; asyncio tasks
 (awaiting or iterating a handle) each wait on an event of their own loop, set on that
-loop. :class:`Outcome` is one request's final answer (its error, if any) and the
+loop. `Outcome` is one request's final answer (its error, if any) and the
 events of the tasks waiting for it. The driver settles outcomes and wakes waiters;
 the handle waits on them. Neither knows the other.
 """
@@ -39,7 +39,7 @@ class Waiters:
 
     def wake_subscribers(self, outcomes: Iterable[Outcome]) -> None:
         """Tell the asyncio tasks waiting on ``outcomes`` that their requests moved (hold
-        ``lock``; threads: :meth:`wake_streamers`)."""
+        ``lock``; threads: `wake_streamers`)."""
         if self.subscribers:
             set_events([e for outcome in outcomes for e in outcome.events])
 
@@ -47,7 +47,7 @@ class Waiters:
 class Outcome:
     """One request's final answer, and the asyncio events of the tasks waiting for it.
 
-    Settled once, by :meth:`settle` (under the batcher's lock): ``error`` is None for a
+    Settled once, by `settle` (under the batcher's lock): ``error`` is None for a
     request that ended with its tokens.
     """
 
@@ -95,7 +95,7 @@ class Outcome:
         return event
 
     def unsubscribe(self, event: asyncio.Event) -> None:
-        """Forget an event :meth:`subscribe` returned."""
+        """Forget an event `subscribe` returned."""
         with self._waiters.lock:
             self.events = [(lp, e) for lp, e in self.events if e is not event]
             self._waiters.subscribers -= 1
@@ -107,7 +107,7 @@ class Outcome:
             self._waiters.streamers += 1
 
     def stop_streaming(self) -> None:
-        """The thread :meth:`start_streaming` counted stopped iterating."""
+        """The thread `start_streaming` counted stopped iterating."""
         with self._waiters.lock:
             self.streaming -= 1
             self._waiters.streamers -= 1
