@@ -97,7 +97,7 @@ class ProfileResult:
     @property
     def knee_range(self) -> tuple[int, int]:
         """The smallest and largest batch size the knee can be, given each size's
-        p10-p90 spread (see :func:`find_knee_range`); ``knee`` lies between them."""
+        p10-p90 spread (see `find_knee_range`); ``knee`` lies between them."""
         return find_knee_range(self.points)
 
     @property
@@ -129,7 +129,7 @@ class ProfileResult:
         return data
 
     def save(self, path: str | Path) -> None:
-        """Write :meth:`to_json` to ``path``."""
+        """Write [`to_json`][batchkit.ProfileResult.to_json] to ``path``."""
         Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
 
 
