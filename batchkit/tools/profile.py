@@ -76,7 +76,23 @@ class Recommendation:
 
 @dataclass(frozen=True)
 class ProfileResult:
-    """A batch-size sweep and what it implies."""
+    """A batch-size sweep and what it implies; [`profile`][batchkit.profile] returns it.
+
+    Attributes:
+        target: The profiled function's name.
+        input_shape: One item's shape (a batch is ``[B, *input_shape]``).
+        framework: ``"numpy"`` or ``"torch"``.
+        dtype: The inputs' dtype (a numpy name).
+        device: Where the inputs were (``"cpu"``, ``"cuda"``, ...).
+        warmup: Untimed calls per batch size.
+        repeats: Timed calls per batch size.
+        points: One ``ProfilePoint`` per batch size, smallest first: the median
+            ``latency_ms``, ``min_ms``/``max_ms``, the ``p10_ms``-``p90_ms`` spread,
+            and ``throughput`` in items per second.
+        knee: The smallest batch size within 5% of the peak throughput.
+        recommendation: ``max_batch_size``, ``max_wait_ms``, the worst-case latency
+            they give, and whether they meet ``sla_ms`` (and why).
+    """
 
     target: str
     input_shape: tuple[int, ...]
@@ -129,7 +145,11 @@ class ProfileResult:
         return data
 
     def save(self, path: str | Path) -> None:
-        """Write [`to_json`][batchkit.ProfileResult.to_json] to ``path``."""
+        """Write [`to_json`][batchkit.ProfileResult.to_json] to ``path`` (indented JSON).
+
+        Args:
+            path: The file to write (replaced if it exists).
+        """
         Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
 
 
@@ -291,15 +311,40 @@ def profile(
     on_step: Callable[[int, int], None] | None = None,
     clock: Callable[[], float] = time.perf_counter,
 ) -> ProfileResult:
-    """Time ``fn`` on batches of each size; see the module docstring for the convention.
+    """Time ``fn`` on batches of each size: latency, throughput, the knee, settings.
 
-    ``device`` (torch only) defaults to ``"cuda"`` when available, else ``"cpu"``.
-    ``on_step(done, total)`` is called after each timed or warm-up call (progress).
-    ``fn`` may be ``async`` (or return an awaitable): each call is awaited to completion
-    on one private event loop, so call ``profile`` from synchronous code (a thread, not
-    inside a running loop). A dtype or device torch cannot use, or a batch too large for
-    memory, raises ``ValueError``. ``clock`` (seconds) replaces ``time.perf_counter``
-    (tests: a fake clock makes the timings exact).
+    Each size is run ``warmup`` times untimed, then ``repeats`` times; the median is
+    reported, with the spread of the repeats. On CUDA every timing is bracketed by
+    ``torch.cuda.synchronize()`` so queued kernels are counted. ``fn`` may be
+    ``async`` (or return an awaitable): each call is awaited to completion on one
+    private event loop, so call ``profile`` from synchronous code (a thread, not
+    inside a running loop).
+
+    Args:
+        fn: The batch function: takes one array ``[B, *input_shape]`` (random values;
+            integers in ``0..99`` for an integer dtype).
+        input_shape: One item's shape, every dimension >= 1.
+        batch_sizes: The sizes ``B`` to time (positive ints; duplicates dropped,
+            timed smallest first).
+        framework: ``"numpy"`` (numpy arrays) or ``"torch"`` (tensors on ``device``).
+        dtype: The inputs' dtype, a numeric numpy name (``"float32"``, ``"int64"``).
+        device: For torch, where the inputs go; ``None``: ``"cuda"`` when available,
+            else ``"cpu"``.
+        warmup: Untimed calls per size (>= 0).
+        repeats: Timed calls per size (>= 1).
+        sla_ms: A latency target, in milliseconds, for the recommended settings;
+            ``None``: recommend the knee.
+        name: The name the result and errors give ``fn`` (default: its qualname).
+        on_step: ``on_step(done, total)`` after each timed or warm-up call (progress).
+        clock: Seconds; replaces ``time.perf_counter`` (a fake clock makes the
+            timings exact in tests).
+
+    Raises:
+        ValueError: A bad ``framework``, shape, size, count, ``sla_ms`` or dtype; a
+            dtype or device torch cannot use; a batch too large for memory.
+        ImportError: ``framework="torch"`` without torch installed.
+        RuntimeError: ``fn`` raised (the message names the batch shape), or an
+            async ``fn`` was profiled inside a running event loop.
     """
     if framework not in ("numpy", "torch"):
         raise ValueError(f"framework must be 'numpy' or 'torch', got {framework!r}")
