@@ -32,14 +32,22 @@ DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 
 @dataclass(frozen=True)
 class ProfilePoint:
-    """One batch size: median latency, the spread of the repeats, and the throughput."""
+    """One batch size: median latency, the spread of the repeats, and the throughput.
+
+    Attributes:
+        batch_size: Items per call.
+        latency_ms: The median over the repeats, in milliseconds.
+        min_ms: The fastest repeat.
+        max_ms: The slowest repeat.
+        p10_ms: The 10th percentile of the repeats (linear interpolation); None on a
+            point made by hand from a single latency, which then has no spread.
+        p90_ms: The 90th percentile, likewise.
+    """
 
     batch_size: int
-    latency_ms: float  # median over the repeats
+    latency_ms: float
     min_ms: float
     max_ms: float
-    # The 10th and 90th percentiles of the repeats (linear interpolation); None on a
-    # point made by hand from a single latency, which then has no spread.
     p10_ms: float | None = None
     p90_ms: float | None = None
 
@@ -63,14 +71,23 @@ class Recommendation:
     Worst case for a request under load: it arrives just after a full batch left,
     waits for that batch, waits up to ``max_wait_ms`` for its own to form (with
     ``max_concurrent_batches > 1``), then runs: ``2 * latency(B) + max_wait_ms``.
+
+    Attributes:
+        max_batch_size: The recommended batch size.
+        max_wait_ms: The recommended wait, in milliseconds.
+        worst_latency_ms: The bound above, for these settings.
+        capacity: Requests per second at full batches, one batch at a time.
+        sla_ms: The latency target the settings were chosen for (None: none).
+        meets_sla: False when even the smallest batch cannot meet ``sla_ms``.
+        reason: Why these settings, in one sentence.
     """
 
     max_batch_size: int
     max_wait_ms: float
-    worst_latency_ms: float  # the bound above, for these settings
-    capacity: float  # requests/s at full batches, one batch at a time
+    worst_latency_ms: float
+    capacity: float
     sla_ms: float | None
-    meets_sla: bool  # False: even batches of 1 cannot meet sla_ms
+    meets_sla: bool
     reason: str
 
 
@@ -154,7 +171,12 @@ class ProfileResult:
 
 
 def find_knee(points: Sequence[ProfilePoint], fraction: float = KNEE_FRACTION) -> int:
-    """The smallest batch size whose throughput is within ``1 - fraction`` of the peak."""
+    """The smallest batch size whose throughput is within ``1 - fraction`` of the peak.
+
+    Args:
+        points: The sweep (not empty).
+        fraction: The share of the peak throughput that counts as the knee.
+    """
     peak = max(p.throughput for p in points)
     return min(p.batch_size for p in points if p.throughput >= fraction * peak)
 
@@ -170,6 +192,13 @@ def find_knee_range(
     is at least the smallest size that may qualify and at most the smallest that surely
     does (the largest size measured, if none surely does). One size: the knee is known;
     two: the spread is too wide to pick a knee.
+
+    Args:
+        points: The sweep (not empty).
+        fraction: The share of the peak throughput that counts as the knee.
+
+    Returns:
+        ``(smallest, largest)`` batch size the knee can be.
     """
     ranges = [(p.batch_size, *p.throughput_range) for p in points]
     lowest_peak = max(low for _, low, _ in ranges)
@@ -184,9 +213,19 @@ def find_knee_range(
 
 
 def recommend(points: Sequence[ProfilePoint], sla_ms: float | None = None) -> Recommendation:
-    """``max_batch_size``: the knee, or the largest size up to it whose worst case fits
+    """Settings from a sweep: the knee, or the largest size up to it that fits ``sla_ms``.
+
+    ``max_batch_size``: the knee, or the largest size up to it whose worst case fits
     ``sla_ms``. ``max_wait_ms``: the slack left, capped at one batch's run time
-    (waiting longer than a batch takes rarely fills it further)."""
+    (waiting longer than a batch takes rarely fills it further), in 0.1 ms steps.
+
+    Args:
+        points: The sweep (not empty).
+        sla_ms: A latency target, in milliseconds; ``None``: recommend the knee.
+
+    Raises:
+        ValueError: ``sla_ms`` is not a positive finite number.
+    """
     if sla_ms is not None and not (math.isfinite(sla_ms) and sla_ms > 0):
         raise ValueError(f"sla_ms must be a positive number, got {sla_ms!r}")
     by_size = {p.batch_size: p for p in points}
@@ -219,7 +258,11 @@ def recommend(points: Sequence[ProfilePoint], sla_ms: float | None = None) -> Re
 
 
 def find_peak(points: Sequence[ProfilePoint]) -> float:
-    """The highest throughput (items/s) in a sweep."""
+    """The highest throughput (items/s) in a sweep.
+
+    Args:
+        points: The sweep (not empty).
+    """
     return max(p.throughput for p in points)
 
 
