@@ -78,10 +78,15 @@ def to_device(batch: BatchT, device: Any, *, non_blocking: bool | None = None) -
 
 
 def pinned_batch(batch: BatchT, who: str) -> BatchT:
-    """``batch`` with every host tensor copied to page-locked memory (pinned ones kept);
-    numpy arrays, GPU tensors and other values as they are, as
-    ``DataLoader(pin_memory=True)`` treats them. ``who`` names the caller when CUDA
-    is missing."""
+    """``batch`` with every host tensor copied to page-locked memory (pinned ones kept).
+
+    Numpy arrays, GPU tensors and other values stay as they are, as
+    ``DataLoader(pin_memory=True)`` treats them.
+
+    Args:
+        batch: A batch (any nesting ``map_leaves`` walks).
+        who: The caller, named in the error when CUDA is missing.
+    """
 
     def pin(x: Any, path: str) -> Any:
         if not is_tensor(x) or x.device.type != "cpu" or x.is_pinned():
@@ -94,7 +99,14 @@ def pinned_batch(batch: BatchT, who: str) -> BatchT:
 
 def map_leaves(x: Any, leaf: Callable[[Any, str], Any], path: str = "") -> Any:
     """``x`` rebuilt with ``leaf(value, path)`` in place of every value that is not a
-    container: dataclasses (their init fields), mappings, lists, tuples, named tuples."""
+    container: dataclasses (their init fields), mappings, lists, tuples, named tuples.
+
+    Args:
+        x: The structure.
+        leaf: Called with each leaf and its path (e.g. ``".data"``, ``"['x'][0]"``);
+            its result takes the leaf's place.
+        path: The path of ``x`` itself (``""`` at the top).
+    """
     if is_tensor(x) or isinstance(x, np.ndarray):
         return leaf(x, path)
     if dataclasses.is_dataclass(x) and not isinstance(x, type):

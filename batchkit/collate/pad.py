@@ -24,7 +24,15 @@ Side = Literal["left", "right"]
 
 
 def round_up(n: int, multiple: int | None) -> int:
-    """``n`` rounded up to a multiple of ``multiple`` (unchanged when None)."""
+    """``n`` rounded up to a multiple of ``multiple`` (unchanged when None).
+
+    Args:
+        n: A length.
+        multiple: A positive int, or None.
+
+    Raises:
+        ValueError: ``multiple`` is not a positive int (named ``pad_to_multiple_of``).
+    """
     if multiple is None:
         return n
     if not is_positive_int(multiple):
@@ -33,18 +41,35 @@ def round_up(n: int, multiple: int | None) -> int:
 
 
 def is_positive_int(x: object) -> bool:
-    """True for a positive python or numpy integer (bools excluded)."""
+    """True for a positive python or numpy integer (bools excluded).
+
+    Args:
+        x: Any value.
+    """
     return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_)) and int(x) >= 1
 
 
 def check_side(side: str) -> None:
-    """Reject anything but "left" or "right"."""
+    """Reject anything but "left" or "right".
+
+    Args:
+        side: The padding side given.
+
+    Raises:
+        ValueError: It is neither.
+    """
     if side not in ("left", "right"):
         raise ValueError(f'side must be "left" or "right", got {side!r}')
 
 
 def check_max_length(seqs: Sequence[Any], max_length: int, *, hint: str) -> None:
-    """Raise a ValueError naming the first item longer than ``max_length``."""
+    """Raise a ValueError naming the first item longer than ``max_length``.
+
+    Args:
+        seqs: The items (lists, tuples, arrays or tensors; others are not checked).
+        max_length: The most steps an item may have.
+        hint: What the caller can do about it, appended to the message.
+    """
     for i, s in enumerate(seqs):
         n = getattr(s, "shape", (len(s),) if isinstance(s, (list, tuple)) else ())
         if n and n[0] > max_length:
@@ -52,7 +77,13 @@ def check_max_length(seqs: Sequence[Any], max_length: int, *, hint: str) -> None
 
 
 def real_token_mask(lengths: np.ndarray, width: int, side: str) -> np.ndarray:
-    """Host bool ``[B, width]``: True where a row holds a real (non-padding) step."""
+    """Host bool ``[B, width]``: True where a row holds a real (non-padding) step.
+
+    Args:
+        lengths: Host int ``[B]``, each row's real steps.
+        width: The padded length.
+        side: ``"right"`` (real steps first) or ``"left"`` (real steps last).
+    """
     steps = np.arange(width)
     if side == "right":
         return steps[None, :] < lengths[:, None]
@@ -130,8 +161,15 @@ def pad_ragged(
 ) -> Padded:
     """Pad an already-validated `Ragged` (shared by `pad` and the dict collators).
 
-    With ``pin_memory`` every output array is allocated in page-locked memory; ``who``
-    names the caller in the refusal when that cannot be.
+    Args:
+        ragged: The items, validated and concatenated.
+        pad_value: The value padding steps hold.
+        side: ``"right"`` or ``"left"``.
+        pad_to_multiple_of: Round the width up to a multiple of this (None: no
+            rounding).
+        min_length: The least width, before rounding.
+        pin_memory: Allocate every output array in page-locked memory.
+        who: The caller, named in the refusal when the batch cannot be pinned.
     """
     check_side(side)
     kind, device = ragged.kind, ragged.device

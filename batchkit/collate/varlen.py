@@ -23,7 +23,11 @@ from batchkit.collate.ragged import Ragged, to_ragged
 
 
 def positions_restarting(lengths: np.ndarray) -> np.ndarray:
-    """Host int64 ``[sum(lengths)]``: 0, 1, ... restarting at 0 at every item."""
+    """Host int64 ``[sum(lengths)]``: 0, 1, ... restarting at 0 at every item.
+
+    Args:
+        lengths: Host int ``[N]``, the items' lengths.
+    """
     total = int(lengths.sum())
     starts = np.zeros(len(lengths), dtype=np.int64)
     np.cumsum(lengths[:-1], out=starts[1:])
@@ -100,9 +104,19 @@ def varlen_from_ragged(
 ) -> Varlen:
     """Build the varlen layout from validated items (shared with the dict collators).
 
-    With ``pin_memory`` every output array is page-locked. ``ragged.values`` is the
-    output when no padding tail is appended: allocate it pinned up front
-    (``to_ragged(..., pin_memory=True)``), or it is copied to pinned memory here.
+    ``ragged.values`` is the output when no padding tail is appended: allocate it
+    pinned up front (``to_ragged(..., pin_memory=True)``), or it is copied to pinned
+    memory here.
+
+    Args:
+        ragged: The items, validated and concatenated.
+        pad_to_multiple_of: Round ``T`` up to a multiple of this with one trailing
+            padding segment (None: no padding).
+        pad_value: The value the padding segment holds.
+        pin_memory: Allocate every output array in page-locked memory.
+
+    Raises:
+        ValueError: More tokens than an int32 ``cu_seqlens`` can count.
     """
     kind, device = ragged.kind, ragged.device
     check_pin_memory(pin_memory, "pack_varlen", kind, device)
