@@ -20,6 +20,12 @@ class GenerationHandle:
     cancelled request's result is what it generated before the cancel; a request that
     timed out before it started, failed in the step function, or was cut by a
     [`close`][batchkit.ContinuousBatcher.close] timeout raises that error instead.
+
+    Args:
+        seq: The request's sequence.
+        outcome: Its final answer, once settled.
+        waiters: Its batcher's lock and waiting callers.
+        cancel: The batcher's driver's ``cancel``.
     """
 
     __slots__ = ("_seq", "_outcome", "_waiters", "_cancel")

@@ -75,7 +75,11 @@ class GenerationListener(Protocol):
 
 
 class StepObserver:
-    """A batcher's listeners, and the events the driver tells them (under its lock)."""
+    """A batcher's listeners, and the events the driver tells them (under its lock).
+
+    Args:
+        name: The batcher's name, carried by every event.
+    """
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -88,22 +92,41 @@ class StepObserver:
         return bool(self.listeners)
 
     def add(self, listener: GenerationListener) -> None:
-        """Attach ``listener`` (once; hold the batcher's lock)."""
+        """Attach ``listener`` (once; hold the batcher's lock).
+
+        Args:
+            listener: The listener.
+        """
         if listener not in self.listeners:
             self.listeners = (*self.listeners, listener)
 
     def remove(self, listener: GenerationListener) -> None:
-        """Detach ``listener`` (hold the batcher's lock); ``ValueError`` if not attached."""
+        """Detach ``listener`` (hold the batcher's lock); ``ValueError`` if not attached.
+
+        Args:
+            listener: The listener.
+        """
         if listener not in self.listeners:
             raise ValueError(f"{listener!r} is not a listener of {self.name}")
         self.listeners = tuple(x for x in self.listeners if x is not listener)
 
     def scheduled(self, started: Iterable[Sequence], now: float) -> None:
-        """A step was scheduled; ``started`` are the requests it runs for the first time."""
+        """A step was scheduled.
+
+        Args:
+            started: The requests it runs for the first time.
+            now: The time, on the batcher's clock.
+        """
         self._queue_times = [now - seq.arrival_time for seq in started]
 
     def stepped(self, batch: StepBatch, produced: list[Sequence], now: float) -> None:
-        """``batch``'s step ended; ``produced`` got a token each."""
+        """``batch``'s step ended: tell every listener's ``on_step``.
+
+        Args:
+            batch: The step's batch.
+            produced: The sequences that got a token in it.
+            now: The time, on the batcher's clock.
+        """
         first = tuple(now - s.arrival_time for s in produced if s.num_generated == 1)
         gaps = tuple(s.last_token_gap for s in produced if s.num_generated > 1)
         event = StepEvent(self.name, batch.num_tokens, tuple(self._queue_times), first, gaps)
@@ -115,7 +138,12 @@ class StepObserver:
                 log.exception("batchkit listener %r failed on on_step", listener)
 
     def finished(self, seq: Sequence, now: float) -> None:
-        """``seq``'s request was answered."""
+        """``seq``'s request was answered: tell every listener's ``on_finish``.
+
+        Args:
+            seq: The request's sequence.
+            now: The time, on the batcher's clock.
+        """
         event = FinishEvent(self.name, seq.finish_reason or "error", now - seq.arrival_time)
         for listener in self.listeners:
             try:

@@ -179,6 +179,13 @@ class StepBatch:
     ``released`` lists request ids that finished, were cancelled or preempted since the
     previous step: drop their state (a preempted one comes back later with ``start=0``).
     ``layout`` (paged mode only) is built on first access.
+
+    Attributes:
+        seqs: The sequences computed, in row order.
+        released: Request ids that left since the previous step.
+        step: The step's number, from 0.
+        block_size: Tokens per KV block (paged mode), or None.
+        block_tables: Int32 ``[B, max blocks]``, ``-1`` padded (paged mode), or None.
     """
 
     seqs: list[ScheduledSeq]

@@ -72,7 +72,12 @@ class GenerationStats:
 
 @dataclass
 class GenerationStatsRecorder:
-    """Mutable counters; updated by the scheduler under its owner's lock."""
+    """Mutable counters; updated by the scheduler under its owner's lock.
+
+    Constructed empty (every field has its default); the fields are those of
+    [`GenerationStats`][batchkit.GenerationStats] plus the running sums its means
+    are made of.
+    """
 
     requests: int = 0
     finished: int = 0
@@ -102,7 +107,15 @@ class GenerationStatsRecorder:
         requests_waiting: bool,
         allocator: BlockAllocator | None,
     ) -> None:
-        """Account one scheduled step: slot and token-budget use, KV use and waste."""
+        """Account one scheduled step: slot and token-budget use, KV use and waste.
+
+        Args:
+            seq_util: Sequences in the step over ``max_num_seqs``.
+            token_util: Tokens in the step over ``max_num_batched_tokens``.
+            tokens: Tokens computed in the step.
+            requests_waiting: Whether requests were left waiting.
+            allocator: The KV pool (paged mode), or None.
+        """
         self.steps += 1
         self.seqs_sum += seq_util
         if requests_waiting:
@@ -120,7 +133,14 @@ class GenerationStatsRecorder:
     def snapshot(
         self, *, running: int, waiting: int, kv_usage: float, prefix_hit_rate: float
     ) -> GenerationStats:
-        """Freeze the current values."""
+        """Freeze the current values.
+
+        Args:
+            running: Sequences running now.
+            waiting: Sequences waiting now.
+            kv_usage: Share of KV blocks in use now (0 in slotted mode).
+            prefix_hit_rate: The pool's prefix-cache hit rate (0 without one).
+        """
         steps = self.steps or 1
         return GenerationStats(
             requests=self.requests,

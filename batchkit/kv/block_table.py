@@ -193,6 +193,10 @@ class BlockTableRows:
     Row ``r`` holds the blocks of the sequence in row (slot) ``r``, ``-1`` padded. It is
     kept up to date as sequences gain blocks (only new blocks are copied), so a step's
     ``block_tables`` is one gather (`gather`) instead of a rebuild from lists.
+
+    Args:
+        num_rows: Rows (``max_num_seqs``).
+        width: Blocks per row to start with (the array widens as needed).
     """
 
     __slots__ = ("array", "lengths")
@@ -202,13 +206,23 @@ class BlockTableRows:
         self.lengths = [0] * num_rows  # blocks written in each row
 
     def assign(self, row: int, block_ids: Sequence[int]) -> None:
-        """Row ``row`` now belongs to a sequence holding ``block_ids``."""
+        """Row ``row`` now belongs to a sequence holding ``block_ids``.
+
+        Args:
+            row: The row.
+            block_ids: The sequence's blocks.
+        """
         self.lengths[row] = 0
         self.sync(row, block_ids)
         self.array[row, len(block_ids) :] = -1  # the row's last owner may have held more
 
     def sync(self, row: int, block_ids: Sequence[int]) -> None:
-        """Copy the blocks appended to ``block_ids`` since row ``row`` was last written."""
+        """Copy the blocks appended to ``block_ids`` since row ``row`` was last written.
+
+        Args:
+            row: The row.
+            block_ids: Its sequence's blocks (only ever appended to since).
+        """
         old, new = self.lengths[row], len(block_ids)
         if new == old:
             return
@@ -223,6 +237,10 @@ class BlockTableRows:
         self.lengths[row] = new
 
     def gather(self, rows: list[int]) -> np.ndarray:
-        """``[len(rows), most blocks among them]`` int32 (a copy): a step's ``block_tables``."""
+        """``[len(rows), most blocks among them]`` int32 (a copy): a step's ``block_tables``.
+
+        Args:
+            rows: The step's rows, in its order.
+        """
         width = max(max(map(self.lengths.__getitem__, rows), default=1), 1)
         return self.array[:, :width].take(rows, axis=0)  # take: a cheaper path than a[rows, :w]

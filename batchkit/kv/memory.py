@@ -54,7 +54,11 @@ def dtype_bytes(dtype: Any) -> float:
 
 
 def check_positive(**values: float) -> None:
-    """Raise a ValueError naming the first value that is not a positive finite number."""
+    """Raise a ValueError naming the first value that is not a positive finite number.
+
+    Args:
+        **values: The values, by the names the error gives them.
+    """
     for name, value in values.items():
         # (An int is always finite; math.isfinite would overflow on one above 1e308.)
         finite = isinstance(value, numbers.Integral) or math.isfinite(value)
@@ -64,7 +68,11 @@ def check_positive(**values: float) -> None:
 
 def check_counts(**values: int) -> None:
     """Raise a ValueError naming the first value that is not a positive integer
-    (layers, heads, tokens: a fractional one is a mistake, not a size)."""
+    (layers, heads, tokens: a fractional one is a mistake, not a size).
+
+    Args:
+        **values: The values, by the names the error gives them.
+    """
     for name, value in values.items():
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -73,7 +81,15 @@ def check_counts(**values: int) -> None:
 def ceil_bytes(count: float, per_element: float) -> int:
     """``ceil(count * per_element)`` as a Python int, exactly: no float rounding, and no
     OverflowError for a count beyond a float's range. A float factor is taken as written
-    (``0.1`` is 1/10, not the binary float nearest to it), so 10% of 80 GiB is 8 GiB."""
+    (``0.1`` is 1/10, not the binary float nearest to it), so 10% of 80 GiB is 8 GiB.
+
+    Args:
+        count: Elements (or bytes).
+        per_element: Bytes per element (or a fraction).
+
+    Raises:
+        ValueError: A value is not finite.
+    """
     return int(math.ceil(_exact(count) * _exact(per_element)))
 
 
