@@ -149,7 +149,8 @@ class ContinuousBatcher:
 
         Raises:
             ValueError: A request that can never fit (an empty prompt, no room within
-                ``max_model_len`` or the KV pool), or a bad ``timeout``.
+                ``max_model_len`` or the KV pool), a token id outside ``[0, 2**63)``,
+                or a bad ``timeout``.
             TypeError: ``priority`` is not an int, or a token id is not an integer.
             QueueFull: ``max_queue_size`` requests are already waiting.
             BatcherClosed: The batcher is closed.
