@@ -3,6 +3,13 @@
 - ``batchkit.collate``: batch layouts (stack, pad, pack, varlen) and their inverses.
 - ``batchkit.batchers``: policies (static, dynamic, bucketed, sorted).
 - ``batchkit.serve``: ``@batched``, which runs any callable in batches for many callers.
+- ``batchkit.generate``: ``ContinuousBatcher``, continuous batching of generation.
+- ``batchkit.kv``: paged KV-cache blocks (allocator, block tables, prefix cache).
+- ``batchkit.tools``: plan before deploying (``simulate``, ``profile``, ``memory_plan``).
+- ``batchkit.metrics`` and ``batchkit.integrations.ray``: Prometheus and Ray (optional
+  extras, not imported here).
+
+The headline names of each are importable from ``batchkit`` itself.
 """
 
 from batchkit import batchers, collate, generate, kv, serve

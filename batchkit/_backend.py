@@ -32,7 +32,14 @@ def _torch() -> Any:
 
 def require_torch(what: str = 'return_tensors="pt"') -> Any:
     """Import torch for ``what`` (torch output by default); a clear error if it is not
-    installed."""
+    installed.
+
+    Args:
+        what: What needs torch, for the error (``'return_tensors="pt"'``).
+
+    Raises:
+        ImportError: torch is not installed (the message gives the pip command).
+    """
     try:
         import torch
     except ImportError as exc:  # pragma: no cover - exercised only without torch
@@ -41,13 +48,24 @@ def require_torch(what: str = 'return_tensors="pt"') -> Any:
 
 
 def is_tensor(x: object) -> bool:
-    """True for a ``torch.Tensor`` (without importing torch)."""
+    """True for a ``torch.Tensor`` (without importing torch).
+
+    Args:
+        x: Any value.
+    """
     torch = torch_module()
     return torch is not None and isinstance(x, torch.Tensor)
 
 
 def kind_of(x: object) -> str:
-    """``"pt"`` for tensors, ``"np"`` for numpy arrays, ``"list"`` for python sequences."""
+    """``"pt"`` for tensors, ``"np"`` for numpy arrays, ``"list"`` for python sequences.
+
+    Args:
+        x: An item.
+
+    Raises:
+        TypeError: ``x`` is none of those.
+    """
     if isinstance(x, np.ndarray):
         return "np"
     if is_tensor(x):
@@ -58,13 +76,25 @@ def kind_of(x: object) -> str:
 
 
 def check_return_tensors(return_tensors: object) -> None:
-    """Reject anything but None, "np" or "pt"."""
+    """Reject anything but None, "np" or "pt".
+
+    Args:
+        return_tensors: The value given.
+
+    Raises:
+        ValueError: It is none of those.
+    """
     if return_tensors not in (None, "np", "pt"):
         raise ValueError(f'return_tensors must be "np", "pt" or None, got {return_tensors!r}')
 
 
 def output_kind(input_kind: str, return_tensors: ReturnTensors) -> str:
-    """The backend a result is returned in: explicit request, else torch in -> torch out."""
+    """The backend a result is returned in: explicit request, else torch in -> torch out.
+
+    Args:
+        input_kind: The input's kind (``"pt"``, ``"np"`` or ``"list"``).
+        return_tensors: The caller's request, or None.
+    """
     check_return_tensors(return_tensors)
     if return_tensors is not None:
         return return_tensors
@@ -72,7 +102,12 @@ def output_kind(input_kind: str, return_tensors: ReturnTensors) -> str:
 
 
 def to_numpy(x: Any) -> np.ndarray:
-    """Host numpy view/copy of an array or tensor."""
+    """Host numpy view/copy of an array or tensor.
+
+    Args:
+        x: An array, tensor (detached, brought to the CPU) or anything
+            ``np.asarray`` takes.
+    """
     if isinstance(x, np.ndarray):
         return x
     if is_tensor(x):
@@ -84,7 +119,14 @@ def to_numpy(x: Any) -> np.ndarray:
 def to_kind(x: np.ndarray | Any, kind: str, device: Any = None, *, pin: bool = False) -> Any:
     """Convert a numpy array or tensor to ``kind`` ("np" or "pt"), on ``device`` for torch;
     with ``pin``, a torch result lies in page-locked host memory (see
-    :func:`check_pin_memory`)."""
+    `check_pin_memory`).
+
+    Args:
+        x: A numpy array or tensor.
+        kind: ``"np"`` or ``"pt"``.
+        device: For torch, where the result goes (None: where it is).
+        pin: For torch, put the result in page-locked host memory.
+    """
     if kind == "np":
         return to_numpy(x)
     torch = require_torch()
@@ -98,13 +140,23 @@ def to_kind(x: np.ndarray | Any, kind: str, device: Any = None, *, pin: bool = F
 
 
 def pinned_empty(shape: tuple[int, ...], dtype: Any) -> Any:
-    """An uninitialised torch tensor of ``shape`` and torch ``dtype`` in page-locked memory."""
+    """An uninitialised torch tensor of ``shape`` and torch ``dtype`` in page-locked memory.
+
+    Args:
+        shape: The tensor's shape.
+        dtype: A torch dtype.
+    """
     return _torch().empty(shape, dtype=dtype, pin_memory=True)
 
 
 def pinned_copy(arr: np.ndarray, dtype: Any = None) -> Any:
     """A page-locked torch tensor holding a copy of the host array ``arr`` (cast to the
-    torch ``dtype`` when given)."""
+    torch ``dtype`` when given).
+
+    Args:
+        arr: A host numpy array.
+        dtype: A torch dtype to cast to, or None to keep ``arr``'s.
+    """
     src = require_torch().from_numpy(np.ascontiguousarray(arr))
     out = pinned_empty(tuple(src.shape), src.dtype if dtype is None else dtype)
     return out.copy_(src)
@@ -112,7 +164,12 @@ def pinned_copy(arr: np.ndarray, dtype: Any = None) -> Any:
 
 def pinned_numpy_out(shape: tuple[int, ...], np_dtype: Any) -> tuple[Any, np.ndarray]:
     """A page-locked torch tensor and a numpy view of it, for numpy to build into with
-    ``out=`` (so a numpy-built batch is allocated pinned rather than copied there)."""
+    ``out=`` (so a numpy-built batch is allocated pinned rather than copied there).
+
+    Args:
+        shape: The tensor's shape.
+        np_dtype: A numpy dtype that has a torch equivalent.
+    """
     dtype = require_torch().from_numpy(np.empty(0, dtype=np_dtype)).dtype
     out = pinned_empty(shape, dtype)
     return out, out.numpy()
@@ -128,6 +185,12 @@ def join_tensors(
     With ``pin`` the result lies in page-locked memory: written there directly with
     ``out=``, or, on the autograd route (where ``out=`` is refused), copied there by a
     differentiable ``pin_memory()``.
+
+    Args:
+        torch: The torch module.
+        join: ``torch.cat`` or ``torch.stack``.
+        tensors: The tensors, on one device.
+        pin: Put the result in page-locked host memory.
     """
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         joined = join(tensors, dim=0)
@@ -152,8 +215,18 @@ def check_pin_memory(pin_memory: object, who: str, kind: str, device: Any = None
 
     Page-locked (pinned) host memory is what lets ``tensor.to("cuda", non_blocking=True)``
     overlap the copy with compute; it exists only for torch tensors on the host, in the
-    process that will do the copy, and only where CUDA is available. ``kind`` and
-    ``device`` describe the output about to be built ("np"/"pt", its torch device).
+    process that will do the copy, and only where CUDA is available.
+
+    Args:
+        pin_memory: The caller's ``pin_memory`` argument.
+        who: The caller, named in the errors.
+        kind: The output about to be built: ``"np"`` or ``"pt"``.
+        device: Its torch device (None for numpy, or not known yet).
+
+    Raises:
+        TypeError: ``pin_memory`` is not a bool.
+        ValueError: The output is numpy, or the items are on a GPU already.
+        RuntimeError: In a ``DataLoader`` worker, or CUDA is not available.
     """
     if pin_memory is False:
         return
@@ -191,6 +264,12 @@ def scatter_rows(data: Any, host_mask: np.ndarray, mask: Any, values: Any) -> No
     On CPU, torch's boolean-index assignment (nonzero + index_put) is several times
     slower than numpy's on zero-copy views; elsewhere ``masked_scatter_`` also avoids
     the host sync that boolean indexing costs on CUDA.
+
+    Args:
+        data: The padded batch ``[B, L, *feat]`` to fill (numpy or torch).
+        host_mask: Host bool ``[B, L]``: where the values go.
+        mask: The same mask in ``data``'s backend and device.
+        values: ``[T, *feat]``, ``T`` the number of True entries, in row-major order.
     """
     if isinstance(data, np.ndarray):
         data[host_mask] = values
@@ -226,7 +305,16 @@ def copy_rows(
     dst: Any, dst_rows: np.ndarray, src: Any, src_rows: np.ndarray, kind: str, device: Any
 ) -> None:
     """``dst[dst_rows] = src[src_rows]`` for host index arrays. On CPU a torch dtype with
-    a numpy view is copied through it: torch has no indexing kernel for some (uint16+)."""
+    a numpy view is copied through it: torch has no indexing kernel for some (uint16+).
+
+    Args:
+        dst: The array or tensor written.
+        dst_rows: Host int rows of ``dst``.
+        src: The array or tensor read, of ``dst``'s backend.
+        src_rows: Host int rows of ``src``, one per ``dst_rows`` entry.
+        kind: ``"np"`` or ``"pt"``.
+        device: For torch, the device of both.
+    """
     if kind == "pt" and _copies_via_numpy(dst, src):
         dst.numpy()[dst_rows] = src.numpy()[src_rows]
         return
@@ -239,6 +327,16 @@ def full(kind: str, shape: tuple[int, ...], fill: Any, like: Any, *, pin: bool =
 
     An integer or bool dtype must hold ``fill`` exactly: -100 in uint8 would wrap to 156
     (and padding be trained on), 0.5 in int64 would become 0. A float dtype rounds.
+
+    Args:
+        kind: ``"np"`` or ``"pt"``.
+        shape: The result's shape.
+        fill: The value every element holds.
+        like: An array or tensor whose dtype (and device) the result takes.
+        pin: For torch, allocate the result in page-locked host memory.
+
+    Raises:
+        ValueError: An integer or bool dtype cannot hold ``fill`` exactly.
     """
     if kind == "pt":
         torch = _torch()
@@ -268,12 +366,25 @@ def _check_fill(fill: Any, held: Any, dtype: Any) -> None:
 
 def from_host(kind: str, arr: np.ndarray, device: Any = None, *, pin: bool = False) -> Any:
     """A host numpy array in the output backend (on ``device`` for torch; page-locked
-    with ``pin``)."""
+    with ``pin``).
+
+    Args:
+        kind: ``"np"`` or ``"pt"``.
+        arr: The host array.
+        device: For torch, where the result goes.
+        pin: For torch, put the result in page-locked host memory.
+    """
     return to_kind(arr, kind, device, pin=pin)
 
 
 def check_leading_axes(outputs: Any, expected: tuple[int, ...], what: str) -> None:
-    """Raise a ValueError stating both shapes when ``outputs`` does not start with ``expected``."""
+    """Raise a ValueError stating both shapes when ``outputs`` does not start with ``expected``.
+
+    Args:
+        outputs: The array or tensor checked.
+        expected: The leading axes it must have.
+        what: The caller, named in the error (``"unpad"``).
+    """
     shape = tuple(getattr(outputs, "shape", ()))
     if shape[: len(expected)] != expected:
         raise ValueError(
@@ -284,7 +395,12 @@ def check_leading_axes(outputs: Any, expected: tuple[int, ...], what: str) -> No
 
 def concat(parts: Sequence[Any], *, pin: bool = False) -> Any:
     """Concatenate arrays or tensors along axis 0, in the backend of the first part
-    (page-locked with ``pin``, for tensors)."""
+    (page-locked with ``pin``, for tensors).
+
+    Args:
+        parts: The arrays or tensors (not empty).
+        pin: For tensors, put the result in page-locked host memory.
+    """
     if is_tensor(parts[0]):
         torch = _torch()
         return join_tensors(torch, torch.cat, list(parts), pin=pin)

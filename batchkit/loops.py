@@ -9,13 +9,26 @@ from typing import Any
 
 
 def on_loop_thread(loop: asyncio.AbstractEventLoop | None) -> bool:
-    """Whether the calling thread is running ``loop`` right now."""
+    """Whether the calling thread is running ``loop`` right now.
+
+    Args:
+        loop: An event loop, or None (then False).
+    """
     return loop is not None and asyncio._get_running_loop() is loop
 
 
 def call_on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> bool:
     """Run ``fn(*args)`` on ``loop``: at once when this thread runs it, else scheduled
-    thread-safely. False when ``loop`` is closed: nobody is left there to run it."""
+    thread-safely.
+
+    Args:
+        loop: The event loop to run it on.
+        fn: The callback.
+        *args: Its arguments.
+
+    Returns:
+        False when ``loop`` is closed: nobody is left there to run it.
+    """
     if asyncio._get_running_loop() is loop:
         fn(*args)
         return True
@@ -23,8 +36,18 @@ def call_on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args:
 
 
 def schedule_on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> bool:
-    """Schedule ``fn(*args)`` on ``loop`` (never run inline), from any thread; no self-pipe
-    write when this thread runs ``loop``. False when ``loop`` is closed."""
+    """Schedule ``fn(*args)`` on ``loop`` (never run inline), from any thread.
+
+    No self-pipe write when this thread runs ``loop``.
+
+    Args:
+        loop: The event loop to run it on.
+        fn: The callback.
+        *args: Its arguments.
+
+    Returns:
+        False when ``loop`` is closed.
+    """
     try:
         if asyncio._get_running_loop() is loop:
             loop.call_soon(fn, *args)

@@ -15,14 +15,14 @@ metrics.track(embed)                    # label batcher="embed" (the qualname)
 start_http_server(9100, addr="127.0.0.1")    # or serve metrics.generate_latest()
 ```
 
-Everything is recorded from the runtime's events (:mod:`batchkit.serve.events`) as
+Everything is recorded from the runtime's events (`batchkit.serve.events`) as
 it happens; only the queue-depth and in-flight gauges are read at scrape time from
-``f.stats()``. A :class:`~batchkit.ContinuousBatcher` is tracked the same way: its
+``f.stats()``. A `ContinuousBatcher` is tracked the same way: its
 latency histograms and requests by outcome come from its listener events
-(:mod:`batchkit.generate.observe`); its token, preemption and prefix-cache counters
+(`batchkit.generate.observe`); its token, preemption and prefix-cache counters
 and its load gauges are read at scrape time from ``batcher.stats()`` and its KV pool.
 Every series carries a ``batcher`` label. The names are listed in
-:data:`METRIC_NAMES` and documented in ``docs/metrics.md``.
+`METRIC_NAMES` and documented in ``docs/metrics.md``.
 """
 
 from __future__ import annotations
@@ -245,14 +245,20 @@ _Tracked = dict[str, tuple["weakref.ref[Any]", _Tracker]]
 
 class PrometheusMetrics:
     """A Prometheus exporter for any number of ``@batched`` functions and continuous
-    batchers (:class:`~batchkit.ContinuousBatcher`).
+    batchers ([`ContinuousBatcher`][batchkit.ContinuousBatcher]).
 
-    ``registry``: where the metrics are registered (``None``: prometheus-client's
-    default ``REGISTRY``, which ``start_http_server`` and ``make_asgi_app`` serve;
-    one exporter per registry). ``namespace``: a prefix, e.g. ``"myapp"`` gives
-    ``myapp_inference_batch_size``. ``latency_buckets`` (seconds) apply to the queue
-    wait and batch latency histograms, ``size_buckets`` to the batch size histogram,
-    ``generation_buckets`` (seconds) to the continuous batchers' histograms.
+    Args:
+        registry: Where the metrics are registered. ``None``: prometheus-client's
+            default ``REGISTRY``, which ``start_http_server`` and ``make_asgi_app``
+            serve. One exporter per registry: a second one raises prometheus-client's
+            ``ValueError`` for the duplicated names.
+        namespace: A prefix for every name, e.g. ``"myapp"`` gives
+            ``myapp_inference_batch_size`` (``""``: none).
+        latency_buckets: Histogram bucket bounds, in seconds, of the queue wait and
+            batch latency histograms.
+        size_buckets: Bucket bounds, in items, of the batch size histogram.
+        generation_buckets: Bucket bounds, in seconds, of the continuous batchers'
+            latency histograms.
     """
 
     def __init__(
@@ -299,11 +305,25 @@ class PrometheusMetrics:
     # -- which functions ------------------------------------------------------
     def track(self, f: BatchedFunction[Any] | ContinuousBatcher, name: str | None = None) -> str:
         """Export ``f``'s metrics under ``batcher=name`` (default: ``f``'s qualname; a
-        :class:`~batchkit.ContinuousBatcher`'s ``name``).
+        [`ContinuousBatcher`][batchkit.ContinuousBatcher]'s ``name``).
 
-        Returns the label. Tracking the same function under the same name again does
-        nothing; a name already used by another function raises ``ValueError``.
+        Tracking the same function under the same name again does nothing.
         Continuous batchers have names of their own (their series are other families).
+        A function is tracked weakly: once it is garbage-collected, its series go at
+        the next scrape.
+
+        Args:
+            f: A ``@batched`` function or a
+                [`ContinuousBatcher`][batchkit.ContinuousBatcher].
+            name: The ``batcher`` label of its series.
+
+        Returns:
+            The label.
+
+        Raises:
+            TypeError: ``f`` is neither.
+            ValueError: ``name`` is empty, is already used by another function, or
+                ``f`` is tracked under another name.
         """
         if isinstance(f, ContinuousBatcher):
             label = f.name if name is None else name
@@ -354,7 +374,15 @@ class PrometheusMetrics:
         return tracker
 
     def untrack(self, f: BatchedFunction[Any] | ContinuousBatcher) -> None:
-        """Stop exporting ``f``: detach the listener and remove its series."""
+        """Stop exporting ``f``: detach the listener and remove its series.
+
+        Args:
+            f: A function or batcher [`track`][batchkit.metrics.PrometheusMetrics.track]
+                was given.
+
+        Raises:
+            KeyError: ``f`` is not tracked.
+        """
         table = self._tracked_batchers if isinstance(f, ContinuousBatcher) else self._tracked
         with self._lock:
             found = [name for name, (ref, _) in table.items() if ref() is f]
@@ -390,7 +418,8 @@ class PrometheusMetrics:
 
     # -- exposition -------------------------------------------------------------
     content_type: str = CONTENT_TYPE_LATEST
-    """The ``Content-Type`` of :meth:`generate_latest`'s text."""
+    """The ``Content-Type`` of
+    [`generate_latest`][batchkit.metrics.PrometheusMetrics.generate_latest]'s text."""
 
     def generate_latest(self) -> bytes:
         """The registry in Prometheus text format (serve it at ``/metrics``)."""

@@ -13,7 +13,15 @@ SAMPLE_WINDOW = 4096  # latency percentiles cover the most recent samples
 
 @dataclass(frozen=True)
 class Percentiles:
-    """p50/p90/p99/max of a latency sample, in seconds (NaN when empty)."""
+    """p50/p90/p99/max of a latency sample, in seconds (NaN when empty).
+
+    Attributes:
+        p50: The median.
+        p90: The 90th percentile.
+        p99: The 99th percentile.
+        max: The largest sample.
+        count: Samples summarised (at most the most recent 4096).
+    """
 
     p50: float
     p90: float
@@ -29,7 +37,11 @@ class Percentiles:
 
     @classmethod
     def of(cls, samples: deque[float]) -> Percentiles:
-        """Summarise a window of samples."""
+        """Summarise a window of samples (linear interpolation between them).
+
+        Args:
+            samples: Latencies in seconds; empty gives NaN figures and a count of 0.
+        """
         if not samples:
             return cls.empty()
         arr = np.fromiter(samples, dtype=np.float64, count=len(samples))

@@ -1,6 +1,8 @@
 """The API reference (docs/api/*.md) documents every public name, each by an explicit
 path that the docs generator resolves to that very object (never to a module that
-shadows it, as the ``batchkit.collate.pad`` module shadows the ``pad`` function)."""
+shadows it, as the ``batchkit.collate.pad`` module shadows the ``pad`` function), and
+reads as Markdown: no Sphinx role in any docstring, every parameter of the reference
+in an ``Args:`` section."""
 
 from __future__ import annotations
 
@@ -112,3 +114,186 @@ def test_every_public_name_is_in_the_reference() -> None:
         if id(getattr(importlib.import_module(module), name)) not in documented
     ]
     assert not missing, f"missing from docs/api/*.md: {', '.join(missing)}"
+
+
+# Docstrings are rendered as Markdown (mkdocstrings, Google style): a Sphinx role such
+# as :class:`X` shows up as raw text. Cross-references are written [`X`][batchkit.X].
+SPHINX_ROLE = re.compile(r":(?:py:)?(?:meth|class|func|attr|data|mod|exc|obj|const|ref):`")
+
+# Files whose docstrings still use Sphinx roles, to be converted. Each entry must still
+# hold one (a file that is clean is removed from the list, so the list only shrinks).
+SPHINX_ROLES_TODO = {
+    "batchkit/batchers/base.py",
+    "batchkit/batchers/bucketed.py",
+    "batchkit/batchers/sampler.py",
+    "batchkit/batchers/sorted.py",
+    "batchkit/serve/admission.py",
+    "batchkit/serve/batched.py",
+    "batchkit/serve/callers.py",
+    "batchkit/serve/channels.py",
+    "batchkit/serve/core.py",
+    "batchkit/serve/event_loop.py",
+    "batchkit/serve/execute.py",
+    "batchkit/serve/observe.py",
+    "batchkit/serve/options.py",
+    "batchkit/serve/request.py",
+    "batchkit/serve/scheduler.py",
+    "batchkit/serve/streaming.py",
+    "batchkit/serve/threads.py",
+    "batchkit/tools/simulate.py",
+}
+
+
+def relative_file(obj: Any) -> str:
+    return Path(obj.filepath).resolve().relative_to(ROOT).as_posix()
+
+
+def modules(module: Any) -> list[Any]:
+    """``module`` and every module under it (griffe objects, not aliases)."""
+    out = [module]
+    for member in module.members.values():
+        if not member.is_alias and member.is_module:
+            out.extend(modules(member))
+    return out
+
+
+def documented_objects(obj: Any) -> list[Any]:
+    """``obj`` and every object defined inside it (not submodules) that has a docstring."""
+    out = [obj] if obj.docstring is not None else []
+    for member in obj.members.values():
+        if not member.is_alias and not member.is_module:
+            out.extend(documented_objects(member))
+    return out
+
+
+def sphinx_roles_by_file() -> dict[str, list[str]]:
+    """file -> ``path: role`` for every Sphinx role in a docstring under batchkit/."""
+    found: dict[str, list[str]] = {}
+    for module in modules(package()):
+        for obj in documented_objects(module):
+            for role in SPHINX_ROLE.findall(obj.docstring.value):
+                found.setdefault(relative_file(obj), []).append(f"{obj.path}: {role}")
+    return found
+
+
+def test_docstrings_use_markdown_cross_references_not_sphinx_roles() -> None:
+    found = sphinx_roles_by_file()
+    offending = [
+        hit for file, hits in sorted(found.items()) if file not in SPHINX_ROLES_TODO for hit in hits
+    ]
+    assert not offending, (
+        "Sphinx roles render as raw text; write [`Name`][batchkit.Name]:\n" + "\n".join(offending)
+    )
+    converted = sorted(SPHINX_ROLES_TODO - found.keys())
+    assert not converted, f"no Sphinx role left in {converted}: remove them from SPHINX_ROLES_TODO"
+
+
+# Files defining reference entries whose parameters are not all documented yet. Each
+# entry must still have one (a file that is done is removed from the list).
+ARGS_TODO = {
+    "batchkit/batchers/base.py",
+    "batchkit/batchers/bucketed.py",
+    "batchkit/batchers/dynamic.py",
+    "batchkit/batchers/sampler.py",
+    "batchkit/batchers/sorted.py",
+    "batchkit/batchers/static.py",
+    "batchkit/serve/batched.py",
+    "batchkit/serve/events.py",
+    "batchkit/serve/scheduler.py",
+    "batchkit/serve/stats.py",
+    "batchkit/tools/simulate.py",
+}
+
+
+def is_public_method(name: str) -> bool:
+    return not name.startswith("_") or name == "__call__"
+
+
+# A ``::: path`` entry whose options hide the signature: a class that is not
+# constructed directly (``pad`` returns a ``Padded``), so its constructor is no API.
+HIDDEN_SIGNATURE = re.compile(r"^:::\s*(\S+)\s*\n(?:[ \t]+.*\n)*?[ \t]+show_signature: false", re.M)
+
+
+def reference_callables() -> dict[str, Any]:
+    """path -> griffe object for every function, method and class of the reference.
+
+    A class stands for its constructor (``__init__``, merged into the class on the
+    page) unless its entry hides the signature, and brings its public methods along.
+    """
+    hidden = {path for page in API_PAGES for path in HIDDEN_SIGNATURE.findall(page.read_text())}
+    out: dict[str, Any] = {}
+    for _, path in directives():
+        target = rendered(path)
+        if target.is_function:
+            out[target.path] = target
+        elif target.is_class:
+            if path not in hidden:
+                out[target.path] = target
+            for name, member in target.members.items():
+                if not member.is_alias and member.is_function and is_public_method(name):
+                    out[member.path] = member
+    return out
+
+
+def parameter_names(function: Any) -> list[str]:
+    names = []
+    for parameter in function.parameters:
+        # A private dataclass field (``_offsets``) is no parameter a user passes.
+        if parameter.name in ("self", "cls") or parameter.name.startswith("_"):
+            continue
+        stars = {"variadic positional": "*", "variadic keyword": "**"}.get(parameter.kind.value, "")
+        names.append(stars + parameter.name)
+    return names
+
+
+def documented_names(*objects: Any) -> set[str]:
+    """Names listed in the Args (and, for records, Attributes) sections of ``objects``."""
+    names: set[str] = set()
+    for obj in objects:
+        if obj is None or obj.docstring is None:
+            continue
+        for section in obj.docstring.parse("google", warnings=False):
+            if section.kind.value in ("parameters", "other parameters", "attributes"):
+                names.update(item.name for item in section.value)
+    return names
+
+
+def undocumented_parameters(obj: Any) -> list[str]:
+    """Parameters of ``obj`` (a function, or a class's constructor) that no Args names."""
+    if obj.is_class:
+        init = obj.all_members.get("__init__")
+        if init is None or init.is_alias and init.final_target.parent.path == "builtins.object":
+            return []
+        function = init.final_target if init.is_alias else init
+        documented = documented_names(obj, function)
+        # A dataclass field documented where it is declared is documented on the page.
+        if "dataclass" in obj.labels:
+            documented.update(name for name, member in obj.members.items() if member.docstring)
+    else:
+        function = obj
+        documented = documented_names(obj)
+    # "*" and "**" spellings both count for variadic parameters.
+    return [
+        name
+        for name in parameter_names(function)
+        if name not in documented and name.lstrip("*") not in documented
+    ]
+
+
+def undocumented_by_file() -> dict[str, list[str]]:
+    found: dict[str, list[str]] = {}
+    for path, obj in reference_callables().items():
+        missing = undocumented_parameters(obj)
+        if missing:
+            found.setdefault(relative_file(obj), []).append(f"{path}({', '.join(missing)})")
+    return found
+
+
+def test_every_parameter_in_the_reference_is_documented() -> None:
+    found = undocumented_by_file()
+    offending = [
+        hit for file, hits in sorted(found.items()) if file not in ARGS_TODO for hit in hits
+    ]
+    assert not offending, "parameters missing from the Args: section:\n" + "\n".join(offending)
+    done = sorted(ARGS_TODO - found.keys())
+    assert not done, f"every parameter is documented in {done}: remove them from ARGS_TODO"

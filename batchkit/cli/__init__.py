@@ -43,7 +43,16 @@ def _version() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the ``batchkit`` command line; returns the exit status."""
+    """Run the ``batchkit`` command line.
+
+    Args:
+        argv: The arguments after the program name; ``None``: ``sys.argv[1:]``.
+
+    Returns:
+        The exit status: 0 on success, 2 for a bad argument or input (one line on
+        stderr), 130 when interrupted, 141 when stdout's reader went away, or the
+        command's own status.
+    """
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

@@ -20,7 +20,14 @@ def _check_size(value: int, text: str) -> int:
 
 
 def positive_int(text: str) -> int:
-    """An int in [1, sys.maxsize]."""
+    """An int in [1, sys.maxsize].
+
+    Args:
+        text: The command-line word.
+
+    Raises:
+        argparse.ArgumentTypeError: It is not one (argparse prints the message).
+    """
     try:
         value = int(text)
     except ValueError:
@@ -31,7 +38,14 @@ def positive_int(text: str) -> int:
 
 
 def non_negative_int(text: str) -> int:
-    """An int in [0, sys.maxsize]."""
+    """An int in [0, sys.maxsize].
+
+    Args:
+        text: The command-line word.
+
+    Raises:
+        argparse.ArgumentTypeError: It is not one (argparse prints the message).
+    """
     try:
         value = int(text)
     except ValueError:
@@ -53,17 +67,38 @@ def _float(text: str, *, positive: bool) -> float:
 
 
 def positive_float(text: str) -> float:
-    """A finite float > 0."""
+    """A finite float > 0.
+
+    Args:
+        text: The command-line word.
+
+    Raises:
+        argparse.ArgumentTypeError: It is not one (argparse prints the message).
+    """
     return _float(text, positive=True)
 
 
 def non_negative_float(text: str) -> float:
-    """A finite float >= 0."""
+    """A finite float >= 0.
+
+    Args:
+        text: The command-line word.
+
+    Raises:
+        argparse.ArgumentTypeError: It is not one (argparse prints the message).
+    """
     return _float(text, positive=False)
 
 
 def fraction(text: str) -> float:
-    """A float in [0, 1)."""
+    """A float in [0, 1).
+
+    Args:
+        text: The command-line word.
+
+    Raises:
+        argparse.ArgumentTypeError: It is not one (argparse prints the message).
+    """
     value = _float(text, positive=False)
     if value >= 1:
         raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1), got {text!r}")
@@ -79,17 +114,38 @@ def _items(text: str, what: str) -> list[str]:
 
 
 def int_list(text: str) -> list[int]:
-    """``"1,2,4,8"`` -> positive ints (separated by commas or spaces)."""
+    """``"1,2,4,8"`` -> positive ints (separated by commas or spaces).
+
+    Args:
+        text: The command-line word.
+
+    Raises:
+        argparse.ArgumentTypeError: It is not one (argparse prints the message).
+    """
     return [positive_int(p) for p in _items(text, "integers")]
 
 
 def float_list(text: str) -> list[float]:
-    """``"0,2.5,5"`` -> numbers >= 0."""
+    """``"0,2.5,5"`` -> numbers >= 0.
+
+    Args:
+        text: The command-line word.
+
+    Raises:
+        argparse.ArgumentTypeError: It is not one (argparse prints the message).
+    """
     return [non_negative_float(p) for p in _items(text, "numbers")]
 
 
 def shape(text: str) -> tuple[int, ...]:
-    """``"3,224,224"`` or ``"3x224x224"`` -> a shape of positive dimensions."""
+    """``"3,224,224"`` or ``"3x224x224"`` -> a shape of positive dimensions.
+
+    Args:
+        text: The command-line word.
+
+    Raises:
+        argparse.ArgumentTypeError: It is not one (argparse prints the message).
+    """
     parts = re.split(r"\s*[,x]\s*", text.strip().strip("()[]").strip())
     if not all(parts):
         raise argparse.ArgumentTypeError(f"expected a shape such as 3,224,224, got {text!r}")

@@ -9,7 +9,11 @@ from batchkit.cli._args import positive_int
 
 
 def add_parser(commands: Any) -> None:
-    """Register the command."""
+    """Register the command.
+
+    Args:
+        commands: The ``add_subparsers()`` object of the ``batchkit`` parser.
+    """
     p: argparse.ArgumentParser = commands.add_parser(
         "demo",
         help="serve a built-in CPU encoder unbatched and batched; print the speed-up",
@@ -31,7 +35,14 @@ def add_parser(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the demo; 1 if batched results differ from one-at-a-time results."""
+    """Run the demo.
+
+    Args:
+        args: The parsed command line.
+
+    Returns:
+        0, or 1 if batched results differ from one-at-a-time results.
+    """
     from batchkit.tools import demo
 
     return demo.main(args.requests, args.callers, progress=args.progress)

@@ -42,7 +42,11 @@ def _count(n: int) -> str:
 
 
 def add_parser(commands: Any) -> None:
-    """Register the command."""
+    """Register the command.
+
+    Args:
+        commands: The ``add_subparsers()`` object of the ``batchkit`` parser.
+    """
     p: argparse.ArgumentParser = commands.add_parser(
         "memory",
         help="KV-cache / activation memory of a transformer; the largest batch that fits",
@@ -78,7 +82,14 @@ def add_parser(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Print the plan."""
+    """Print the plan.
+
+    Args:
+        args: The parsed command line.
+
+    Returns:
+        0, or ``NOTHING_FITS`` when not even one sequence fits the GPU memory.
+    """
     for name in ("dtype", "weight_dtype"):
         value = getattr(args, name)
         if value is not None:

@@ -21,7 +21,11 @@ NEEDS_MATPLOTLIB = '--plot needs matplotlib: pip install "batchkit[plot]" (or ma
 
 
 def add_parser(commands: Any) -> None:
-    """Register the command."""
+    """Register the command.
+
+    Args:
+        commands: The ``add_subparsers()`` object of the ``batchkit`` parser.
+    """
     p: argparse.ArgumentParser = commands.add_parser(
         "profile",
         help="sweep batch sizes of a batch function; find the knee; recommend settings",
@@ -55,7 +59,17 @@ def add_parser(commands: Any) -> None:
 
 
 def load_callable(spec: str) -> Callable[[Any], Any]:
-    """``module.path:name`` or ``file.py:name`` (dotted names allowed) -> the callable."""
+    """``module.path:name`` or ``file.py:name`` (dotted names allowed) -> the callable.
+
+    The current directory is importable, as under ``python -m``.
+
+    Args:
+        spec: ``MODULE:CALLABLE``, the module as a dotted name or a ``.py`` path.
+
+    Raises:
+        CliError: A malformed ``spec``, a module that cannot be imported (the
+            message quotes its error), a missing attribute, or one not callable.
+    """
     module_name, sep, attr = spec.rpartition(":")
     if not sep or not module_name or not attr:
         raise CliError(f"expected MODULE:CALLABLE (e.g. mypkg.model:predict), got {spec!r}")
@@ -99,7 +113,18 @@ def _check_plot_backend() -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Profile, print, and save or plot if asked."""
+    """Profile, print, and save or plot if asked.
+
+    Args:
+        args: The parsed command line.
+
+    Returns:
+        0.
+
+    Raises:
+        CliError: The target cannot be loaded, fails on a batch, or ``--plot``
+            without matplotlib.
+    """
     if args.plot is not None:
         _check_plot_backend()  # fail before the sweep, not after it
     fn = load_callable(args.target)
@@ -133,7 +158,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def format_profile(result: ProfileResult) -> str:
-    """The printed report."""
+    """The printed report.
+
+    Args:
+        result: The profile to report.
+    """
     shape = ", ".join(map(str, result.input_shape))
     lines = [
         f"{result.target}: input [B, {shape}] {result.dtype} ({result.framework}, "
@@ -185,7 +214,12 @@ def _spread(point: ProfilePoint) -> str:
 
 
 def plot(result: ProfileResult, path: Path) -> None:
-    """Latency and throughput against batch size, the knee marked."""
+    """Latency and throughput against batch size, the knee marked.
+
+    Args:
+        result: The profile to plot.
+        path: The image file to write (its suffix picks the format: ``.png``, ``.svg``).
+    """
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display needed

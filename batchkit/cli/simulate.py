@@ -22,7 +22,11 @@ from batchkit.tools.simulate import LatencyModel, SimResult, poisson_arrivals, r
 
 
 def add_parser(commands: Any) -> None:
-    """Register the command."""
+    """Register the command.
+
+    Args:
+        commands: The ``add_subparsers()`` object of the ``batchkit`` parser.
+    """
     p: argparse.ArgumentParser = commands.add_parser(
         "simulate",
         help="replay Poisson or traced arrivals against batcher settings (simulated time)",
@@ -73,7 +77,17 @@ def _latency_model(args: argparse.Namespace) -> LatencyModel:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Simulate every combination of settings; details for one, a table for several."""
+    """Simulate every combination of settings; details for one, a table for several.
+
+    Args:
+        args: The parsed command line.
+
+    Returns:
+        0.
+
+    Raises:
+        CliError: Conflicting options (e.g. ``--profile`` with ``--latency-ms``).
+    """
     if not args.eager and args.policy != "dynamic":
         raise CliError("--no-eager is for --policy dynamic (static never leaves before full)")
     model = _latency_model(args)
@@ -122,7 +136,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def format_table(combos: list[tuple[int, float, int]], results: list[SimResult]) -> str:
-    """One row per setting: the latency/throughput trade-off at a glance."""
+    """One row per setting: the latency/throughput trade-off at a glance.
+
+    Args:
+        combos: ``(max_batch_size, max_wait_ms, max_concurrent_batches)`` per run.
+        results: The runs' results, in the same order.
+    """
     head = (
         f"{'max_batch':>9}{'wait ms':>8}{'slots':>6}{'req/s':>9}{'p50 ms':>8}{'p99 ms':>8}"
         f"{'p99.9 ms':>9}{'batch':>7}{'busy':>6}"
@@ -146,7 +165,11 @@ def _overload_mark(r: SimResult) -> str:
 
 
 def format_result(r: SimResult) -> str:
-    """Every number of one run, and the batch-size histogram."""
+    """Every number of one run, and the batch-size histogram.
+
+    Args:
+        r: The run's result.
+    """
     lat, wait = r.latency, r.queue_wait
     # NaN: every request arrived at one instant, which has no rate.
     offered = "n/a" if math.isnan(r.offered_rate) else f"{r.offered_rate:,.1f}"
@@ -170,7 +193,15 @@ def format_result(r: SimResult) -> str:
 
 
 def histogram(batch_sizes: dict[int, int], width: int = 40) -> list[str]:
-    """One bar per size (power-of-two ranges when there are many sizes)."""
+    """One bar per size (power-of-two ranges when there are more than 16 sizes).
+
+    Args:
+        batch_sizes: Batches run, by size.
+        width: Characters of the longest bar.
+
+    Returns:
+        One line per bar: the size (or range), the bar, the count and its share.
+    """
     if not batch_sizes:
         return ["  (no batches)"]
     if len(batch_sizes) <= 16:

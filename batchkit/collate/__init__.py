@@ -3,7 +3,7 @@
 Every function takes a list of per-request items (python lists, numpy arrays or
 torch tensors; first axis = sequence) and returns a batch whose inverse gives each
 request its own slice back. With ``pin_memory=True`` the batch is allocated in
-page-locked memory, and :func:`to_device` moves it to a GPU without blocking.
+page-locked memory, and `to_device` moves it to a GPU without blocking.
 """
 
 from batchkit.collate.collators import DEFAULT_PAD_VALUES, PadCollator, VarlenCollator

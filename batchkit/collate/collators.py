@@ -104,8 +104,9 @@ class PadCollator:
     sequence axis and a pad value. Another key is *aligned* with it when, in every
     item, its value has a first axis exactly as long as that item's reference value
     (token-level ``labels``, ``token_type_ids``, an ``attention_mask``). Aligned keys
-    with a pad value (``pad_values``, then :data:`DEFAULT_PAD_VALUES`) are padded to
-    the same width: the longest reference, rounded up to ``pad_to_multiple_of``, on
+    with a pad value (``pad_values``, then
+    [`DEFAULT_PAD_VALUES`][batchkit.collate.DEFAULT_PAD_VALUES]) are padded to the same
+    width: the longest reference, rounded up to ``pad_to_multiple_of``, on
     ``padding_side``. Every other key is stacked as it is, so a fixed-length vector
     (multi-label targets ``[num_labels]``) stays ``[B, num_labels]``; a ragged key
     that cannot be padded raises ``ValueError`` naming it and why. A pad value of
@@ -117,9 +118,22 @@ class PadCollator:
     width came in, as ``transformers.DataCollatorWithPadding`` gives them; for those
     keys the output equals it with the same pad id, side and ``pad_to_multiple_of``.
 
-    ``pin_memory=True`` (torch output, CUDA available) allocates every output tensor
-    in page-locked memory, for a ``non_blocking`` copy to the GPU (see
-    :func:`batchkit.collate.to_device`); without CUDA it raises ``RuntimeError`` here.
+    Args:
+        pad_values: Pad value per output key, over
+            [`DEFAULT_PAD_VALUES`][batchkit.collate.DEFAULT_PAD_VALUES] (``label`` and
+            ``label_ids`` count as ``labels``). ``None`` as a value: do not pad that key.
+        padding_side: ``"right"`` (pad after the real steps) or ``"left"``.
+        pad_to_multiple_of: Round the padded width up to a multiple of this (``None``:
+            the longest reference, exactly).
+        return_tensors: ``"pt"`` for torch tensors, ``"np"`` for numpy arrays.
+        pin_memory: Allocate every output tensor in page-locked memory (torch output,
+            CUDA available), for a ``non_blocking`` copy to the GPU (see
+            [`to_device`][batchkit.collate.to_device]).
+
+    Raises:
+        ValueError: ``padding_side`` or ``return_tensors`` is not one of its values,
+            or ``pin_memory=True`` with ``return_tensors="np"``.
+        RuntimeError: ``pin_memory=True`` without CUDA (raised here, not per batch).
     """
 
     def __init__(
@@ -140,7 +154,21 @@ class PadCollator:
         self.pin_memory = pin_memory
 
     def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-        """Collate a list of feature dicts into one dict of batched arrays."""
+        """Collate a list of feature dicts into one dict of batched arrays.
+
+        Args:
+            features: One dict per item, every item with the same keys (token ids,
+                masks, labels as lists, arrays or tensors).
+
+        Returns:
+            One batched value per key (``label``/``label_ids`` renamed ``labels``),
+            plus an ``attention_mask`` when the features carry none and a key was padded.
+
+        Raises:
+            TypeError: ``features`` is not a list of dicts.
+            ValueError: The batch is empty, the items' keys differ, or a ragged key
+                cannot be padded (the message names the key and why).
+        """
         who = type(self).__name__
         keys = _check_features(features, who)
         kind = self.return_tensors or "np"
@@ -251,9 +279,21 @@ class VarlenCollator:
     it has one, e.g. its dataset index, else its position in the batch), so outputs
     split by ``cu_seq_lens_q`` can be put back in order.
 
-    The output is always on the host; ``pin_memory=True`` (torch output, CUDA
-    available) allocates its tensors in page-locked memory, for a ``non_blocking``
-    copy to the GPU; without CUDA it raises ``RuntimeError`` here.
+    The output is always on the host.
+
+    Args:
+        separator_id: The label written at the first token of every sequence (``-100``,
+            ignored by the loss, as HF's default).
+        return_tensors: ``"pt"`` for torch tensors, ``"np"`` for numpy arrays.
+        return_sample_index: Also return ``sample_index``, the input each sequence
+            came from.
+        pin_memory: Allocate the output tensors in page-locked memory (torch output,
+            CUDA available), for a ``non_blocking`` copy to the GPU.
+
+    Raises:
+        ValueError: ``return_tensors`` is not ``"pt"`` or ``"np"``, or
+            ``pin_memory=True`` with ``return_tensors="np"``.
+        RuntimeError: ``pin_memory=True`` without CUDA (raised here, not per batch).
     """
 
     def __init__(
@@ -271,7 +311,21 @@ class VarlenCollator:
         self.pin_memory = pin_memory
 
     def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-        """Collate a list of feature dicts (each with ``input_ids``) into one flat row."""
+        """Collate a list of feature dicts (each with ``input_ids``) into one flat row.
+
+        Args:
+            features: One dict per item, each with 1-D ``input_ids`` and optionally
+                ``labels`` (as long as its ``input_ids``) and ``sample_index``.
+
+        Returns:
+            The keys listed in the class docstring, ``[1, T]`` rows and ``[N+1]``
+            cumulative lengths over the ``N`` non-empty sequences.
+
+        Raises:
+            ValueError: The batch is empty or its items' keys differ, a feature lacks
+                ``input_ids``, its ``input_ids`` are not 1-D,
+                its ``labels`` differ in length, or every sequence is empty.
+        """
         who = type(self).__name__
         keys = _check_features(features, who)
         kind = self.return_tensors

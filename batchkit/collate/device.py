@@ -1,4 +1,4 @@
-"""Moving a whole batch to a device: :func:`to_device`.
+"""Moving a whole batch to a device: `to_device`.
 
 A batch is whatever the collators return (``Padded``, ``Packed``, ``Varlen``, the dict
 collators' dicts) or any nesting of dicts, lists, tuples and dataclasses around tensors.
@@ -31,6 +31,22 @@ def to_device(batch: BatchT, device: Any, *, non_blocking: bool | None = None) -
     ``non_blocking=True`` to force it; reading a tensor copied that way *to the host*
     needs a ``torch.cuda.synchronize()`` first. Autograd is kept: a moved tensor that
     requires grad passes its gradient back to the original.
+
+    Args:
+        batch: The batch: a collator's output or any nesting of containers around
+            tensors and numpy arrays.
+        device: Anything ``torch.device`` takes (``"cuda"``, ``"cuda:1"``, a
+            ``torch.device``).
+        non_blocking: ``None`` copies pinned tensors asynchronously and the others
+            synchronously; ``True`` or ``False`` forces it for every tensor.
+
+    Returns:
+        A new batch of the same type; the input is not changed.
+
+    Raises:
+        TypeError: ``non_blocking`` is not None or a bool, or a numpy array's dtype
+            has no torch equivalent (the message names where it is in the batch).
+        RuntimeError: ``device`` is a CUDA device and CUDA is not available.
     """
     torch = require_torch("to_device")
     if non_blocking is not None and not isinstance(non_blocking, bool):
@@ -62,10 +78,15 @@ def to_device(batch: BatchT, device: Any, *, non_blocking: bool | None = None) -
 
 
 def pinned_batch(batch: BatchT, who: str) -> BatchT:
-    """``batch`` with every host tensor copied to page-locked memory (pinned ones kept);
-    numpy arrays, GPU tensors and other values as they are, as
-    ``DataLoader(pin_memory=True)`` treats them. ``who`` names the caller when CUDA
-    is missing."""
+    """``batch`` with every host tensor copied to page-locked memory (pinned ones kept).
+
+    Numpy arrays, GPU tensors and other values stay as they are, as
+    ``DataLoader(pin_memory=True)`` treats them.
+
+    Args:
+        batch: A batch (any nesting ``map_leaves`` walks).
+        who: The caller, named in the error when CUDA is missing.
+    """
 
     def pin(x: Any, path: str) -> Any:
         if not is_tensor(x) or x.device.type != "cpu" or x.is_pinned():
@@ -78,7 +99,14 @@ def pinned_batch(batch: BatchT, who: str) -> BatchT:
 
 def map_leaves(x: Any, leaf: Callable[[Any, str], Any], path: str = "") -> Any:
     """``x`` rebuilt with ``leaf(value, path)`` in place of every value that is not a
-    container: dataclasses (their init fields), mappings, lists, tuples, named tuples."""
+    container: dataclasses (their init fields), mappings, lists, tuples, named tuples.
+
+    Args:
+        x: The structure.
+        leaf: Called with each leaf and its path (e.g. ``".data"``, ``"['x'][0]"``);
+            its result takes the leaf's place.
+        path: The path of ``x`` itself (``""`` at the top).
+    """
     if is_tensor(x) or isinstance(x, np.ndarray):
         return leaf(x, path)
     if dataclasses.is_dataclass(x) and not isinstance(x, type):

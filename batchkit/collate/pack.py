@@ -51,10 +51,19 @@ class Placement(NamedTuple):
 class Packed:
     """Items bin-packed into ``R`` rows of ``max_length``.
 
-    ``data`` ``[R, max_length, *feat]``; ``position_ids`` int64 and ``segment_ids``
-    int32 ``[R, max_length]`` (0 = padding, k >= 1 = the k-th item in its row);
-    ``cu_seqlens`` int32 over the flattened rows, where each row's padding tail is a
-    segment of its own; ``max_seqlen`` the longest of those segments.
+    [`pack`][batchkit.collate.pack.pack] returns it; it is not constructed directly.
+
+    Attributes:
+        data: ``[R, max_length, *feat]``, the items' steps, padding after them.
+        position_ids: Int64 ``[R, max_length]``, each step's position in its item
+            (restarting at 0 for every item, and for every piece of a split one).
+        segment_ids: Int32 ``[R, max_length]``: 0 = padding, k >= 1 = the k-th item
+            in its row.
+        cu_seqlens: Int32 cumulative segment lengths over the flattened rows, where
+            each row's padding tail is a segment of its own.
+        max_seqlen: The longest of those segments.
+        pieces: Per input item, the [`Placement`][batchkit.collate.Placement] of each
+            of its pieces (one, unless ``split=True`` cut it).
     """
 
     data: Any
@@ -98,7 +107,15 @@ class Packed:
     def unpack(self, outputs: Any) -> list[Any]:
         """Each input item's slice of any output whose first two axes are ``[R, max_length]``.
 
-        Unsplit items come back as views; a split item's pieces are concatenated.
+        Args:
+            outputs: An array or tensor computed from the batch, ``[R, max_length, ...]``.
+
+        Returns:
+            One slice per input item, in input order: unsplit items as views, a split
+            item's pieces concatenated.
+
+        Raises:
+            ValueError: ``outputs`` does not start with ``[R, max_length]``.
         """
         check_leading_axes(outputs, (self.num_rows, self.max_length), "unpack")
         result = []
@@ -171,11 +188,28 @@ def pack(
 ) -> Packed:
     """Bin-pack items (first axis = sequence) into rows of ``max_length`` steps.
 
-    An item longer than ``max_length`` raises a ``ValueError`` naming its index, or
-    with ``split=True`` is cut into ``max_length`` chunks, each its own segment
-    (positions restart at 0 in each chunk; ``unpack`` joins them back). With
-    ``pin_memory=True`` (torch output, CUDA available) every array is allocated in
-    page-locked memory; without CUDA it raises ``RuntimeError``.
+    Args:
+        seqs: The items: Python lists, numpy arrays or torch tensors, all with the
+            same trailing (feature) shape.
+        max_length: The row length, in steps (a positive int).
+        pad_value: The value the padding at the end of each row holds.
+        strategy: ``"best_fit"``, ``"first_fit"`` or ``"in_order"`` (see the module
+            description above: fewer rows, or input order kept).
+        split: Cut an item longer than ``max_length`` into ``max_length`` chunks,
+            each its own segment (positions restart at 0 in each chunk;
+            [`unpack`][batchkit.Packed.unpack] joins them back), instead of raising.
+        return_tensors: ``"np"`` for numpy output, ``"pt"`` for torch, ``None`` to follow
+            the input (torch in, torch out; lists and numpy arrays give numpy).
+        pin_memory: Allocate every output array in page-locked memory (torch output,
+            CUDA available), so [`to_device`][batchkit.collate.to_device] with
+            ``non_blocking`` overlaps the copy to the GPU.
+
+    Raises:
+        ValueError: ``max_length`` is not a positive int, ``strategy`` is unknown, or
+            an item is longer than ``max_length`` without ``split`` (the message names
+            its index).
+        ValueError: ``pin_memory=True`` for numpy output or items already on a GPU.
+        RuntimeError: ``pin_memory=True`` without CUDA, or in a ``DataLoader`` worker.
     """
     if not is_positive_int(max_length):
         raise ValueError(f"max_length must be a positive int, got {max_length!r}")

@@ -24,7 +24,15 @@ Side = Literal["left", "right"]
 
 
 def round_up(n: int, multiple: int | None) -> int:
-    """``n`` rounded up to a multiple of ``multiple`` (unchanged when None)."""
+    """``n`` rounded up to a multiple of ``multiple`` (unchanged when None).
+
+    Args:
+        n: A length.
+        multiple: A positive int, or None.
+
+    Raises:
+        ValueError: ``multiple`` is not a positive int (named ``pad_to_multiple_of``).
+    """
     if multiple is None:
         return n
     if not is_positive_int(multiple):
@@ -33,18 +41,35 @@ def round_up(n: int, multiple: int | None) -> int:
 
 
 def is_positive_int(x: object) -> bool:
-    """True for a positive python or numpy integer (bools excluded)."""
+    """True for a positive python or numpy integer (bools excluded).
+
+    Args:
+        x: Any value.
+    """
     return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_)) and int(x) >= 1
 
 
 def check_side(side: str) -> None:
-    """Reject anything but "left" or "right"."""
+    """Reject anything but "left" or "right".
+
+    Args:
+        side: The padding side given.
+
+    Raises:
+        ValueError: It is neither.
+    """
     if side not in ("left", "right"):
         raise ValueError(f'side must be "left" or "right", got {side!r}')
 
 
 def check_max_length(seqs: Sequence[Any], max_length: int, *, hint: str) -> None:
-    """Raise a ValueError naming the first item longer than ``max_length``."""
+    """Raise a ValueError naming the first item longer than ``max_length``.
+
+    Args:
+        seqs: The items (lists, tuples, arrays or tensors; others are not checked).
+        max_length: The most steps an item may have.
+        hint: What the caller can do about it, appended to the message.
+    """
     for i, s in enumerate(seqs):
         n = getattr(s, "shape", (len(s),) if isinstance(s, (list, tuple)) else ())
         if n and n[0] > max_length:
@@ -52,7 +77,13 @@ def check_max_length(seqs: Sequence[Any], max_length: int, *, hint: str) -> None
 
 
 def real_token_mask(lengths: np.ndarray, width: int, side: str) -> np.ndarray:
-    """Host bool ``[B, width]``: True where a row holds a real (non-padding) step."""
+    """Host bool ``[B, width]``: True where a row holds a real (non-padding) step.
+
+    Args:
+        lengths: Host int ``[B]``, each row's real steps.
+        width: The padded length.
+        side: ``"right"`` (real steps first) or ``"left"`` (real steps last).
+    """
     steps = np.arange(width)
     if side == "right":
         return steps[None, :] < lengths[:, None]
@@ -61,8 +92,17 @@ def real_token_mask(lengths: np.ndarray, width: int, side: str) -> np.ndarray:
 
 @dataclass(frozen=True, slots=True)
 class Padded:
-    """A padded batch. ``data`` is ``[B, L, *feat]``, ``mask`` bool ``[B, L]`` (True = real),
-    ``lengths`` int64 ``[B]``; all three in the same backend (and device)."""
+    """A padded batch, as [`pad`][batchkit.collate.pad.pad] returns it (not constructed directly).
+
+    ``data``, ``mask`` and ``lengths`` are in the same backend (and on the same device).
+
+    Attributes:
+        data: ``[B, L, *feat]``, each item's steps followed (or, on the left side,
+            preceded) by padding.
+        mask: Bool ``[B, L]``, True where a step is real.
+        lengths: Int64 ``[B]``, each item's number of real steps.
+        side: ``"right"`` or ``"left"``: where the padding is.
+    """
 
     data: Any
     mask: Any
@@ -91,8 +131,16 @@ class Padded:
     def unpad(self, outputs: Any) -> list[Any]:
         """Per-item real slices of any output whose first two axes are ``[B, L]``.
 
-        Returns views (no copies) into ``outputs``, in item order, honouring the
-        padding side: item ``i`` is its ``lengths[i]`` real steps.
+        Args:
+            outputs: An array or tensor computed from the batch, ``[B, L, ...]``
+                (e.g. hidden states or logits).
+
+        Returns:
+            Views (no copies) into ``outputs``, in item order, honouring the padding
+            side: item ``i`` is its ``lengths[i]`` real steps.
+
+        Raises:
+            ValueError: ``outputs`` does not start with ``[B, L]`` (both shapes named).
         """
         check_leading_axes(outputs, (self.batch_size, self.max_length), "unpad")
         width = self.max_length
@@ -111,10 +159,17 @@ def pad_ragged(
     pin_memory: bool = False,
     who: str = "pad",
 ) -> Padded:
-    """Pad an already-validated :class:`Ragged` (shared by :func:`pad` and the dict collators).
+    """Pad an already-validated `Ragged` (shared by `pad` and the dict collators).
 
-    With ``pin_memory`` every output array is allocated in page-locked memory; ``who``
-    names the caller in the refusal when that cannot be.
+    Args:
+        ragged: The items, validated and concatenated.
+        pad_value: The value padding steps hold.
+        side: ``"right"`` or ``"left"``.
+        pad_to_multiple_of: Round the width up to a multiple of this (None: no
+            rounding).
+        min_length: The least width, before rounding.
+        pin_memory: Allocate every output array in page-locked memory.
+        who: The caller, named in the refusal when the batch cannot be pinned.
     """
     check_side(side)
     kind, device = ragged.kind, ragged.device
@@ -152,13 +207,34 @@ def pad(
 ) -> Padded:
     """Pad variable-length items (first axis = sequence) into one ``[B, L, *feat]`` block.
 
-    ``L`` is the longest item, rounded up to ``pad_to_multiple_of``. With
-    ``max_length``, an item longer than it raises a ``ValueError`` naming its index,
-    or is cut to its first ``max_length`` steps when ``truncate=True``. With
-    ``pin_memory=True`` (torch output, CUDA available) ``data``, ``mask`` and
-    ``lengths`` are allocated in page-locked memory, so :func:`to_device` with
-    ``non_blocking`` overlaps the copy to the GPU; without CUDA it raises
-    ``RuntimeError``.
+    ``L`` is the longest item, rounded up to ``pad_to_multiple_of``.
+
+    Args:
+        seqs: The items: Python lists, numpy arrays or torch tensors, all with the
+            same trailing (feature) shape.
+        pad_value: The value padding steps hold (must fit the items' dtype).
+        side: ``"right"`` pads after each item's steps, ``"left"`` before them.
+        pad_to_multiple_of: Round ``L`` up to a multiple of this (``None``: the
+            longest item, exactly).
+        max_length: The most steps an item may have (``None``: no limit).
+        truncate: With ``max_length``, cut longer items to their first
+            ``max_length`` steps instead of raising.
+        return_tensors: ``"np"`` for numpy output, ``"pt"`` for torch, ``None`` to follow
+            the input (torch in, torch out; lists and numpy arrays give numpy).
+        pin_memory: Allocate every output array in page-locked memory (torch output,
+            CUDA available), so [`to_device`][batchkit.collate.to_device] with
+            ``non_blocking`` overlaps the copy to the GPU.
+
+    Returns:
+        The batch; [`Padded.unpad`][batchkit.Padded.unpad] gives each item its real
+        steps of an output back.
+
+    Raises:
+        ValueError: An item is longer than ``max_length`` (without ``truncate``; the
+            message names its index), items differ in feature shape, or an option is
+            out of range.
+        ValueError: ``pin_memory=True`` for numpy output or items already on a GPU.
+        RuntimeError: ``pin_memory=True`` without CUDA, or in a ``DataLoader`` worker.
     """
     check_side(side)
     if max_length is not None:

@@ -1,5 +1,5 @@
-"""Variable-length items as one flat buffer (:class:`Ragged`), the layout every
-sequence collator starts from, and :func:`to_ragged`, which validates the items (lists,
+"""Variable-length items as one flat buffer (`Ragged`), the layout every
+sequence collator starts from, and `to_ragged`, which validates the items (lists,
 arrays or tensors) and concatenates them, with fast paths for the common inputs.
 """
 
@@ -32,13 +32,16 @@ _SCALAR_TYPES = (bool, int, float, np.generic)
 class Ragged:
     """Variable-length items as one flat buffer: the layout every collator starts from.
 
-    ``values`` is ``[T, *feat]`` (numpy or torch), the items concatenated along
-    their first (sequence) axis; ``lengths`` is a host int64 array ``[N]``.
+    Attributes:
+        values: ``[T, *feat]`` (numpy or torch), the items concatenated along their
+            first (sequence) axis.
+        lengths: Host int64 ``[N]``, each item's length.
+        kind: ``"np"`` or ``"pt"``: the backend of ``values``.
     """
 
     values: Any
     lengths: np.ndarray
-    kind: str  # "np" or "pt": the backend of ``values``
+    kind: str
 
     @property
     def num_items(self) -> int:
@@ -151,14 +154,28 @@ def to_ragged(
     pin_memory: bool = False,
     who: str = "to_ragged",
 ) -> Ragged:
-    """Validate and concatenate items (lists, arrays or tensors) into a :class:`Ragged`.
+    """Validate and concatenate items (lists, arrays or tensors) into a `Ragged`.
 
     Items longer than ``max_length`` are cut to their first ``max_length`` steps
     (callers decide beforehand whether that is allowed). Inputs are never mutated:
     the flat buffer is always a fresh copy. Python lists holding no numbers at all
-    (every item empty) give int64, the dtype of token ids. With ``pin_memory`` the flat
-    buffer is allocated in page-locked memory (for a layout that returns it as it is);
-    ``who`` names the caller in the refusal when it cannot be.
+    (every item empty) give int64, the dtype of token ids.
+
+    Args:
+        items: The items: Python lists, numpy arrays or torch tensors (one kind for
+            all), or a 2-D array or tensor taken as a batch of rows.
+        return_tensors: ``"np"``, ``"pt"``, or ``None`` to follow the input.
+        max_length: Cut longer items to their first ``max_length`` steps; ``None``:
+            keep them whole.
+        pin_memory: Allocate the flat buffer in page-locked memory (for a layout
+            that returns it as it is).
+        who: The caller, named in the refusal when it cannot be pinned.
+
+    Raises:
+        TypeError: ``items`` is not a sequence, or an item is not a sequence of
+            numbers, or its kind differs from item 0's (the message names it).
+        ValueError: No items, or an item is a scalar, ragged inside, differs in
+            feature shape, or is on another device than item 0.
     """
     check_return_tensors(return_tensors)
     if isinstance(items, (np.ndarray,)) or is_tensor(items):

@@ -3,7 +3,7 @@
 Containers (dicts, lists, tuples, named tuples) are walked; leaves are stacked
 along a new first axis. Leaves are dispatched through a type table, like
 ``torch.utils.data.default_collate``, so other array types can be registered
-with :func:`register_leaf`.
+with `register_leaf`.
 """
 
 from __future__ import annotations
@@ -32,10 +32,18 @@ _LEAF_TYPES: dict[type, tuple[StackFn, UnstackFn]] = {}
 
 
 def register_leaf(cls: type, stack_fn: StackFn, unstack_fn: UnstackFn) -> None:
-    """Teach :func:`stack`/:func:`unstack` a leaf type.
+    """Teach [`stack`][batchkit.collate.stack.stack] and [`unstack`][batchkit.unstack] a leaf type.
 
-    ``stack_fn(leaves, path)`` builds the batched leaf (``path`` names the position
-    for error messages); ``unstack_fn(batched)`` returns its per-item leaves.
+    A value of exactly type ``cls`` (subclasses are not matched) is then a leaf: it is
+    not walked into, and its own functions batch and split it. Registering a type
+    again replaces its functions.
+
+    Args:
+        cls: The leaf type.
+        stack_fn: ``stack_fn(leaves, path)`` builds the batched leaf from the items'
+            leaves (``path`` names the position, e.g. ``"['x']"``, for its error
+            messages).
+        unstack_fn: ``unstack_fn(batched)`` returns the per-item leaves, in order.
     """
     _LEAF_TYPES[cls] = (stack_fn, unstack_fn)
 
@@ -155,10 +163,23 @@ def stack(
     along a new axis 0 (tensors stay tensors unless ``return_tensors="np"``);
     numbers become an array; strings, bytes and None become a list.
 
-    With ``pin_memory=True`` every stacked tensor is allocated in page-locked memory
-    (CUDA needed, else ``RuntimeError``); a leaf that would come out as numpy is
-    refused (pass ``return_tensors="pt"``). Leaves of :func:`register_leaf` types are
-    built by their own ``stack_fn`` and not pinned.
+    Args:
+        items: The items, each the same structure (same keys, lengths and types;
+            arrays of the same shape).
+        return_tensors: ``"np"`` for numpy leaves, ``"pt"`` for torch, ``None`` to
+            follow each leaf (tensors stay tensors, numpy arrays and numbers give numpy).
+        pin_memory: Allocate every stacked tensor in page-locked memory (CUDA
+            needed); a leaf that would come out as numpy is refused (pass
+            ``return_tensors="pt"``). Leaves of
+            [`register_leaf`][batchkit.collate.register_leaf] types are built by their
+            own ``stack_fn`` and not pinned.
+
+    Raises:
+        TypeError: ``items`` is not a sequence, or an item's value differs in type
+            from item 0's (the message names the item and where in it).
+        ValueError: No items, items differ in keys, lengths or shapes (named the
+            same way), or ``pin_memory=True`` meets a leaf that comes out as numpy.
+        RuntimeError: ``pin_memory=True`` without CUDA, or in a ``DataLoader`` worker.
     """
     check_return_tensors(return_tensors)
     if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
@@ -217,10 +238,18 @@ def _unstack(batch: Any, n: int) -> list[Any]:
 
 
 def unstack(batch: Any) -> list[Any]:
-    """Inverse of :func:`stack`: one structure per item, leaves indexed along axis 0.
+    """Inverse of [`stack`][batchkit.collate.stack.stack]: one structure per item.
 
-    ``unstack(stack(xs)) == xs`` structurally (numbers come back as numpy scalars,
-    array leaves as views).
+    Leaves are indexed along axis 0: ``unstack(stack(xs)) == xs`` structurally
+    (numbers come back as numpy scalars, array leaves as views).
+
+    Args:
+        batch: A batched structure, such as ``stack`` or a model's batched output
+            returns (dicts, lists, tuples of arrays, tensors or per-item lists).
+
+    Raises:
+        ValueError: The leaves disagree on the batch size (both named), or the batch
+            holds no leaves.
     """
     n = _batch_size(batch, "")
     if n is None:

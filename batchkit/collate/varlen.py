@@ -23,7 +23,11 @@ from batchkit.collate.ragged import Ragged, to_ragged
 
 
 def positions_restarting(lengths: np.ndarray) -> np.ndarray:
-    """Host int64 ``[sum(lengths)]``: 0, 1, ... restarting at 0 at every item."""
+    """Host int64 ``[sum(lengths)]``: 0, 1, ... restarting at 0 at every item.
+
+    Args:
+        lengths: Host int ``[N]``, the items' lengths.
+    """
     total = int(lengths.sum())
     starts = np.zeros(len(lengths), dtype=np.int64)
     np.cumsum(lengths[:-1], out=starts[1:])
@@ -34,11 +38,16 @@ def positions_restarting(lengths: np.ndarray) -> np.ndarray:
 class Varlen:
     """Items packed end to end for varlen attention kernels.
 
-    ``values`` ``[T, *feat]``; ``cu_seqlens`` int32, 0 first and ``T`` last, with
-    ``N+1`` entries, plus one when ``pad_to_multiple_of`` added a trailing padding
-    segment; ``max_seqlen`` the longest segment (padding segment included, since a
-    kernel sizes its tiles by it); ``position_ids`` int64 ``[T]`` restarting at 0
-    per segment; ``seq_lens`` int64 ``[N]`` the items' lengths.
+    [`pack_varlen`][batchkit.pack_varlen] returns it; it is not constructed directly.
+
+    Attributes:
+        values: ``[T, *feat]``, the items' steps one after another.
+        cu_seqlens: Int32, 0 first and ``T`` last, with ``N+1`` entries, plus one
+            when ``pad_to_multiple_of`` added a trailing padding segment.
+        max_seqlen: The longest segment (the padding segment included, since a
+            kernel sizes its tiles by it).
+        position_ids: Int64 ``[T]``, restarting at 0 in every segment.
+        seq_lens: Int64 ``[N]``, the items' lengths.
     """
 
     values: Any
@@ -67,7 +76,17 @@ class Varlen:
         return pinned_batch(self, "Varlen.pin_memory()")
 
     def unpack(self, outputs: Any) -> list[Any]:
-        """The N items' slices (views) of any output whose leading axis is ``T``."""
+        """The N items' slices (views) of any output whose leading axis is ``T``.
+
+        Args:
+            outputs: An array or tensor computed from the batch, ``[T, ...]``.
+
+        Returns:
+            One view per item, in input order (the padding segment left out).
+
+        Raises:
+            ValueError: ``outputs``'s leading axis is not ``T``.
+        """
         check_leading_axes(outputs, (self.total_length,), "unpack")
         offs = self._offsets
         return [outputs[offs[i] : offs[i + 1]] for i in range(self.num_items)]
@@ -85,9 +104,19 @@ def varlen_from_ragged(
 ) -> Varlen:
     """Build the varlen layout from validated items (shared with the dict collators).
 
-    With ``pin_memory`` every output array is page-locked. ``ragged.values`` is the
-    output when no padding tail is appended: allocate it pinned up front
-    (``to_ragged(..., pin_memory=True)``), or it is copied to pinned memory here.
+    ``ragged.values`` is the output when no padding tail is appended: allocate it
+    pinned up front (``to_ragged(..., pin_memory=True)``), or it is copied to pinned
+    memory here.
+
+    Args:
+        ragged: The items, validated and concatenated.
+        pad_to_multiple_of: Round ``T`` up to a multiple of this with one trailing
+            padding segment (None: no padding).
+        pad_value: The value the padding segment holds.
+        pin_memory: Allocate every output array in page-locked memory.
+
+    Raises:
+        ValueError: More tokens than an int32 ``cu_seqlens`` can count.
     """
     kind, device = ragged.kind, ragged.device
     check_pin_memory(pin_memory, "pack_varlen", kind, device)
@@ -132,9 +161,25 @@ def pack_varlen(
 
     With ``pad_to_multiple_of``, ``T`` is rounded up by one trailing padding segment
     (filled with ``pad_value``) that ``cu_seqlens`` covers, so kernels leave no rows
-    uncovered; ``unpack`` never returns it. With ``pin_memory=True`` (torch output,
-    CUDA available) every array is allocated in page-locked memory; without CUDA it
-    raises ``RuntimeError``.
+    uncovered; ``unpack`` never returns it.
+
+    Args:
+        seqs: The items: Python lists, numpy arrays or torch tensors, all with the
+            same trailing (feature) shape.
+        pad_to_multiple_of: Round ``T`` up to a multiple of this with one trailing
+            padding segment (``None``: no padding).
+        pad_value: The value the padding segment holds.
+        return_tensors: ``"np"`` for numpy output, ``"pt"`` for torch, ``None`` to follow
+            the input (torch in, torch out; lists and numpy arrays give numpy).
+        pin_memory: Allocate every output array in page-locked memory (torch output,
+            CUDA available), so [`to_device`][batchkit.collate.to_device] with
+            ``non_blocking`` overlaps the copy to the GPU.
+
+    Raises:
+        ValueError: Items differ in feature shape, or the pack holds more tokens
+            than an int32 ``cu_seqlens`` can count.
+        ValueError: ``pin_memory=True`` for numpy output or items already on a GPU.
+        RuntimeError: ``pin_memory=True`` without CUDA, or in a ``DataLoader`` worker.
     """
     # Without a padding tail the concatenated items are the output: allocate them pinned.
     ragged = to_ragged(

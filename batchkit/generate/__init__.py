@@ -2,7 +2,7 @@
 
 ``ContinuousBatcher`` drives a step function: every step, finished sequences leave and
 waiting ones join, with chunked prefill, a token budget, and (with a
-:class:`~batchkit.kv.BlockAllocator`) paged KV memory with preemption by recompute.
+`BlockAllocator`) paged KV memory with preemption by recompute.
 The scheduler core (``Scheduler``) is pure and usable on its own. Listeners
 (``add_listener``) get a ``StepEvent`` per step and a ``FinishEvent`` per answered
 request (``batchkit.metrics`` exports them to Prometheus).

@@ -1,9 +1,9 @@
 """``ContinuousBatcher``: continuous batching of generation around a step function.
 
 This module is the callers' side: submit (or generate) and get a
-:class:`~batchkit.generate.handle.GenerationHandle` to stream, wait on or cancel;
+`GenerationHandle` to stream, wait on or cancel;
 stats; listeners; close. The batcher holds a scheduler and a driver
-(:mod:`batchkit.generate.driver`), which runs the steps on a worker thread or an
+(`batchkit.generate.driver`), which runs the steps on a worker thread or an
 event loop.
 """
 
@@ -41,12 +41,41 @@ class ContinuousBatcher:
     Generation ends at ``eos_token_id`` or a request's ``stop_token_ids`` (included in
     its output), at ``max_new_tokens``, or at ``max_model_len`` total tokens.
 
-    ``max_prefill_chunk``: at most that many prompt (or recomputed) tokens of one
-    sequence per step (None: the whole token budget), so that prefills of several
-    sequences and every decode token share each step; a positive int at most
-    ``max_num_batched_tokens``. A request's ``priority`` reaches running sequences: a
-    more urgent one (lower value) preempts the least urgent running sequences for a
-    row or KV blocks (see :class:`~batchkit.generate.Scheduler`).
+    A request's ``priority`` reaches running sequences: a more urgent one (lower
+    value) preempts the least urgent running sequences for a row or KV blocks (see
+    [`Scheduler`][batchkit.generate.Scheduler]).
+
+    Args:
+        step_fn: Computes one step: takes a [`StepBatch`][batchkit.StepBatch] and
+            returns one entry per sequence (see above). A sync function runs on a
+            worker thread started by the first submit; an ``async def`` one runs as a
+            task on the event loop of the first submit.
+        max_num_seqs: Sequences one step may compute at most (rows ``0 ..
+            max_num_seqs-1``); a positive int.
+        max_num_batched_tokens: Tokens one step may compute at most, all sequences
+            together (the token budget); a positive int.
+        allocator: A [`BlockAllocator`][batchkit.BlockAllocator] for paged mode (KV
+            blocks per sequence, preemption when they run out); ``None`` for slotted
+            mode (a row per sequence, nothing else limited).
+        max_model_len: The most tokens (prompt plus generated) a sequence may reach;
+            generation stops there (finish reason ``"length"``). ``None``: no limit
+            but ``max_new_tokens``.
+        max_prefill_chunk: The most prompt (or recomputed) tokens of one sequence per
+            step, so that prefills of several sequences and every decode token share
+            each step; a positive int at most ``max_num_batched_tokens``. ``None``:
+            the whole token budget.
+        max_queue_size: The most requests waiting at once; a submit past it raises
+            [`QueueFull`][batchkit.QueueFull]. ``None``: unbounded.
+        eos_token_id: A token that ends every request (added to each request's
+            ``stop_token_ids``); ``None``: none.
+        name: The batcher's name in errors, logs and events (default: ``step_fn``'s
+            ``__name__``).
+        clock: Seconds, monotonic; for timeouts and latencies (inject a fake one in
+            tests).
+
+    Raises:
+        ValueError: A limit is not a positive int, or ``max_prefill_chunk`` exceeds
+            ``max_num_batched_tokens``.
     """
 
     def __init__(
@@ -103,10 +132,28 @@ class ContinuousBatcher:
     ) -> GenerationHandle:
         """Queue one prompt; returns its handle at once.
 
-        Lower ``priority`` values are served first. ``timeout``: seconds the request may
-        wait before it first runs (then it fails with :class:`~batchkit.RequestTimeout`).
-        Raises ``ValueError`` for a request that can never fit, :class:`~batchkit.QueueFull`
-        past ``max_queue_size`` waiting, :class:`~batchkit.BatcherClosed` after close.
+        Args:
+            prompt_ids: The prompt's token ids (ints; a list, array or tensor), not
+                empty. The batcher keeps its own copy.
+            max_new_tokens: The most tokens to generate (a positive int).
+            stop_token_ids: Tokens that end this request (besides ``eos_token_id``);
+                the stop token is included in the output.
+            priority: Lower values are served first, and may preempt running
+                sequences of higher values.
+            timeout: Seconds the request may wait before it first runs; then it fails
+                with [`RequestTimeout`][batchkit.RequestTimeout]. ``None``: no limit.
+                Once running, it is not timed.
+
+        Returns:
+            The request's [`GenerationHandle`][batchkit.GenerationHandle].
+
+        Raises:
+            ValueError: A request that can never fit (an empty prompt, no room within
+                ``max_model_len`` or the KV pool), a token id outside ``[0, 2**63)``,
+                or a bad ``timeout``.
+            TypeError: ``priority`` is not an int, or a token id is not an integer.
+            QueueFull: ``max_queue_size`` requests are already waiting.
+            BatcherClosed: The batcher is closed.
         """
         if priority.__class__ is not int:
             raise TypeError(f"priority must be an int, got {type(priority).__name__}")
@@ -145,7 +192,21 @@ class ContinuousBatcher:
         return handle
 
     def generate(self, prompts: Iterable[Iterable[int]], *, max_new_tokens: int) -> list[list[int]]:
-        """Offline: generate for every prompt; the generated ids per prompt, in order."""
+        """Offline: generate for every prompt and wait for all of them.
+
+        Args:
+            prompts: The prompts, each a sequence of token ids.
+            max_new_tokens: The most tokens to generate per prompt.
+
+        Returns:
+            The generated ids per prompt, in order.
+
+        Raises:
+            RuntimeError: The step function is async (use
+                [`agenerate`][batchkit.ContinuousBatcher.agenerate]).
+            ValueError: A prompt is refused (the message names its position); none
+                of the prompts is left running.
+        """
         if self.is_async:
             raise RuntimeError(f"{self.name}: an async step function; use 'await agenerate()'")
         return [h.result() for h in self._submit_all(prompts, max_new_tokens)]
@@ -153,7 +214,15 @@ class ContinuousBatcher:
     async def agenerate(
         self, prompts: Iterable[Iterable[int]], *, max_new_tokens: int
     ) -> list[list[int]]:
-        """:meth:`generate` from asyncio."""
+        """[`generate`][batchkit.ContinuousBatcher.generate] from asyncio.
+
+        Args:
+            prompts: The prompts, each a sequence of token ids.
+            max_new_tokens: The most tokens to generate per prompt.
+
+        Returns:
+            The generated ids per prompt, in order.
+        """
         return [await h for h in self._submit_all(prompts, max_new_tokens)]
 
     def _submit_all(
@@ -176,12 +245,26 @@ class ContinuousBatcher:
     # -- observing ----------------------------------------------------------------
     def add_listener(self, listener: GenerationListener) -> None:
         """Call ``listener.on_step`` after every step and ``listener.on_finish`` for
-        every answered request (see :mod:`batchkit.generate.observe`); once per listener."""
+        every answered request.
+
+        Listeners run under the batcher's lock, right after the fact: keep them fast.
+
+        Args:
+            listener: A [`GenerationListener`][batchkit.generate.GenerationListener];
+                adding the same one again does nothing.
+        """
         with self._lock:
             self._observer.add(listener)
 
     def remove_listener(self, listener: GenerationListener) -> None:
-        """Detach a listener :meth:`add_listener` attached (``ValueError`` if it is not)."""
+        """Detach a listener [`add_listener`][batchkit.ContinuousBatcher.add_listener] attached.
+
+        Args:
+            listener: The listener.
+
+        Raises:
+            ValueError: It is not attached.
+        """
         with self._lock:
             self._observer.remove(listener)
 
@@ -199,16 +282,26 @@ class ContinuousBatcher:
             )
 
     def close(self, timeout: float | None = None) -> None:
-        """Stop accepting; finish every queued and running request. After ``timeout``
-        seconds, the unfinished ones fail with :class:`~batchkit.BatcherClosed`.
+        """Stop accepting; finish every queued and running request, then return.
 
         Called from the step function itself, it returns at once (a driver cannot wait
         for itself); the driver drains the rest after that step.
+
+        Args:
+            timeout: Seconds to wait for the requests to finish; then the unfinished
+                ones fail with [`BatcherClosed`][batchkit.BatcherClosed]. ``None``:
+                wait for all of them.
         """
         self._driver.close(timeout)
 
     async def aclose(self, timeout: float | None = None) -> None:
-        """:meth:`close` from asyncio (never blocks the loop)."""
+        """[`close`][batchkit.ContinuousBatcher.close] from asyncio (never blocks the loop).
+
+        Args:
+            timeout: Seconds to wait for the requests to finish; then the unfinished
+                ones fail with [`BatcherClosed`][batchkit.BatcherClosed]. ``None``:
+                wait for all of them.
+        """
         await self._driver.aclose(timeout)
 
     def __enter__(self) -> ContinuousBatcher:

@@ -1,12 +1,12 @@
-"""The drivers of :class:`~batchkit.generate.ContinuousBatcher`: the loops that run its steps.
+"""The drivers of `ContinuousBatcher`: the loops that run its steps.
 
-A sync step function runs on one worker thread (:class:`ThreadDriver`, started by the
+A sync step function runs on one worker thread (`ThreadDriver`, started by the
 first submit), an async one as a task on the event loop of the first submit
-(:class:`LoopDriver`). Between steps, under the batcher's lock, a driver drops
+(`LoopDriver`). Between steps, under the batcher's lock, a driver drops
 timed-out requests, schedules, and after the step applies its tokens and wakes the
 callers whose requests moved. What both share (applying a step, answering callers,
-draining on close) is :class:`StepDriver`'s. The batcher
-(:mod:`batchkit.generate.batcher`) is the callers' side and holds one driver.
+draining on close) is `StepDriver`'s. The batcher
+(`batchkit.generate.batcher`) is the callers' side and holds one driver.
 """
 
 from __future__ import annotations
@@ -31,6 +31,14 @@ class StepDriver:
 
     Every method named ``*_locked`` expects the caller to hold ``lock`` (the
     ``waiters``' lock, which guards the scheduler too).
+
+    Args:
+        step_fn: The batcher's step function.
+        sched: The batcher's scheduler.
+        waiters: The batcher's lock and waiting callers.
+        name: The batcher's name, for errors and thread names.
+        clock: Seconds, monotonic (timeouts, latencies).
+        observer: The batcher's listeners.
     """
 
     def __init__(
@@ -68,11 +76,21 @@ class StepDriver:
         raise NotImplementedError
 
     def close(self, timeout: float | None) -> None:
-        """:meth:`ContinuousBatcher.close <batchkit.ContinuousBatcher.close>`."""
+        """What `ContinuousBatcher.close` does.
+
+        Args:
+            timeout: Seconds to wait for the requests to finish; then the unfinished
+                ones fail with `BatcherClosed`. None: wait for all of them.
+        """
         self._drain(timeout)
 
     async def aclose(self, timeout: float | None) -> None:
-        """:meth:`ContinuousBatcher.aclose <batchkit.ContinuousBatcher.aclose>`."""
+        """What `ContinuousBatcher.aclose` does.
+
+        Args:
+            timeout: Seconds to wait for the requests to finish; then the unfinished
+                ones fail with `BatcherClosed`. None: wait for all of them.
+        """
         await asyncio.get_running_loop().run_in_executor(None, self.close, timeout)
 
     # -- shared: closing, cancelling ---------------------------------------------------
@@ -94,7 +112,11 @@ class StepDriver:
         return self.closed
 
     def cancel(self, seq: Sequence) -> bool:
-        """Cancel ``seq``'s request (any thread); False if it had finished already."""
+        """Cancel ``seq``'s request (any thread); False if it had finished already.
+
+        Args:
+            seq: The request's sequence.
+        """
         with self.lock:
             if not self.sched.abort(seq, "cancelled"):
                 return False
@@ -128,11 +150,22 @@ class StepDriver:
         return batch
 
     def fail_step_locked(self, batch: StepBatch, error: BaseException) -> None:
-        """The step of ``batch`` will never report: fail its sequences with ``error``."""
+        """The step of ``batch`` will never report: fail its sequences with ``error``.
+
+        Args:
+            batch: The step's batch.
+            error: What their callers get raised.
+        """
         self.apply_locked(batch, None, error)
 
     def apply_locked(self, batch: StepBatch, output: Any, error: BaseException | None) -> None:
-        """Apply a step's outcome and wake whoever waits on the sequences it moved."""
+        """Apply a step's outcome and wake whoever waits on the sequences it moved.
+
+        Args:
+            batch: The step's batch.
+            output: What the step function returned (ignored when ``error`` is given).
+            error: What the step function raised, or None.
+        """
         sched = self.sched
         now = self.clock()
         if error is None:
@@ -166,13 +199,22 @@ class StepDriver:
         waiters.wake_streamers()
 
     def finish_locked(self, seq: Sequence, error: BaseException | None) -> None:
-        """Answer ``seq``'s caller (``error``, or its tokens) unless it has its answer."""
+        """Answer ``seq``'s caller (``error``, or its tokens) unless it has its answer.
+
+        Args:
+            seq: A finished sequence.
+            error: What its caller gets raised; None: its tokens.
+        """
         outcome = seq.outcome
         if outcome is not None and outcome.settle(error) and self.observer.active:
             self.observer.finished(seq, self.clock())
 
     def abort_all_locked(self, error: BaseException | None = None) -> None:
-        """Fail every waiting and running request (default: :class:`~batchkit.BatcherClosed`)."""
+        """Fail every waiting and running request.
+
+        Args:
+            error: What their callers get raised; None: `BatcherClosed`.
+        """
         if error is None:
             error = BatcherClosed(f"{self.name} closed before this request finished")
         for seq in self.sched.abort_all("error"):
@@ -181,7 +223,12 @@ class StepDriver:
 
 
 class ThreadDriver(StepDriver):
-    """A sync step function's driver: one worker thread, started by the first request."""
+    """A sync step function's driver: one worker thread, started by the first request.
+
+    Args:
+        *args: `StepDriver`'s arguments.
+        **kwargs: `StepDriver`'s keyword arguments.
+    """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -205,7 +252,12 @@ class ThreadDriver(StepDriver):
 
     def close(self, timeout: float | None) -> None:
         """Drain and stop; from the step function itself (the worker thread), only mark
-        the batcher closed: the worker drains after this step."""
+        the batcher closed: the worker drains after this step.
+
+        Args:
+            timeout: Seconds to wait for the requests to finish; then the unfinished
+                ones fail with `BatcherClosed`. None: wait for all of them.
+        """
         thread = self._thread
         if thread is threading.current_thread():
             with self.lock:
@@ -240,7 +292,12 @@ class ThreadDriver(StepDriver):
 
 class LoopDriver(StepDriver):
     """An async step function's driver: a task on the event loop of the first request
-    (a new one on the caller's loop if that loop closed or cancelled it)."""
+    (a new one on the caller's loop if that loop closed or cancelled it).
+
+    Args:
+        *args: `StepDriver`'s arguments.
+        **kwargs: `StepDriver`'s keyword arguments.
+    """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -277,14 +334,24 @@ class LoopDriver(StepDriver):
         return self._task is not None
 
     def close(self, timeout: float | None) -> None:
-        """Drain and stop, from outside the driver's loop (blocking it would deadlock)."""
+        """Drain and stop, from outside the driver's loop (blocking it would deadlock).
+
+        Args:
+            timeout: Seconds to wait for the requests to finish; then the unfinished
+                ones fail with `BatcherClosed`. None: wait for all of them.
+        """
         if on_loop_thread(self._loop):
             raise RuntimeError(f"{self.name}: use 'await aclose()' inside the event loop")
         self._drain(timeout)
 
     async def aclose(self, timeout: float | None) -> None:
         """Drain and stop without blocking the loop; from the step function itself, only
-        mark the batcher closed (the driver drains after this step)."""
+        mark the batcher closed (the driver drains after this step).
+
+        Args:
+            timeout: Seconds to wait for the requests to finish; then the unfinished
+                ones fail with `BatcherClosed`. None: wait for all of them.
+        """
         task = self._task
         if task is None:
             await super().aclose(timeout)
@@ -304,7 +371,7 @@ class LoopDriver(StepDriver):
         """The driver task: the thread's cycle, awaiting the step function.
 
         Cancelled (its loop shutting down), it answers every request with
-        :class:`~batchkit.BatcherClosed` instead of leaving them waiting; a later
+        `BatcherClosed` instead of leaving them waiting; a later
         submit starts a new driver.
         """
         wakeup = self._wakeup

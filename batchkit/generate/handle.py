@@ -10,13 +10,22 @@ from batchkit.generate.waiters import Outcome, Waiters
 
 
 class GenerationHandle:
-    """One submitted request. Iterate (``for`` / ``async for``) to stream its tokens,
-    :meth:`result` (or ``await handle``) for all of them, :meth:`cancel` to stop it.
+    """One submitted request: stream its tokens, wait for them, or cancel it.
+
+    Iterate (``for`` / ``async for``) to stream its tokens,
+    [`result`][batchkit.GenerationHandle.result] (or ``await handle``) for all of
+    them, [`cancel`][batchkit.GenerationHandle.cancel] to stop it.
 
     The generated ids include the stop token that ended the sequence, if one did. A
     cancelled request's result is what it generated before the cancel; a request that
     timed out before it started, failed in the step function, or was cut by a
-    :meth:`~batchkit.ContinuousBatcher.close` timeout raises that error instead.
+    [`close`][batchkit.ContinuousBatcher.close] timeout raises that error instead.
+
+    Args:
+        seq: The request's sequence.
+        outcome: Its final answer, once settled.
+        waiters: Its batcher's lock and waiting callers.
+        cancel: The batcher's driver's ``cancel``.
     """
 
     __slots__ = ("_seq", "_outcome", "_waiters", "_cancel")
@@ -55,8 +64,22 @@ class GenerationHandle:
         return self._cancel(self._seq)
 
     def result(self, timeout: float | None = None) -> list[int]:
-        """Block until done; the generated ids. ``TimeoutError`` if ``timeout`` passes first
-        (the request goes on; :meth:`cancel` it if it is no longer wanted)."""
+        """Block until done; the generated ids.
+
+        Args:
+            timeout: Seconds to wait; ``None``: as long as it takes.
+
+        Returns:
+            The generated token ids (the stop token included, if one ended it).
+
+        Raises:
+            TimeoutError: ``timeout`` passed first; the request goes on
+                ([`cancel`][batchkit.GenerationHandle.cancel] it if it is no longer
+                wanted).
+            RequestTimeout: It timed out before it started.
+            BatcherClosed: A ``close`` timeout cut it.
+            Exception: Whatever the step function raised for its step.
+        """
         if not self._outcome.wait(timeout):
             raise TimeoutError(f"request {self.request_id} not done within {timeout}s")
         return self._result()

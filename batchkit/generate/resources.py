@@ -1,6 +1,6 @@
 """What the scheduler's sequences hold while they run: a row each and, in paged mode, KV blocks.
 
-:class:`SeqResources` (held by the :class:`~batchkit.generate.scheduler.Scheduler`)
+`SeqResources` (held by the `Scheduler`)
 checks that a request could ever fit the KV pool, gives a sequence its row and its
 blocks (adopting any prefix-cache hit), grows its blocks step by step, registers the
 blocks a step completed in the prefix cache, and takes rows and blocks back when a
@@ -19,7 +19,12 @@ from batchkit.kv.block_table import BlockTable, BlockTableRows, blocks_for
 
 
 class SeqResources:
-    """Rows (``max_num_seqs``) and, with an ``allocator``, KV blocks of running sequences."""
+    """Rows (``max_num_seqs``) and, with an ``allocator``, KV blocks of running sequences.
+
+    Args:
+        max_num_seqs: Rows, ``0 .. max_num_seqs-1``.
+        allocator: The KV pool (paged mode), or None (slotted mode: rows only).
+    """
 
     def __init__(self, max_num_seqs: int, allocator: BlockAllocator | None) -> None:
         self.allocator = allocator
@@ -33,7 +38,12 @@ class SeqResources:
         return len(self._free_rows)
 
     def check_pool_fits(self, seq: Sequence, longest: int) -> None:
-        """Raise ``ValueError`` if ``longest`` tokens of ``seq`` could never fit the KV pool."""
+        """Raise ``ValueError`` if ``longest`` tokens of ``seq`` could never fit the KV pool.
+
+        Args:
+            seq: A new sequence.
+            longest: The most tokens it can reach (prompt plus generated).
+        """
         alloc = self.allocator
         if alloc is not None:
             # The last generated token is returned, never computed: it needs no KV slot.
@@ -47,7 +57,12 @@ class SeqResources:
 
     def blocks_to_start(self, seq: Sequence, chunk: int) -> int:
         """Free blocks a waiting ``seq`` would take to start with (at most) ``chunk`` tokens,
-        its prefix-cache hit counted in (nothing is taken or counted as a lookup)."""
+        its prefix-cache hit counted in (nothing is taken or counted as a lookup).
+
+        Args:
+            seq: A waiting sequence (paged mode).
+            chunk: The most tokens it would compute in its first step.
+        """
         return self._start_plan(seq, chunk)[0]
 
     def _start_plan(self, seq: Sequence, chunk: int) -> tuple[int, list[int]]:
@@ -61,7 +76,12 @@ class SeqResources:
         return need + (alloc.num_revived(hits) if hits else 0), hits
 
     def admit_blocks(self, seq: Sequence, chunk: int) -> bool:
-        """Give a waiting sequence its table (with any prefix hit); False if blocks are short."""
+        """Give a waiting sequence its table (with any prefix hit); False if blocks are short.
+
+        Args:
+            seq: A waiting sequence (paged mode).
+            chunk: The most tokens it will compute in its first step.
+        """
         alloc = self.allocator
         assert alloc is not None
         # Check before taking anything: a sequence short of blocks holds no memory, and
@@ -78,19 +98,32 @@ class SeqResources:
         return True
 
     def take_row(self, seq: Sequence) -> None:
-        """Give an admitted sequence the lowest free row."""
+        """Give an admitted sequence the lowest free row.
+
+        Args:
+            seq: The sequence (a free row must exist).
+        """
         seq.slot = heapq.heappop(self._free_rows)
         if seq.block_table is not None:
             self._tables.assign(seq.slot, seq.block_table.block_ids)
 
     def num_blocks_held(self, seq: Sequence) -> int:
-        """Blocks in ``seq``'s table (some may be shared with other sequences)."""
+        """Blocks in ``seq``'s table (some may be shared with other sequences).
+
+        Args:
+            seq: The sequence.
+        """
         table = seq.block_table
         return 0 if table is None else len(table.block_ids)
 
     def grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Make room in ``seq``'s blocks for ``num_tokens`` more; False (nothing taken)
-        if the pool is short of blocks. Always True in slotted mode."""
+        if the pool is short of blocks. Always True in slotted mode.
+
+        Args:
+            seq: A running sequence.
+            num_tokens: Tokens it computes next.
+        """
         table = seq.block_table
         if table is None:
             return True
@@ -104,11 +137,19 @@ class SeqResources:
         return True
 
     def block_tables(self, rows: list[int]) -> np.ndarray:
-        """The block tables of these rows, as a step's ``block_tables``."""
+        """The block tables of these rows, as a step's ``block_tables``.
+
+        Args:
+            rows: The step's rows, in its order.
+        """
         return self._tables.gather(rows)
 
     def free(self, seq: Sequence) -> None:
-        """Give back the sequence's blocks and row, and tell the step function."""
+        """Give back the sequence's blocks and row, and tell the step function.
+
+        Args:
+            seq: The sequence (its id joins the next step's ``released``).
+        """
         if seq.block_table is not None:
             seq.block_table.free()
             seq.block_table = None
@@ -118,7 +159,11 @@ class SeqResources:
         self._released.append(seq.request_id)
 
     def holds_any(self, seq: Sequence) -> bool:
-        """Whether ``seq`` still holds a row or blocks."""
+        """Whether ``seq`` still holds a row or blocks.
+
+        Args:
+            seq: The sequence.
+        """
         return seq.slot is not None or seq.block_table is not None
 
     def take_released(self) -> list[int]:
@@ -127,7 +172,13 @@ class SeqResources:
         return released
 
     def cache_full_blocks(self, seq: Sequence, start: int, end: int) -> None:
-        """Register the blocks this step completed (their keys/values now exist)."""
+        """Register the blocks this step completed (their keys/values now exist).
+
+        Args:
+            seq: A sequence of the step (paged mode, prefix caching on).
+            start: Its first token computed in the step.
+            end: One past its last token computed in the step.
+        """
         alloc = self.allocator
         assert alloc is not None and alloc.prefix is not None and seq.block_table is not None
         bs = alloc.block_size

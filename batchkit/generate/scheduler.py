@@ -1,6 +1,6 @@
 """The continuous-batching scheduler: a pure, synchronous core (no threads, no clock).
 
-Every step, :meth:`Scheduler.schedule` picks the sequences to compute: running ones
+Every step, `Scheduler.schedule` picks the sequences to compute: running ones
 first (a decode token each, or their next prefill chunk), then waiting ones,
 first-come-first-served within a priority (lower values first), while there are
 free rows (``max_num_seqs``), tokens in the step's budget
@@ -17,10 +17,10 @@ generated so far) when it is readmitted; until it has produced a token again, no
 sequence of its own priority may preempt it (only a more urgent one), so two equals
 cannot evict each other forever.
 
-:meth:`Scheduler.update` takes the step's sampled tokens and retires sequences that
+`Scheduler.update` takes the step's sampled tokens and retires sequences that
 hit a stop token or their length limit. The rows and blocks themselves are taken and
-given back by its :class:`~batchkit.generate.resources.SeqResources`; the drivers
-(:mod:`batchkit.generate.driver`) add threads, handles and time.
+given back by its `SeqResources`; the drivers
+(`batchkit.generate.driver`) add threads, handles and time.
 """
 
 from __future__ import annotations
@@ -36,7 +36,28 @@ from batchkit.kv.allocator import BlockAllocator
 
 
 class Scheduler:
-    """Iteration-level scheduling over a waiting queue and a running set."""
+    """Iteration-level scheduling over a waiting queue and a running set.
+
+    Args:
+        max_num_seqs: Sequences one step may compute at most (rows ``0 ..
+            max_num_seqs-1``); a positive int.
+        max_num_batched_tokens: Tokens one step may compute at most, all sequences
+            together (the token budget); a positive int.
+        allocator: A [`BlockAllocator`][batchkit.BlockAllocator] for paged mode (KV
+            blocks per sequence, preemption when they run out); ``None`` for slotted
+            mode (a row per sequence, nothing else limited).
+        max_model_len: The most tokens (prompt plus generated) a sequence may reach;
+            generation stops there (finish reason ``"length"``). ``None``: no limit
+            but ``max_new_tokens``.
+        max_prefill_chunk: The most prompt (or recomputed) tokens of one sequence per
+            step, so that prefills of several sequences and every decode token share
+            each step; a positive int at most ``max_num_batched_tokens``. ``None``:
+            the whole token budget.
+
+    Raises:
+        ValueError: A limit is not a positive int, or ``max_prefill_chunk`` exceeds
+            ``max_num_batched_tokens``.
+    """
 
     def __init__(
         self,
@@ -100,12 +121,16 @@ class Scheduler:
 
     @property
     def in_flight(self) -> StepBatch | None:
-        """The batch of the last :meth:`schedule` until its :meth:`update` (or
-        :meth:`fail_step`); None between steps."""
+        """The batch of the last step scheduled, until its results are applied.
+
+        Set by [`schedule`][batchkit.generate.Scheduler.schedule], cleared by
+        [`update`][batchkit.generate.Scheduler.update] (or
+        [`fail_step`][batchkit.generate.Scheduler.fail_step]); None between steps.
+        """
         return self._in_flight
 
     def take_errored(self) -> list[Sequence]:
-        """The sequences bad step results failed alone since the last call (see :attr:`errored`)."""
+        """The sequences bad step results failed alone since the last call (see `errored`)."""
         errored = self.errored
         if not errored:
             return errored
@@ -113,7 +138,16 @@ class Scheduler:
         return errored
 
     def check_fits(self, seq: Sequence) -> None:
-        """Raise ``ValueError`` if ``seq`` could never run, even alone."""
+        """Raise ``ValueError`` if ``seq`` could never run, even alone.
+
+        Args:
+            seq: A new sequence.
+
+        Raises:
+            ValueError: Its prompt is empty, its ``max_new_tokens`` is not a positive
+                int, its prompt leaves no room within ``max_model_len``, or (paged
+                mode) the whole pool could not hold it.
+        """
         if seq.num_prompt_tokens < 1:
             raise ValueError(f"request {seq.request_id}: the prompt is empty")
         if seq.max_new_tokens.__class__ is not int or seq.max_new_tokens < 1:
@@ -133,7 +167,15 @@ class Scheduler:
         self.resources.check_pool_fits(seq, longest)
 
     def add(self, seq: Sequence) -> None:
-        """Queue a new sequence (``ValueError`` if it can never fit)."""
+        """Queue a new sequence, in line by (priority, arrival).
+
+        Args:
+            seq: A new [`Sequence`][batchkit.generate.Sequence] (not queued before).
+
+        Raises:
+            ValueError: It can never fit (see
+                [`check_fits`][batchkit.generate.Scheduler.check_fits]).
+        """
         self.check_fits(seq)
         self._arrivals += 1
         seq.order = self._arrivals
@@ -163,11 +205,17 @@ class Scheduler:
 
     # -- scheduling -----------------------------------------------------------
     def schedule(self) -> StepBatch:
-        """The next step's batch (possibly empty); call :meth:`update` with its tokens.
+        """The next step's batch (possibly empty).
+
+        Call [`update`][batchkit.generate.Scheduler.update] with its tokens (or
+        [`fail_step`][batchkit.generate.Scheduler.fail_step]) before the next one.
 
         In order: waiting requests more urgent than some running sequence (preempting
         less urgent ones for their row and blocks); the running sequences; then other
         waiting ones, unless the step preempted for lack of blocks.
+
+        Raises:
+            RuntimeError: The last step's results were not applied yet.
         """
         if self._in_flight is not None:
             raise RuntimeError("schedule() called again before update() of the last step")
@@ -225,7 +273,7 @@ class Scheduler:
         """The running sequence to preempt when ``needer`` needs a block and none is free:
         the least urgent (newest among equals), never one more urgent than ``needer``,
         and never one of its own priority still recomputing after a preemption (see
-        :attr:`Sequence.recomputing`). ``needer`` itself when nobody else qualifies."""
+        `Sequence.recomputing`). ``needer`` itself when nobody else qualifies."""
         return max(
             (
                 s
@@ -320,12 +368,28 @@ class Scheduler:
     def update(
         self, batch: StepBatch, tokens: list[int | None], now: float = 0.0
     ) -> list[Sequence]:
-        """Apply a step's results (one per ``batch.seqs``); returns the sequences that got a token.
+        """Apply a step's results: append each sampled token, retire finished sequences.
 
         A sequence cancelled while the step ran gets nothing (its token is dropped). A
         bad entry (not an integer token id, or None where the sequence must sample)
-        fails its own sequence only: see :attr:`errored`. A wrong number of results
-        fails the whole step (``ValueError``).
+        fails its own sequence only: see
+        [`take_errored`][batchkit.generate.Scheduler.take_errored].
+
+        Args:
+            batch: The batch of the last
+                [`schedule`][batchkit.generate.Scheduler.schedule].
+            tokens: One entry per ``batch.seqs``, in order: the next token id, or
+                ``None`` for a sequence that does not sample this step.
+            now: The time of the results, in seconds (for the token-latency
+                statistics).
+
+        Returns:
+            The sequences that got a token.
+
+        Raises:
+            RuntimeError: ``batch`` is not the last scheduled one.
+            ValueError: ``tokens`` has the wrong length; the whole step failed (as by
+                [`fail_step`][batchkit.generate.Scheduler.fail_step]).
         """
         if batch is not self._in_flight:
             raise RuntimeError("update() expects the batch of the last schedule()")
@@ -401,8 +465,14 @@ class Scheduler:
     def abort(self, seq: Sequence, reason: str = "cancelled") -> bool:
         """Finish ``seq`` now; False if it had finished already.
 
-        During a step its resources stay held until :meth:`update` (the step may be
-        writing them); that step's token is then dropped.
+        During a step its resources stay held until
+        [`update`][batchkit.generate.Scheduler.update] (the step may be writing them);
+        that step's token is then dropped.
+
+        Args:
+            seq: A waiting or running sequence.
+            reason: Its finish reason, counted in the statistics: ``"cancelled"``,
+                ``"timeout"``, or anything else as a failure (e.g. ``"error"``).
         """
         if seq.status is SeqStatus.FINISHED:
             return False
@@ -425,7 +495,19 @@ class Scheduler:
         return True
 
     def fail_step(self, batch: StepBatch, reason: str = "error") -> list[Sequence]:
-        """The step of ``batch`` failed: abort its sequences (their state is unknown)."""
+        """The step of ``batch`` failed: abort its sequences (their state is unknown).
+
+        Args:
+            batch: The batch of the last
+                [`schedule`][batchkit.generate.Scheduler.schedule].
+            reason: The aborted sequences' finish reason.
+
+        Returns:
+            The sequences aborted (those not finished already).
+
+        Raises:
+            RuntimeError: ``batch`` is not the last scheduled one.
+        """
         if batch is not self._in_flight:
             raise RuntimeError("fail_step() expects the batch of the last schedule()")
         self._in_flight = None
@@ -438,11 +520,26 @@ class Scheduler:
         return self.fail(seqs, reason)
 
     def fail(self, seqs: list[Sequence], reason: str = "error") -> list[Sequence]:
-        """Abort each sequence (e.g. the step function raised); returns those aborted."""
+        """Abort each sequence (e.g. the step function raised).
+
+        Args:
+            seqs: Sequences of this scheduler.
+            reason: Their finish reason (see [`abort`][batchkit.generate.Scheduler.abort]).
+
+        Returns:
+            Those aborted (those not finished already).
+        """
         return [s for s in seqs if self.abort(s, reason)]
 
     def expire(self, now: float) -> list[Sequence]:
-        """Drop waiting sequences whose deadline passed before they first ran."""
+        """Drop waiting sequences whose deadline passed before they first ran.
+
+        Args:
+            now: The current time, on the clock of the sequences' deadlines.
+
+        Returns:
+            The sequences that timed out (finish reason ``"timeout"``).
+        """
         out: list[Sequence] = []
         deadlines = self._deadlines
         while deadlines and deadlines[0][0] <= now:
@@ -453,7 +550,14 @@ class Scheduler:
         return out
 
     def abort_all(self, reason: str) -> list[Sequence]:
-        """Abort every waiting and running sequence."""
+        """Abort every waiting and running sequence.
+
+        Args:
+            reason: Their finish reason (see [`abort`][batchkit.generate.Scheduler.abort]).
+
+        Returns:
+            Those aborted.
+        """
         return self.fail(list(self.waiting) + list(self.running), reason)
 
 

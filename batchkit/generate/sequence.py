@@ -26,8 +26,18 @@ class Sequence:
 
     ``prompt_ids`` becomes ``token_ids`` as it is (no copy): generated tokens are
     appended to it. ``ContinuousBatcher.submit`` passes its own copy; code driving the
-    :class:`~batchkit.generate.scheduler.Scheduler` directly should do the same if it
+    [`Scheduler`][batchkit.generate.Scheduler] directly should do the same if it
     keeps the prompt list.
+
+    Args:
+        request_id: The request's id, as the step function sees it.
+        prompt_ids: The prompt's token ids (kept, not copied).
+        max_new_tokens: The most tokens to generate.
+        stop_token_ids: Tokens that end the request (included in its output).
+        priority: Lower values are served first.
+        arrival_time: When it arrived, in seconds (for the latency statistics).
+        deadline: The time by which it must have started, or it times out (see
+            [`Scheduler.expire`][batchkit.generate.Scheduler.expire]); ``None``: never.
     """
 
     __slots__ = (
@@ -124,7 +134,13 @@ class ScheduledSeq:
 
     Compute tokens ``token_ids[start : start + num_tokens]`` (the earlier ``start``
     are computed already); if ``sample``, return its next token, else ``None``.
-    ``token_ids`` is the live list: read it, do not change it.
+    ``token_ids`` is the live list: read it, do not change it. The scheduler builds
+    it; ``slot`` and ``block_ids`` are the sequence's row and (paged mode) KV blocks.
+
+    Args:
+        seq: The scheduled sequence.
+        start: Its first token computed this step (the earlier ones are computed).
+        num_tokens: Tokens it computes this step.
     """
 
     __slots__ = ("request_id", "token_ids", "start", "num_tokens", "slot", "block_ids", "seq")
@@ -163,6 +179,13 @@ class StepBatch:
     ``released`` lists request ids that finished, were cancelled or preempted since the
     previous step: drop their state (a preempted one comes back later with ``start=0``).
     ``layout`` (paged mode only) is built on first access.
+
+    Attributes:
+        seqs: The sequences computed, in row order.
+        released: Request ids that left since the previous step.
+        step: The step's number, from 0.
+        block_size: Tokens per KV block (paged mode), or None.
+        block_tables: Int32 ``[B, max blocks]``, ``-1`` padded (paged mode), or None.
     """
 
     seqs: list[ScheduledSeq]

@@ -21,7 +21,31 @@ class GenerationStats:
     requests waiting), ``token_budget_utilisation`` tokens per step over
     ``max_num_batched_tokens``. KV figures are paged mode only (0 otherwise):
     ``kv_usage`` now, ``mean_kv_usage`` and ``mean_kv_waste`` (internal waste, see
-    :class:`~batchkit.kv.AllocatorStats`) over steps.
+    [`AllocatorStats`][batchkit.kv.AllocatorStats]) over steps.
+
+    Attributes:
+        requests: Requests submitted (refused ones not counted).
+        finished: Requests that ended at a stop token or a length limit.
+        cancelled: Requests cancelled.
+        timeouts: Requests that timed out before they started.
+        failed: Requests that failed (the step function raised or returned a bad
+            entry, or ``close`` cut them).
+        steps: Steps run.
+        running: Sequences running now.
+        waiting: Sequences waiting now (new or preempted).
+        preemptions: Times a running sequence was preempted (to be recomputed).
+        tokens_generated: Tokens sampled.
+        tokens_computed: Tokens computed (prompts, recomputation and decode).
+        slot_utilisation: Mean sequences per step over ``max_num_seqs``.
+        slot_utilisation_waiting: The same, over the steps that left requests waiting.
+        token_budget_utilisation: Mean tokens per step over ``max_num_batched_tokens``.
+        kv_usage: Share of KV blocks in use now.
+        mean_kv_usage: Mean share of KV blocks in use, over steps.
+        mean_kv_waste: Mean internal waste of the blocks in use, over steps.
+        prefix_hit_rate: Share of queried full prompt blocks found in the prefix cache.
+        time_to_first_token: Seconds from submit to the first token, over recent
+            requests.
+        inter_token_latency: Seconds between consecutive tokens, over recent tokens.
     """
 
     requests: int
@@ -48,7 +72,12 @@ class GenerationStats:
 
 @dataclass
 class GenerationStatsRecorder:
-    """Mutable counters; updated by the scheduler under its owner's lock."""
+    """Mutable counters; updated by the scheduler under its owner's lock.
+
+    Constructed empty (every field has its default); the fields are those of
+    [`GenerationStats`][batchkit.GenerationStats] plus the running sums its means
+    are made of.
+    """
 
     requests: int = 0
     finished: int = 0
@@ -78,7 +107,15 @@ class GenerationStatsRecorder:
         requests_waiting: bool,
         allocator: BlockAllocator | None,
     ) -> None:
-        """Account one scheduled step: slot and token-budget use, KV use and waste."""
+        """Account one scheduled step: slot and token-budget use, KV use and waste.
+
+        Args:
+            seq_util: Sequences in the step over ``max_num_seqs``.
+            token_util: Tokens in the step over ``max_num_batched_tokens``.
+            tokens: Tokens computed in the step.
+            requests_waiting: Whether requests were left waiting.
+            allocator: The KV pool (paged mode), or None.
+        """
         self.steps += 1
         self.seqs_sum += seq_util
         if requests_waiting:
@@ -96,7 +133,14 @@ class GenerationStatsRecorder:
     def snapshot(
         self, *, running: int, waiting: int, kv_usage: float, prefix_hit_rate: float
     ) -> GenerationStats:
-        """Freeze the current values."""
+        """Freeze the current values.
+
+        Args:
+            running: Sequences running now.
+            waiting: Sequences waiting now.
+            kv_usage: Share of KV blocks in use now (0 in slotted mode).
+            prefix_hit_rate: The pool's prefix-cache hit rate (0 without one).
+        """
         steps = self.steps or 1
         return GenerationStats(
             requests=self.requests,

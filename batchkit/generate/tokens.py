@@ -22,7 +22,11 @@ class _Scheduled(Protocol):
 
 
 def is_index(value: Any) -> bool:
-    """Whether ``value`` is an integer (``operator.index`` accepts it)."""
+    """Whether ``value`` is an integer (``operator.index`` accepts it).
+
+    Args:
+        value: Any value (numpy and torch integers count).
+    """
     try:
         operator.index(value)
     except TypeError:
@@ -36,7 +40,16 @@ def _all_ints(values: list[Any]) -> bool:
 
 def token_ids(ids: Iterable[Any], what: str) -> list[int]:
     """``ids`` as a list of token ids; anything else raises, naming its position
-    (``what[i]``), before it can reach a step."""
+    (``what[i]``), before it can reach a step.
+
+    Args:
+        ids: The ids (ints, numpy or torch integers).
+        what: The argument's name, for the errors (``"prompt_ids"``).
+
+    Raises:
+        TypeError: An id is not an integer.
+        ValueError: An id is outside ``[0, MAX_TOKEN_ID]``.
+    """
     out = list(ids)
     if not _all_ints(out):
         try:
@@ -55,9 +68,17 @@ def token_ids(ids: Iterable[Any], what: str) -> list[int]:
 def check_step_tokens(
     seqs: Sequence[_Scheduled], tokens: list[Any]
 ) -> tuple[list[Any], dict[int, str]]:
-    """A step's results (one per sequence, already the right number): the tokens with
-    integer-likes as ints, and the bad entries by position, each with what was wrong
-    (None where the sequence must sample, not an integer, outside the token ids)."""
+    """Check a step's results, one per sequence (already the right number).
+
+    Args:
+        seqs: The step's sequences, in order.
+        tokens: The step function's results, in the same order.
+
+    Returns:
+        The tokens with integer-likes as ints (a non-integer replaced by None), and
+        the bad entries by position, each with what was wrong (None where the
+        sequence must sample, not an integer, outside the token ids).
+    """
     bad: dict[int, str] = {}
     if None in tokens:
         for i, (sched, token) in enumerate(zip(seqs, tokens)):

@@ -1,9 +1,9 @@
 """Who waits on a continuous batcher's requests, and how they are woken.
 
-:class:`Waiters` is one batcher's lock (it guards the scheduler too) and the callers
+`Waiters` is one batcher's lock (it guards the scheduler too) and the callers
 waiting under it: threads streaming a handle wait on one condition; asyncio tasks
 (awaiting or iterating a handle) each wait on an event of their own loop, set on that
-loop. :class:`Outcome` is one request's final answer (its error, if any) and the
+loop. `Outcome` is one request's final answer (its error, if any) and the
 events of the tasks waiting for it. The driver settles outcomes and wakes waiters;
 the handle waits on them. Neither knows the other.
 """
@@ -39,7 +39,11 @@ class Waiters:
 
     def wake_subscribers(self, outcomes: Iterable[Outcome]) -> None:
         """Tell the asyncio tasks waiting on ``outcomes`` that their requests moved (hold
-        ``lock``; threads: :meth:`wake_streamers`)."""
+        ``lock``; threads: `wake_streamers`).
+
+        Args:
+            outcomes: The outcomes of the requests that moved.
+        """
         if self.subscribers:
             set_events([e for outcome in outcomes for e in outcome.events])
 
@@ -47,8 +51,11 @@ class Waiters:
 class Outcome:
     """One request's final answer, and the asyncio events of the tasks waiting for it.
 
-    Settled once, by :meth:`settle` (under the batcher's lock): ``error`` is None for a
+    Settled once, by `settle` (under the batcher's lock): ``error`` is None for a
     request that ended with its tokens.
+
+    Args:
+        waiters: Its batcher's lock and waiting callers.
     """
 
     __slots__ = ("_final", "_waiters", "error", "events", "streaming")
@@ -66,7 +73,11 @@ class Outcome:
         return not self._final.locked()
 
     def wait(self, timeout: float | None) -> bool:
-        """Block until final (False if ``timeout`` seconds pass first)."""
+        """Block until final (False if ``timeout`` seconds pass first).
+
+        Args:
+            timeout: Seconds to wait (a negative one counts as 0); None: no limit.
+        """
         if not self._final.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
             return False
         self._final.release()
@@ -74,7 +85,11 @@ class Outcome:
 
     def settle(self, error: BaseException | None) -> bool:
         """Make the outcome final and wake its waiters (hold the batcher's lock); False
-        if it was final already."""
+        if it was final already.
+
+        Args:
+            error: What the request's callers get raised; None: it ended with its tokens.
+        """
         if self.done():
             return False
         self.error = error
@@ -95,7 +110,11 @@ class Outcome:
         return event
 
     def unsubscribe(self, event: asyncio.Event) -> None:
-        """Forget an event :meth:`subscribe` returned."""
+        """Forget an event `subscribe` returned.
+
+        Args:
+            event: The event.
+        """
         with self._waiters.lock:
             self.events = [(lp, e) for lp, e in self.events if e is not event]
             self._waiters.subscribers -= 1
@@ -107,7 +126,7 @@ class Outcome:
             self._waiters.streamers += 1
 
     def stop_streaming(self) -> None:
-        """The thread :meth:`start_streaming` counted stopped iterating."""
+        """The thread `start_streaming` counted stopped iterating."""
         with self._waiters.lock:
             self.streaming -= 1
             self._waiters.streamers -= 1
@@ -115,6 +134,10 @@ class Outcome:
 
 def set_events(events: Iterable[LoopEvent]) -> None:
     """Set asyncio events, each on its own loop (at once when already there; an event
-    of a closed loop is skipped: nobody waits there)."""
+    of a closed loop is skipped: nobody waits there).
+
+    Args:
+        events: ``(loop, event)`` pairs.
+    """
     for loop, event in events:
         call_on_loop(loop, event.set)

@@ -1,6 +1,6 @@
 """Integrations with other systems, each behind its own optional extra.
 
-- :mod:`batchkit.integrations.ray`: Ray Data (offline, ``map_batches``) and Ray
+- `batchkit.integrations.ray`: Ray Data (offline, ``map_batches``) and Ray
   Serve (online, many replicas); ``pip install "batchkit[ray]"``.
 
 Nothing here is imported by ``import batchkit``.

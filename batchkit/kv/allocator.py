@@ -10,8 +10,8 @@ With ``prefix_caching=True`` a freed block keeps its contents and its place in t
 prefix cache until it is handed out again. Eviction order: free blocks that hold no
 cached contents are handed out first; cached ones only when those run out, least
 recently freed first, so recently used prefixes survive longest. Within one
-:meth:`BlockAllocator.release` blocks join the order as listed (the first listed is
-reused first); a :class:`~batchkit.kv.BlockTable` releases its tail first, so a
+`BlockAllocator.release` blocks join the order as listed (the first listed is
+reused first); a `BlockTable` releases its tail first, so a
 sequence's blocks are evicted from its end and its first blocks, the ones other
 prompts share, go last (and a cached block is never evicted before the blocks
 cached after it, which no lookup could reach without it).
@@ -34,12 +34,24 @@ class OutOfBlocks(BatchkitError, RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class AllocatorStats:
-    """A snapshot of a :class:`BlockAllocator`.
+    """A snapshot of a [`BlockAllocator`][batchkit.BlockAllocator], from its ``stats()``.
 
-    ``internal_waste`` is ``1 - tokens_stored / (used_blocks * block_size)``: the share
-    of allocated token slots that hold nothing (partly filled tail blocks). It counts
-    a shared block once, with the tokens its owners recorded through
-    :meth:`BlockAllocator.set_tokens_stored`.
+    Attributes:
+        num_blocks: Blocks in the pool.
+        block_size: Tokens per block.
+        num_free: Blocks with no reference (cached-but-free ones included).
+        num_used: Blocks with at least one reference.
+        usage: ``num_used / num_blocks``.
+        tokens_stored: Tokens held by blocks in use (a shared block counted once),
+            as their owners recorded them through
+            [`set_tokens_stored`][batchkit.BlockAllocator.set_tokens_stored].
+        internal_waste: ``1 - tokens_stored / (num_used * block_size)``: the share of
+            allocated token slots that hold nothing (partly filled tail blocks); 0
+            with no block in use.
+        num_cached: Blocks whose contents the prefix cache holds (0 without prefix
+            caching).
+        prefix_queries: Full prompt blocks looked up in the prefix cache.
+        prefix_hits: Those found there.
     """
 
     num_blocks: int
@@ -62,8 +74,21 @@ class AllocatorStats:
 class BlockAllocator:
     """A fixed pool of ``num_blocks`` blocks of ``block_size`` tokens, refcounted.
 
-    :meth:`allocate` is all-or-nothing and raises :class:`OutOfBlocks`;
-    :meth:`retain` adds a reference to blocks in use; :meth:`release` drops one.
+    [`allocate`][batchkit.BlockAllocator.allocate] is all-or-nothing and raises
+    [`OutOfBlocks`][batchkit.OutOfBlocks]; [`retain`][batchkit.BlockAllocator.retain]
+    adds a reference to blocks in use; [`release`][batchkit.BlockAllocator.release]
+    drops one.
+
+    Args:
+        num_blocks: Blocks in the pool (a positive int); ids are
+            ``0 .. num_blocks-1``.
+        block_size: Tokens per block (a positive int).
+        prefix_caching: Keep freed full blocks' contents in a prefix cache, so that
+            sequences with an equal prefix share them (see
+            [`lookup_prefix`][batchkit.BlockAllocator.lookup_prefix]).
+
+    Raises:
+        ValueError: ``num_blocks`` or ``block_size`` is not a positive int.
     """
 
     def __init__(self, num_blocks: int, block_size: int, *, prefix_caching: bool = False) -> None:
@@ -108,14 +133,28 @@ class BlockAllocator:
         return self.num_used / self.num_blocks
 
     def can_allocate(self, n: int) -> bool:
-        """Whether :meth:`allocate` of ``n`` blocks would succeed now."""
+        """Whether [`allocate`][batchkit.BlockAllocator.allocate] of ``n`` blocks would succeed now.
+
+        Args:
+            n: A number of blocks.
+        """
         return n <= self.num_free
 
     def allocate(self, n: int) -> list[int]:
-        """``n`` fresh blocks, each with one reference; :class:`OutOfBlocks` if fewer are free.
+        """``n`` fresh blocks, each with one reference.
 
         Blocks holding nothing cached go first; cached ones are evicted (least recently
         freed first) only when those run out.
+
+        Args:
+            n: How many blocks (an int >= 0).
+
+        Returns:
+            The block ids, in the order they were handed out.
+
+        Raises:
+            OutOfBlocks: Fewer than ``n`` blocks are free; nothing was allocated.
+            ValueError: ``n`` is negative.
         """
         if n.__class__ is not int:
             n = operator.index(n)
@@ -139,7 +178,13 @@ class BlockAllocator:
     def retain(self, block_ids: Iterable[int]) -> None:
         """Add one reference to each block; every block must be in use already.
 
-        All or nothing: on an error (a free block, an id outside the pool) no count changes.
+        Args:
+            block_ids: Block ids of this pool (ints in ``0 .. num_blocks-1``); an id may
+                appear more than once (and then gains one reference per appearance).
+
+        Raises:
+            ValueError: A block is free or not in this pool; no count changed.
+            TypeError: An id is not an integer.
         """
         ids = self._checked(block_ids, "retain")
         refcounts = self.refcounts
@@ -153,8 +198,15 @@ class BlockAllocator:
         """Drop one reference from each block; blocks left with none return to the pool.
 
         Freed blocks join the eviction order as listed: the first listed is reused first.
-        All or nothing: releasing more references than a block holds (a double release),
-        or an id outside the pool, raises ``ValueError`` and changes no count.
+
+        Args:
+            block_ids: Block ids of this pool (ints in ``0 .. num_blocks-1``); an id may
+                appear more than once (and then loses one reference per appearance).
+
+        Raises:
+            ValueError: More references released than a block holds (a double
+                release), or an id outside the pool; no count changed.
+            TypeError: An id is not an integer.
         """
         ids = self._checked(block_ids, "release")
         refcounts, fill, prefix = self.refcounts, self.fill, self.prefix
@@ -194,19 +246,36 @@ class BlockAllocator:
         return ids
 
     def refcount(self, block_id: int) -> int:
-        """The number of references to ``block_id`` (0 = free)."""
+        """The number of references to ``block_id`` (0 = free).
+
+        Args:
+            block_id: A block of this pool.
+        """
         return self.refcounts[block_id]
 
     # -- occupancy accounting (for the internal-waste statistic) ------------
     def set_tokens_stored(self, block_id: int, num_tokens: int) -> None:
-        """Record how many tokens ``block_id`` holds (its owner calls this as it fills)."""
+        """Record how many tokens ``block_id`` holds (its owner calls this as it fills).
+
+        Args:
+            block_id: A block in use.
+            num_tokens: Tokens it holds now, ``0 .. block_size`` (it replaces the
+                previous count).
+
+        Raises:
+            ValueError: ``num_tokens`` is outside ``0 .. block_size``.
+        """
         if not 0 <= num_tokens <= self.block_size:
             raise ValueError(f"a block holds 0..{self.block_size} tokens, got {num_tokens}")
         self._stored_total += num_tokens - self.fill[block_id]
         self.fill[block_id] = num_tokens
 
     def add_tokens_stored(self, num_tokens: int) -> None:
-        """Adjust the total after updating :attr:`fill` directly (the fast path)."""
+        """Adjust the total after updating ``fill`` directly (the fast path).
+
+        Args:
+            num_tokens: The change made to ``fill`` (negative when tokens were removed).
+        """
         self._stored_total += num_tokens
 
     @property
@@ -220,21 +289,45 @@ class BlockAllocator:
 
         Only full blocks are shared, and never the whole prompt: at least its last token
         is left to compute, so the step that computes it can sample. Empty without
-        prefix caching. The same as :meth:`adopt_prefix` of :meth:`match_prefix`.
+        prefix caching. The same as
+        [`adopt_prefix`][batchkit.BlockAllocator.adopt_prefix] of
+        [`match_prefix`][batchkit.BlockAllocator.match_prefix].
+
+        Args:
+            token_ids: The sequence's token ids (its prompt), from the start.
+
+        Returns:
+            The shared blocks, in order: they hold its first ``len(result) *
+            block_size`` tokens.
         """
         return self.adopt_prefix(token_ids, self.match_prefix(token_ids))
 
     def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
-        """The blocks :meth:`lookup_prefix` would return, neither retained nor counted
-        (to check first whether the rest of the sequence fits)."""
+        """The blocks [`lookup_prefix`][batchkit.BlockAllocator.lookup_prefix] would return.
+
+        They are neither retained nor counted in the statistics: this checks first
+        whether the rest of the sequence fits.
+
+        Args:
+            token_ids: The sequence's token ids (its prompt), from the start.
+        """
         prefix = self.prefix
         if prefix is None:
             return []
         return prefix.match(token_ids, max_blocks=self._shareable_blocks(token_ids), count=False)
 
     def adopt_prefix(self, token_ids: Sequence[int], hits: list[int]) -> list[int]:
-        """Retain ``hits`` (from :meth:`match_prefix` of ``token_ids``, nothing changed
-        since) and count the lookup in the hit-rate statistics; returns ``hits``."""
+        """Retain ``hits`` and count the lookup in the hit-rate statistics.
+
+        Args:
+            token_ids: The token ids ``hits`` was matched for.
+            hits: What [`match_prefix`][batchkit.BlockAllocator.match_prefix] of
+                ``token_ids`` returned, with nothing allocated or released since.
+
+        Returns:
+            ``hits``, each block now holding one more reference (a free one is taken
+            back from the pool).
+        """
         prefix = self.prefix
         if prefix is None:
             return hits
@@ -255,7 +348,11 @@ class BlockAllocator:
         return (len(token_ids) - 1) // self.block_size
 
     def num_revived(self, hits: Sequence[int]) -> int:
-        """How many of ``hits`` are free now (adopting them takes them from the pool)."""
+        """How many of ``hits`` are free now (adopting them takes them from the pool).
+
+        Args:
+            hits: Blocks from [`match_prefix`][batchkit.BlockAllocator.match_prefix].
+        """
         refcounts = self.refcounts
         return sum(1 for block in hits if refcounts[block] == 0)
 

@@ -1,8 +1,8 @@
 """Reference paged attention in torch and numpy: slow, simple, exact.
 
 The cache is ``[num_blocks, block_size, num_kv_heads, head_dim]`` per layer (one for
-keys, one for values). :func:`write_kv` stores this step's keys and values at
-``slot_mapping``; :func:`paged_attention` gathers each sequence's keys through its
+keys, one for values). `write_kv` stores this step's keys and values at
+``slot_mapping``; `paged_attention` gathers each sequence's keys through its
 row of ``block_tables`` and applies causal attention from its queries' positions.
 It loops over sequences (never tokens) and is meant for tests, examples and checking
 a real kernel, not for speed. Grouped-query attention (``num_heads`` a multiple of
@@ -26,8 +26,13 @@ def _is_numpy(x: Any) -> bool:
 def write_kv(k_cache: Any, v_cache: Any, key: Any, value: Any, slot_mapping: Any) -> None:
     """In place: ``cache[slot] = key/value`` row by row, skipping rows whose slot is -1.
 
-    ``key``/``value`` are ``[T, num_kv_heads, head_dim]``; numpy arrays or torch
-    tensors, matching the caches.
+    Args:
+        k_cache: The key cache, ``[num_blocks, block_size, num_kv_heads, head_dim]``
+            (a numpy array or torch tensor; any strided view is written through).
+        v_cache: The value cache, shaped like ``k_cache``.
+        key: This step's keys, ``[T, num_kv_heads, head_dim]``, in the caches' backend.
+        value: This step's values, shaped like ``key``.
+        slot_mapping: Int ``[T]``, each row's slot (``StepLayout.slot_mapping``).
     """
     bs = k_cache.shape[1]
     keep = slot_mapping >= 0
@@ -46,7 +51,21 @@ def paged_attention(
 
     Sequence ``b``'s queries (rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``) sit at the last
     positions of its ``seq_lens[b]`` tokens, so query ``i`` sees keys ``0 ..
-    seq_lens[b] - n_q + i``. Write this step's keys first (:func:`write_kv`).
+    seq_lens[b] - n_q + i``. Write this step's keys first
+    ([`write_kv`][batchkit.kv.write_kv]).
+
+    Args:
+        query: This step's queries, ``[T, num_heads, head_dim]`` (numpy or torch).
+        k_cache: The key cache, ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        v_cache: The value cache, shaped like ``k_cache``.
+        layout: The step's [`StepLayout`][batchkit.StepLayout] (numpy or torch arrays).
+        scale: The softmax scale; ``None`` means ``1 / sqrt(head_dim)``.
+
+    Returns:
+        ``[T, num_heads, head_dim]``, in ``query``'s backend.
+
+    Raises:
+        ValueError: ``num_heads`` is not a multiple of ``num_kv_heads``.
     """
     numpy = _is_numpy(query)
     heads, dim = int(query.shape[1]), int(query.shape[2])

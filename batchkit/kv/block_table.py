@@ -15,12 +15,21 @@ from batchkit.kv.allocator import BlockAllocator
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
-    """Blocks needed to hold ``num_tokens`` tokens."""
+    """Blocks needed to hold ``num_tokens`` tokens: ``ceil(num_tokens / block_size)``.
+
+    Args:
+        num_tokens: A number of tokens (>= 0).
+        block_size: Tokens per block.
+    """
     return -(-num_tokens // block_size)
 
 
 class BlockTable:
-    """The blocks of one sequence, in order, and how many tokens they hold."""
+    """The blocks of one sequence, in order, and how many tokens they hold.
+
+    Args:
+        allocator: The pool its blocks come from and return to.
+    """
 
     __slots__ = ("allocator", "block_ids", "num_tokens")
 
@@ -40,22 +49,43 @@ class BlockTable:
         return len(self.block_ids)
 
     def blocks_needed(self, num_new_tokens: int) -> int:
-        """Fresh blocks :meth:`append` of ``num_new_tokens`` would allocate."""
+        """Fresh blocks [`append`][batchkit.BlockTable.append] of ``num_new_tokens`` would allocate.
+
+        Args:
+            num_new_tokens: Tokens to add after the ``num_tokens`` held.
+        """
         bs = self.allocator.block_size
         return max(-(-(self.num_tokens + num_new_tokens) // bs) - len(self.block_ids), 0)
 
     def append(self, num_new_tokens: int) -> np.ndarray:
         """Make room for ``num_new_tokens`` more tokens; int64 slots of the new tokens.
 
-        All-or-nothing: raises :class:`~batchkit.kv.OutOfBlocks` (and changes nothing)
-        when the pool cannot supply the blocks.
+        Args:
+            num_new_tokens: Tokens to add (>= 0).
+
+        Returns:
+            The new tokens' slots, int64 ``[num_new_tokens]``.
+
+        Raises:
+            OutOfBlocks: The pool cannot supply the blocks; nothing changed.
+            ValueError: ``num_new_tokens`` is negative.
         """
         start = self.num_tokens
         self.grow(num_new_tokens)
         return slots_of(self.block_ids, self.allocator.block_size, start, self.num_tokens)
 
     def grow(self, num_new_tokens: int) -> None:
-        """:meth:`append` without computing the slots (the scheduler's per-step path)."""
+        """[`append`][batchkit.BlockTable.append] without computing the slots.
+
+        The scheduler's per-step path.
+
+        Args:
+            num_new_tokens: Tokens to add (>= 0).
+
+        Raises:
+            OutOfBlocks: The pool cannot supply the blocks; nothing changed.
+            ValueError: ``num_new_tokens`` is negative.
+        """
         if num_new_tokens < 0:
             raise ValueError(f"cannot append {num_new_tokens} tokens")
         alloc = self.allocator
@@ -83,7 +113,17 @@ class BlockTable:
         alloc.add_tokens_stored(num_new_tokens)
 
     def adopt(self, block_ids: Sequence[int], num_tokens: int) -> None:
-        """Start from already-retained full blocks (a prefix-cache hit) holding ``num_tokens``."""
+        """Start from already-retained full blocks (a prefix-cache hit).
+
+        Args:
+            block_ids: The blocks, each retained for this table (as
+                [`lookup_prefix`][batchkit.BlockAllocator.lookup_prefix] returns them).
+            num_tokens: Tokens they hold: ``len(block_ids) * block_size``.
+
+        Raises:
+            ValueError: The table is not empty, or ``num_tokens`` does not fill the
+                blocks exactly.
+        """
         if self.block_ids:
             raise ValueError("adopt() is for an empty table")
         if num_tokens != len(block_ids) * self.block_size:
@@ -96,7 +136,7 @@ class BlockTable:
 
         Returns the new table and ``[(src_block, dst_block)]``, the block copies the
         caller must apply to its KV cache before either sequence writes again. Raises
-        :class:`~batchkit.kv.OutOfBlocks` (nothing shared) when no block is free for
+        [`OutOfBlocks`][batchkit.OutOfBlocks] (nothing shared) when no block is free for
         the tail.
         """
         bs = self.allocator.block_size
@@ -131,7 +171,17 @@ class BlockTable:
 
 
 def slots_of(block_ids: Sequence[int], block_size: int, start: int, end: int) -> np.ndarray:
-    """int64 slots of tokens ``start .. end-1`` of a sequence with these blocks."""
+    """int64 slots of tokens ``start .. end-1`` of a sequence with these blocks.
+
+    Args:
+        block_ids: The sequence's blocks, in order.
+        block_size: Tokens per block.
+        start: The first token's position in the sequence.
+        end: One past the last token's position.
+
+    Returns:
+        ``[end - start]`` slots: rows of a flat ``[num_blocks * block_size, ...]`` cache.
+    """
     pos = np.arange(start, end, dtype=np.int64)
     table = np.asarray(block_ids, dtype=np.int64)
     return table[pos // block_size] * block_size + pos % block_size
@@ -142,7 +192,11 @@ class BlockTableRows:
 
     Row ``r`` holds the blocks of the sequence in row (slot) ``r``, ``-1`` padded. It is
     kept up to date as sequences gain blocks (only new blocks are copied), so a step's
-    ``block_tables`` is one gather (:meth:`gather`) instead of a rebuild from lists.
+    ``block_tables`` is one gather (`gather`) instead of a rebuild from lists.
+
+    Args:
+        num_rows: Rows (``max_num_seqs``).
+        width: Blocks per row to start with (the array widens as needed).
     """
 
     __slots__ = ("array", "lengths")
@@ -152,13 +206,23 @@ class BlockTableRows:
         self.lengths = [0] * num_rows  # blocks written in each row
 
     def assign(self, row: int, block_ids: Sequence[int]) -> None:
-        """Row ``row`` now belongs to a sequence holding ``block_ids``."""
+        """Row ``row`` now belongs to a sequence holding ``block_ids``.
+
+        Args:
+            row: The row.
+            block_ids: The sequence's blocks.
+        """
         self.lengths[row] = 0
         self.sync(row, block_ids)
         self.array[row, len(block_ids) :] = -1  # the row's last owner may have held more
 
     def sync(self, row: int, block_ids: Sequence[int]) -> None:
-        """Copy the blocks appended to ``block_ids`` since row ``row`` was last written."""
+        """Copy the blocks appended to ``block_ids`` since row ``row`` was last written.
+
+        Args:
+            row: The row.
+            block_ids: Its sequence's blocks (only ever appended to since).
+        """
         old, new = self.lengths[row], len(block_ids)
         if new == old:
             return
@@ -173,6 +237,10 @@ class BlockTableRows:
         self.lengths[row] = new
 
     def gather(self, rows: list[int]) -> np.ndarray:
-        """``[len(rows), most blocks among them]`` int32 (a copy): a step's ``block_tables``."""
+        """``[len(rows), most blocks among them]`` int32 (a copy): a step's ``block_tables``.
+
+        Args:
+            rows: The step's rows, in its order.
+        """
         width = max(max(map(self.lengths.__getitem__, rows), default=1), 1)
         return self.array[:, :width].take(rows, axis=0)  # take: a cheaper path than a[rows, :w]

@@ -19,20 +19,27 @@ import numpy as np
 
 @dataclass(frozen=True, slots=True)
 class StepLayout:
-    """Host (numpy) arrays for one step; :meth:`to_torch` moves them to a device.
+    """Host (numpy) arrays for one step.
 
-    - ``input_ids``, ``positions``: int64 ``[T]``, the tokens computed this step and
-      their positions in their sequences;
-    - ``slot_mapping``: int64 ``[T]``, the cache row each token's key/value goes to
-      (``-1`` = do not write, e.g. padding);
-    - ``cu_seqlens_q``: int32 ``[B+1]``, query boundaries (0 first, ``T`` last);
-    - ``cu_seqlens_k``: int32 ``[B+1]``, cumulative key lengths (``seq_lens`` summed);
-    - ``seq_lens``: int32 ``[B]``, tokens each sequence attends to (cached + new);
-    - ``block_tables``: int32 ``[B, max_blocks]``, each row its sequence's blocks,
-      padded with ``-1``;
-    - ``max_seqlen_q``, ``max_seqlen_k``: Python ints, for kernel tiling;
-    - ``logits_indices``: int64 ``[B]``, the row of each sequence's last token (where
-      its next-token logits come from).
+    [`build_layout`][batchkit.kv.build_layout] and
+    [`build_decode_layout`][batchkit.kv.build_decode_layout] build it;
+    [`to_torch`][batchkit.StepLayout.to_torch] moves it to a device.
+
+    Attributes:
+        input_ids: Int64 ``[T]``, the tokens computed this step.
+        positions: Int64 ``[T]``, their positions in their sequences.
+        slot_mapping: Int64 ``[T]``, the cache row each token's key/value goes to
+            (``-1`` = do not write, e.g. padding).
+        cu_seqlens_q: Int32 ``[B+1]``, query boundaries (0 first, ``T`` last).
+        cu_seqlens_k: Int32 ``[B+1]``, cumulative key lengths (``seq_lens`` summed).
+        seq_lens: Int32 ``[B]``, tokens each sequence attends to (cached + new).
+        block_tables: Int32 ``[B, max_blocks]``, each row its sequence's blocks,
+            padded with ``-1``.
+        max_seqlen_q: The most query tokens of one sequence (a Python int, for
+            kernel tiling).
+        max_seqlen_k: The longest ``seq_lens`` entry (a Python int).
+        logits_indices: Int64 ``[B]``, the row of each sequence's last token (where
+            its next-token logits come from).
     """
 
     input_ids: Any
@@ -57,7 +64,12 @@ class StepLayout:
         return int(self.seq_lens.shape[0])
 
     def to_torch(self, device: Any = None) -> StepLayout:
-        """The same layout as torch tensors on ``device`` (dtypes kept)."""
+        """The same layout as torch tensors on ``device`` (dtypes kept).
+
+        Args:
+            device: Anything ``Tensor.to`` takes (``"cuda"``, a ``torch.device``);
+                ``None`` keeps them on the CPU.
+        """
         import torch
 
         def move(a: Any) -> Any:
@@ -88,11 +100,24 @@ def build_layout(
 ) -> StepLayout:
     """The layout of a step computing ``token_ids[b][starts[b] : starts[b] + num_tokens[b]]``.
 
-    ``block_ids[b]`` are sequence ``b``'s blocks (enough for ``starts[b] + num_tokens[b]``
-    tokens). Work is per sequence, never per token. A caller that keeps its block
-    tables as an int32 array already (the scheduler does) passes it as
-    ``block_tables`` (``[B, >= max blocks]``, ``-1`` padded); ``block_ids`` is then unused.
-    See :func:`build_decode_layout` for the cheaper decode-only case.
+    Work is per sequence, never per token. See
+    [`build_decode_layout`][batchkit.kv.build_decode_layout] for the cheaper
+    decode-only case.
+
+    Args:
+        token_ids: Each sequence's token ids (at least up to its chunk's end).
+        starts: Where each sequence's chunk starts: the tokens before it are cached.
+        num_tokens: Tokens each sequence computes this step (>= 1).
+        block_ids: Each sequence's blocks, enough for ``starts[b] + num_tokens[b]``
+            tokens (unused when ``block_tables`` is given).
+        block_size: Tokens per block.
+        block_tables: The block tables as an int32 array already (``[B, >= most
+            blocks]``, ``-1`` padded), as the scheduler keeps them; ``None`` builds
+            it from ``block_ids``.
+
+    Raises:
+        ValueError: The per-sequence arguments differ in length, a chunk is empty
+            or starts before 0, or a sequence has fewer blocks than its tokens need.
     """
     nseq = len(starts)
     if not (len(token_ids) == len(num_tokens) == len(block_ids) == nseq):
@@ -165,15 +190,25 @@ def build_decode_layout(
     *,
     block_tables: np.ndarray | None = None,
 ) -> StepLayout:
-    """The layout of a decode-only step: sequence ``b`` computes one token, ``input_ids[b]``
-    at position ``positions[b]``, with blocks ``block_ids[b]``.
+    """The layout of a decode-only step: every sequence computes one token.
 
-    Equal to :func:`build_layout` with every ``num_tokens`` 1 and ``token_ids[b][starts[b]]
-    == input_ids[b]``, for less: decode steps are most steps, and their layout sits between
-    two kernel launches. Per-sequence values are computed on Python ints (at tens of
-    sequences, cheaper than array operations), then nine array calls make the fields.
-    ``block_tables``, if given, must hold the same blocks as ``block_ids`` (``[B, >= max
-    blocks]`` int32, ``-1`` padded); else it is built from them.
+    Equal to [`build_layout`][batchkit.kv.build_layout] with every ``num_tokens`` 1
+    and ``token_ids[b][starts[b]] == input_ids[b]``, for less: decode steps are most
+    steps, and their layout sits between two kernel launches. Per-sequence values are
+    computed on Python ints (at tens of sequences, cheaper than array operations),
+    then nine array calls make the fields.
+
+    Args:
+        input_ids: The token each sequence computes.
+        positions: Its position in its sequence (>= 0).
+        block_ids: Each sequence's blocks, enough for ``positions[b] + 1`` tokens.
+        block_size: Tokens per block.
+        block_tables: The same blocks as ``block_ids`` as an int32 array
+            (``[B, >= most blocks]``, ``-1`` padded); ``None`` builds it.
+
+    Raises:
+        ValueError: The per-sequence arguments differ in length, a position is
+            negative, or a sequence has fewer blocks than its tokens need.
     """
     nseq = len(positions)
     if not len(input_ids) == len(block_ids) == nseq:

@@ -12,7 +12,7 @@ after it, so every sequence's own continuation stays reachable and the prefix st
 cached while any copy of it lives. A lookup returns one chain, each block the parent
 the next one was registered under.
 
-Entries are dropped when their block is handed out again (:meth:`PrefixCache.forget`),
+Entries are dropped when their block is handed out again (`PrefixCache.forget`),
 so no stale hash ever points at overwritten contents.
 """
 
@@ -29,7 +29,15 @@ NO_PARENT = -1  # the parent block of a sequence's first block
 
 
 def block_digest(parent: bytes, tokens: Sequence[int]) -> bytes:
-    """The chain hash of one full block: BLAKE2b-128 over the parent digest and the ids."""
+    """The chain hash of one full block: BLAKE2b-128 over the parent digest and the ids.
+
+    Args:
+        parent: The digest of the block before it (``b""`` for a sequence's first block).
+        tokens: The block's token ids.
+
+    Returns:
+        16 bytes.
+    """
     h = hashlib.blake2b(parent, digest_size=16)
     h.update(np.asarray(tokens, dtype=np.int64).tobytes())
     return h.digest()
@@ -44,7 +52,11 @@ class _Entry:
 
 class PrefixCache:
     """Digest -> the block ids (one or more copies) of full blocks whose keys and values
-    are computed."""
+    are computed.
+
+    Args:
+        block_size: Tokens per block (only full blocks are cached).
+    """
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
@@ -63,14 +75,25 @@ class PrefixCache:
         return block_id in self._by_block
 
     def digest_of(self, block_id: int) -> bytes | None:
-        """The digest under which ``block_id`` is cached, if it is."""
+        """The digest under which ``block_id`` is cached, if it is (else None).
+
+        Args:
+            block_id: A block of the pool.
+        """
         entry = self._by_block.get(block_id)
         return None if entry is None else entry.digest
 
     def match(self, token_ids: Sequence[int], *, max_blocks: int, count: bool = True) -> list[int]:
         """Block ids holding the longest cached run of ``token_ids``' first full blocks.
 
-        ``count``: add this lookup to :attr:`queries` and :attr:`hits` (see :meth:`count`).
+        Args:
+            token_ids: The sequence's token ids, from the start.
+            max_blocks: Look at most this many full blocks deep.
+            count: Add this lookup to the ``queries`` and ``hits`` counters (see
+                [`count`][batchkit.kv.PrefixCache.count]).
+
+        Returns:
+            One chain of blocks, in order (empty when the first block is not cached).
         """
         bs = self.block_size
         by_block = self._by_block
@@ -105,7 +128,12 @@ class PrefixCache:
         return hits
 
     def count(self, queried: int, hit: int) -> None:
-        """Record a lookup of ``queried`` full blocks, ``hit`` of them found."""
+        """Record a lookup in the ``queries`` and ``hits`` counters.
+
+        Args:
+            queried: Full blocks looked up (a negative number counts as 0).
+            hit: How many of them were found.
+        """
         self.queries += max(queried, 0)
         self.hits += hit
 
@@ -116,6 +144,14 @@ class PrefixCache:
         chain is broken and nothing is recorded. A block already cached keeps its entry.
         Contents cached in another block already are registered again: the copies are
         interchangeable, and the blocks after this one chain to it.
+
+        Args:
+            block_id: The block that holds the tokens' keys and values.
+            parent_block: The block before it in its sequence (-1 for a first block).
+            tokens: The block's token ids: exactly ``block_size`` of them.
+
+        Raises:
+            ValueError: ``tokens`` is not a full block.
         """
         if len(tokens) != self.block_size:
             raise ValueError(f"only full blocks are cached, got {len(tokens)} tokens")
@@ -134,7 +170,11 @@ class PrefixCache:
         self._by_block[block_id] = _Entry(digest, parent_block, tokens)
 
     def forget(self, block_id: int) -> None:
-        """Drop ``block_id``'s entry (it is about to hold other tokens)."""
+        """Drop ``block_id``'s entry (it is about to hold other tokens); a no-op if it has none.
+
+        Args:
+            block_id: A block of the pool.
+        """
         entry = self._by_block.pop(block_id, None)
         if entry is None:
             return

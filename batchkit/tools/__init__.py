@@ -1,11 +1,11 @@
 """The Python side of the ``batchkit`` command: plan and measure before deploying.
 
-- :mod:`batchkit.tools.simulate`: replay arrivals against a batcher and a latency
+- `batchkit.tools.simulate`: replay arrivals against a batcher and a latency
   model, driving the real scheduler with simulated time.
-- :mod:`batchkit.tools.profile`: sweep batch sizes of a model, find the knee,
+- `batchkit.tools.profile`: sweep batch sizes of a model, find the knee,
   recommend ``max_batch_size`` / ``max_wait_ms``.
-- :mod:`batchkit.tools.memory`: KV-cache and activation memory, largest batch that fits.
-- :mod:`batchkit.tools.demo`: the main job, a built-in encoder unbatched vs batched.
+- `batchkit.tools.memory`: KV-cache and activation memory, largest batch that fits.
+- `batchkit.tools.demo`: the main job, a built-in encoder unbatched vs batched.
 
 The functions are exported at top level (``batchkit.simulate``, ``batchkit.profile``,
 ``batchkit.kv_cache_bytes``); the modules are not re-exported here so that each

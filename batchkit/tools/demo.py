@@ -25,7 +25,17 @@ NEEDS_TORCH = 'batchkit demo needs torch: pip install "batchkit[torch]"'
 
 @dataclass(frozen=True)
 class DemoRow:
-    """One way of serving the requests."""
+    """One way of serving the requests.
+
+    Attributes:
+        name: How they were served (``"one at a time"``, ``"@batched (bucketed)"``).
+        requests: Requests served.
+        wall_s: Seconds from the first request to the last answer.
+        p50_ms: Median request latency, in milliseconds.
+        p99_ms: 99th-percentile request latency, in milliseconds.
+        mean_batch_size: Mean items per model call.
+        speedup: One-at-a-time wall time over this wall time.
+    """
 
     name: str
     requests: int
@@ -33,7 +43,7 @@ class DemoRow:
     p50_ms: float
     p99_ms: float
     mean_batch_size: float
-    speedup: float  # one-at-a-time wall time / this wall time
+    speedup: float
 
     @property
     def throughput(self) -> float:
@@ -43,7 +53,19 @@ class DemoRow:
 
 @dataclass(frozen=True)
 class DemoResult:
-    """Both runs, and how far the batched results are from the one-at-a-time ones."""
+    """Both runs, and how far the batched results are from the one-at-a-time ones.
+
+    Attributes:
+        requests: Requests per run.
+        callers: Concurrent caller threads.
+        min_length: The shortest request, in tokens.
+        max_length: The longest request, in tokens.
+        rows: One `DemoRow` per run (one at a time
+            first).
+        max_abs_diff: The largest absolute difference between a batched and a
+            one-at-a-time result.
+        dispatch_reasons: Batches of the batched run, by why each left.
+    """
 
     requests: int
     callers: int
@@ -86,7 +108,14 @@ def _import_torch() -> Any:
 
 
 def build_model(seed: int = 0) -> Any:
-    """The built-in model: a small transformer encoder with masked mean pooling."""
+    """The built-in model: a small transformer encoder with masked mean pooling.
+
+    Args:
+        seed: The torch seed its weights are drawn with.
+
+    Raises:
+        ImportError: torch is not installed (the message gives the pip command).
+    """
     torch = _import_torch()
     torch.manual_seed(seed)
 
@@ -126,7 +155,14 @@ def _serve(
 def run_demo(num_requests: int = 1024, callers: int = 64, *, progress: bool = False) -> DemoResult:
     """Serve ``num_requests`` token-id requests unbatched, then batched; see the module doc.
 
-    Raises ImportError (with the pip command) when torch is not installed.
+    Args:
+        num_requests: Requests per run.
+        callers: Threads sending them concurrently.
+        progress: Draw a progress bar on stderr.
+
+    Raises:
+        ValueError: ``num_requests`` or ``callers`` is below 1.
+        ImportError: torch is not installed (the message gives the pip command).
     """
     if num_requests < 1 or callers < 1:
         raise ValueError(f"need requests >= 1 and callers >= 1, got {num_requests}, {callers}")
@@ -180,9 +216,15 @@ def run_demo(num_requests: int = 1024, callers: int = 64, *, progress: bool = Fa
 
 
 def main(num_requests: int = 1024, callers: int = 64, *, progress: bool | None = None) -> int:
-    """Run the demo and print its table; the exit status (0 ok, 1 results differ, 2 no torch).
+    """Run the demo and print its table.
 
-    ``progress`` defaults to showing a bar when stderr is a terminal.
+    Args:
+        num_requests: Requests per run.
+        callers: Threads sending them concurrently.
+        progress: Draw a progress bar; ``None``: when stderr is a terminal.
+
+    Returns:
+        The exit status: 0 ok, 1 batched results differ, 2 torch is not installed.
     """
     show = sys.stderr.isatty() if progress is None else progress
     try:

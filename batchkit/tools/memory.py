@@ -65,19 +65,42 @@ def _whole(text: str, value: float, unit: str) -> int:
 
 
 def parse_bytes(text: str) -> int:
-    """``"80GiB"``, ``"80G"`` (binary), ``"80GB"`` (decimal), ``"1.5TiB"``, ``"4096"`` -> bytes."""
+    """``"80GiB"``, ``"80G"`` (binary), ``"80GB"`` (decimal), ``"1.5TiB"``, ``"4096"`` -> bytes.
+
+    Args:
+        text: A number with an optional unit (any case): ``B``, ``KB``..``TB``
+            (powers of 1000), ``KiB``..``TiB`` or ``K``..``T`` (powers of 1024).
+
+    Returns:
+        Whole bytes (a fraction is dropped).
+
+    Raises:
+        ValueError: ``text`` is not a size, or is less than one byte.
+    """
     value = _parse(text, _SIZE_UNITS, "a memory size (e.g. 80GiB, 24GB, 4096)")
     return _whole(text, value, "byte")
 
 
 def parse_count(text: str) -> int:
-    """``"7B"``, ``"7e9"``, ``"125M"``, ``"70b"`` -> a parameter count."""
+    """``"7B"``, ``"7e9"``, ``"125M"``, ``"70b"`` -> a parameter count.
+
+    Args:
+        text: A number with an optional suffix (any case): ``K`` (10^3), ``M``
+            (10^6), ``B`` or ``G`` (10^9), ``T`` (10^12).
+
+    Raises:
+        ValueError: ``text`` is not a count, or is less than one.
+    """
     value = _parse(text, _COUNT_UNITS, "a parameter count (e.g. 7B, 125M, 7e9)")
     return _whole(text, value, "parameter")
 
 
 def format_bytes(n: float) -> str:
-    """Bytes in binary units, 3 significant digits: ``2.00 GiB``."""
+    """Bytes in binary units, two decimals: ``2.00 GiB`` (below 1 KiB: ``512 B``).
+
+    Args:
+        n: A number of bytes.
+    """
     for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= scale:
             return f"{n / scale:.2f} {unit}"
@@ -99,6 +122,16 @@ def activation_bytes(
     projections (``2 * intermediate``, default ``4 * hidden``), per token. Attention
     scores are not counted (FlashAttention-style kernels never materialise them).
     A planning estimate, not an allocator trace.
+
+    Args:
+        seq_len: Tokens per sequence.
+        hidden_size: The model's hidden size.
+        intermediate_size: The MLP's inner size; ``None`` means ``4 * hidden_size``.
+        batch_size: Sequences in the forward pass.
+        dtype: The activations' element type (``"fp16"``, ``"bf16"``, ``"fp32"``, ...).
+
+    Raises:
+        ValueError: A size is not a positive integer, or an unknown ``dtype``.
     """
     intermediate = 4 * hidden_size if intermediate_size is None else intermediate_size
     check_counts(
@@ -111,18 +144,33 @@ def activation_bytes(
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    """How a transformer's serving memory splits, and the largest batch that fits."""
+    """How a transformer's serving memory splits, and the largest batch that fits.
+
+    [`memory_plan`][batchkit.memory_plan] returns it. Every figure is in bytes.
+
+    Attributes:
+        kv_bytes_per_sequence: The KV cache of one sequence of ``seq_len`` tokens.
+        kv_bytes_per_token: The KV cache of one token.
+        activation_bytes_per_sequence: Peak activations of one sequence; 0 unless a
+            hidden size was given.
+        weight_bytes: The weights; 0 unless a parameter count was given.
+        gpu_bytes: The GPU memory given; None if none was.
+        reserved_bytes: ``gpu_bytes * reserve``, kept free for the framework and
+            fragmentation (0 without a GPU).
+        available_bytes: What is left for KV cache and activations after weights and
+            reserve; negative when the weights alone overflow (by that much), so no
+            shortfall is hidden by clamping it at zero. None without a GPU.
+        max_batch_size: Sequences of ``seq_len`` tokens that fit; None without a GPU.
+    """
 
     kv_bytes_per_sequence: int
     kv_bytes_per_token: int
-    activation_bytes_per_sequence: int  # 0 unless a hidden size was given
-    weight_bytes: int  # 0 unless a parameter count was given
+    activation_bytes_per_sequence: int
+    weight_bytes: int
     gpu_bytes: int | None
-    reserved_bytes: int  # gpu_bytes * reserve: kept free for the framework, fragmentation
-    # For KV cache and activations, after weights and reserve; negative when the weights
-    # alone overflow (by that much), so no shortfall is hidden by clamping it at zero.
+    reserved_bytes: int
     available_bytes: int | None
-    max_batch_size: int | None  # sequences of seq_len tokens that fit (None: no GPU given)
+    max_batch_size: int | None
 
     @property
     def bytes_per_sequence(self) -> int:
@@ -167,6 +215,28 @@ def memory_plan(
     ``gpu_memory_utilization = 1 - reserve``) minus the weights (``params`` times
     ``weight_dtype``'s bytes, default ``dtype``) is shared by the sequences; each
     costs its KV cache plus, when ``hidden_size`` is given, its peak activations.
+
+    Args:
+        layers: Transformer layers.
+        kv_heads: Key/value heads per layer (fewer than the query heads under
+            grouped-query attention).
+        head_dim: Elements per head.
+        seq_len: Tokens per sequence (prompt plus generated).
+        dtype: The KV cache's (and activations') element type: ``"fp16"``,
+            ``"bf16"``, ``"fp8"``, ``"int4"``, ... (see ``DTYPE_BYTES``).
+        gpu_memory: GPU memory, in bytes or as text (``"80GiB"``, ``"24GB"``);
+            ``None``: no batch size is planned.
+        params: The model's parameter count, as a number or text (``"7B"``,
+            ``"125M"``); ``None``: weights are not counted.
+        weight_dtype: The weights' element type; ``None``: ``dtype``.
+        reserve: The fraction of ``gpu_memory`` kept free, in ``[0, 1)``.
+        hidden_size: The model's hidden size, to count activations; ``None``: they
+            are not counted.
+        intermediate_size: The MLP's inner size; ``None`` means ``4 * hidden_size``.
+
+    Raises:
+        ValueError: ``reserve`` is outside ``[0, 1)``, a size or count is not
+            positive, a text size or count cannot be read, or an unknown dtype.
     """
     if not (0 <= reserve < 1):
         raise ValueError(f"reserve must be a fraction in [0, 1), got {reserve!r}")

@@ -32,14 +32,22 @@ DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 
 @dataclass(frozen=True)
 class ProfilePoint:
-    """One batch size: median latency, the spread of the repeats, and the throughput."""
+    """One batch size: median latency, the spread of the repeats, and the throughput.
+
+    Attributes:
+        batch_size: Items per call.
+        latency_ms: The median over the repeats, in milliseconds.
+        min_ms: The fastest repeat.
+        max_ms: The slowest repeat.
+        p10_ms: The 10th percentile of the repeats (linear interpolation); None on a
+            point made by hand from a single latency, which then has no spread.
+        p90_ms: The 90th percentile, likewise.
+    """
 
     batch_size: int
-    latency_ms: float  # median over the repeats
+    latency_ms: float
     min_ms: float
     max_ms: float
-    # The 10th and 90th percentiles of the repeats (linear interpolation); None on a
-    # point made by hand from a single latency, which then has no spread.
     p10_ms: float | None = None
     p90_ms: float | None = None
 
@@ -63,20 +71,45 @@ class Recommendation:
     Worst case for a request under load: it arrives just after a full batch left,
     waits for that batch, waits up to ``max_wait_ms`` for its own to form (with
     ``max_concurrent_batches > 1``), then runs: ``2 * latency(B) + max_wait_ms``.
+
+    Attributes:
+        max_batch_size: The recommended batch size.
+        max_wait_ms: The recommended wait, in milliseconds.
+        worst_latency_ms: The bound above, for these settings.
+        capacity: Requests per second at full batches, one batch at a time.
+        sla_ms: The latency target the settings were chosen for (None: none).
+        meets_sla: False when even the smallest batch cannot meet ``sla_ms``.
+        reason: Why these settings, in one sentence.
     """
 
     max_batch_size: int
     max_wait_ms: float
-    worst_latency_ms: float  # the bound above, for these settings
-    capacity: float  # requests/s at full batches, one batch at a time
+    worst_latency_ms: float
+    capacity: float
     sla_ms: float | None
-    meets_sla: bool  # False: even batches of 1 cannot meet sla_ms
+    meets_sla: bool
     reason: str
 
 
 @dataclass(frozen=True)
 class ProfileResult:
-    """A batch-size sweep and what it implies."""
+    """A batch-size sweep and what it implies; [`profile`][batchkit.profile] returns it.
+
+    Attributes:
+        target: The profiled function's name.
+        input_shape: One item's shape (a batch is ``[B, *input_shape]``).
+        framework: ``"numpy"`` or ``"torch"``.
+        dtype: The inputs' dtype (a numpy name).
+        device: Where the inputs were (``"cpu"``, ``"cuda"``, ...).
+        warmup: Untimed calls per batch size.
+        repeats: Timed calls per batch size.
+        points: One ``ProfilePoint`` per batch size, smallest first: the median
+            ``latency_ms``, ``min_ms``/``max_ms``, the ``p10_ms``-``p90_ms`` spread,
+            and ``throughput`` in items per second.
+        knee: The smallest batch size within 5% of the peak throughput.
+        recommendation: ``max_batch_size``, ``max_wait_ms``, the worst-case latency
+            they give, and whether they meet ``sla_ms`` (and why).
+    """
 
     target: str
     input_shape: tuple[int, ...]
@@ -97,7 +130,7 @@ class ProfileResult:
     @property
     def knee_range(self) -> tuple[int, int]:
         """The smallest and largest batch size the knee can be, given each size's
-        p10-p90 spread (see :func:`find_knee_range`); ``knee`` lies between them."""
+        p10-p90 spread (see `find_knee_range`); ``knee`` lies between them."""
         return find_knee_range(self.points)
 
     @property
@@ -129,12 +162,21 @@ class ProfileResult:
         return data
 
     def save(self, path: str | Path) -> None:
-        """Write :meth:`to_json` to ``path``."""
+        """Write [`to_json`][batchkit.ProfileResult.to_json] to ``path`` (indented JSON).
+
+        Args:
+            path: The file to write (replaced if it exists).
+        """
         Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
 
 
 def find_knee(points: Sequence[ProfilePoint], fraction: float = KNEE_FRACTION) -> int:
-    """The smallest batch size whose throughput is within ``1 - fraction`` of the peak."""
+    """The smallest batch size whose throughput is within ``1 - fraction`` of the peak.
+
+    Args:
+        points: The sweep (not empty).
+        fraction: The share of the peak throughput that counts as the knee.
+    """
     peak = max(p.throughput for p in points)
     return min(p.batch_size for p in points if p.throughput >= fraction * peak)
 
@@ -150,6 +192,13 @@ def find_knee_range(
     is at least the smallest size that may qualify and at most the smallest that surely
     does (the largest size measured, if none surely does). One size: the knee is known;
     two: the spread is too wide to pick a knee.
+
+    Args:
+        points: The sweep (not empty).
+        fraction: The share of the peak throughput that counts as the knee.
+
+    Returns:
+        ``(smallest, largest)`` batch size the knee can be.
     """
     ranges = [(p.batch_size, *p.throughput_range) for p in points]
     lowest_peak = max(low for _, low, _ in ranges)
@@ -164,9 +213,19 @@ def find_knee_range(
 
 
 def recommend(points: Sequence[ProfilePoint], sla_ms: float | None = None) -> Recommendation:
-    """``max_batch_size``: the knee, or the largest size up to it whose worst case fits
+    """Settings from a sweep: the knee, or the largest size up to it that fits ``sla_ms``.
+
+    ``max_batch_size``: the knee, or the largest size up to it whose worst case fits
     ``sla_ms``. ``max_wait_ms``: the slack left, capped at one batch's run time
-    (waiting longer than a batch takes rarely fills it further)."""
+    (waiting longer than a batch takes rarely fills it further), in 0.1 ms steps.
+
+    Args:
+        points: The sweep (not empty).
+        sla_ms: A latency target, in milliseconds; ``None``: recommend the knee.
+
+    Raises:
+        ValueError: ``sla_ms`` is not a positive finite number.
+    """
     if sla_ms is not None and not (math.isfinite(sla_ms) and sla_ms > 0):
         raise ValueError(f"sla_ms must be a positive number, got {sla_ms!r}")
     by_size = {p.batch_size: p for p in points}
@@ -199,7 +258,11 @@ def recommend(points: Sequence[ProfilePoint], sla_ms: float | None = None) -> Re
 
 
 def find_peak(points: Sequence[ProfilePoint]) -> float:
-    """The highest throughput (items/s) in a sweep."""
+    """The highest throughput (items/s) in a sweep.
+
+    Args:
+        points: The sweep (not empty).
+    """
     return max(p.throughput for p in points)
 
 
@@ -291,15 +354,40 @@ def profile(
     on_step: Callable[[int, int], None] | None = None,
     clock: Callable[[], float] = time.perf_counter,
 ) -> ProfileResult:
-    """Time ``fn`` on batches of each size; see the module docstring for the convention.
+    """Time ``fn`` on batches of each size: latency, throughput, the knee, settings.
 
-    ``device`` (torch only) defaults to ``"cuda"`` when available, else ``"cpu"``.
-    ``on_step(done, total)`` is called after each timed or warm-up call (progress).
-    ``fn`` may be ``async`` (or return an awaitable): each call is awaited to completion
-    on one private event loop, so call ``profile`` from synchronous code (a thread, not
-    inside a running loop). A dtype or device torch cannot use, or a batch too large for
-    memory, raises ``ValueError``. ``clock`` (seconds) replaces ``time.perf_counter``
-    (tests: a fake clock makes the timings exact).
+    Each size is run ``warmup`` times untimed, then ``repeats`` times; the median is
+    reported, with the spread of the repeats. On CUDA every timing is bracketed by
+    ``torch.cuda.synchronize()`` so queued kernels are counted. ``fn`` may be
+    ``async`` (or return an awaitable): each call is awaited to completion on one
+    private event loop, so call ``profile`` from synchronous code (a thread, not
+    inside a running loop).
+
+    Args:
+        fn: The batch function: takes one array ``[B, *input_shape]`` (random values;
+            integers in ``0..99`` for an integer dtype).
+        input_shape: One item's shape, every dimension >= 1.
+        batch_sizes: The sizes ``B`` to time (positive ints; duplicates dropped,
+            timed smallest first).
+        framework: ``"numpy"`` (numpy arrays) or ``"torch"`` (tensors on ``device``).
+        dtype: The inputs' dtype, a numeric numpy name (``"float32"``, ``"int64"``).
+        device: For torch, where the inputs go; ``None``: ``"cuda"`` when available,
+            else ``"cpu"``.
+        warmup: Untimed calls per size (>= 0).
+        repeats: Timed calls per size (>= 1).
+        sla_ms: A latency target, in milliseconds, for the recommended settings;
+            ``None``: recommend the knee.
+        name: The name the result and errors give ``fn`` (default: its qualname).
+        on_step: ``on_step(done, total)`` after each timed or warm-up call (progress).
+        clock: Seconds; replaces ``time.perf_counter`` (a fake clock makes the
+            timings exact in tests).
+
+    Raises:
+        ValueError: A bad ``framework``, shape, size, count, ``sla_ms`` or dtype; a
+            dtype or device torch cannot use; a batch too large for memory.
+        ImportError: ``framework="torch"`` without torch installed.
+        RuntimeError: ``fn`` raised (the message names the batch shape), or an
+            async ``fn`` was profiled inside a running event loop.
     """
     if framework not in ("numpy", "torch"):
         raise ValueError(f"framework must be 'numpy' or 'torch', got {framework!r}")

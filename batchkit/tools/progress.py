@@ -12,6 +12,12 @@ class Progress:
     """``label [#######.......]  512/1024`` redrawn in place; silent unless ``enabled``.
 
     Redraws at most every 0.1 s so that updating it per request costs next to nothing.
+
+    Args:
+        label: The text before the bar.
+        total: Units of work in all (at least 1 is assumed).
+        enabled: Draw the bar; False makes every call a no-op on the stream.
+        stream: Where to draw it; ``None``: ``sys.stderr``.
     """
 
     def __init__(
@@ -26,7 +32,11 @@ class Progress:
         self._drawn_at = 0.0
 
     def advance(self, count: int = 1) -> None:
-        """``count`` more units done."""
+        """``count`` more units done.
+
+        Args:
+            count: Units finished since the last call.
+        """
         with self._lock:
             self.done += count
             now = time.monotonic()
@@ -35,7 +45,11 @@ class Progress:
                 self._draw()
 
     def set(self, done: int) -> None:
-        """Jump to ``done`` units (for callbacks that report totals)."""
+        """Jump to ``done`` units (for callbacks that report totals).
+
+        Args:
+            done: Units finished so far, in all.
+        """
         self.advance(done - self.done)
 
     def _draw(self) -> None:

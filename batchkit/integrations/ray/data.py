@@ -38,18 +38,33 @@ ModelFactory = Callable[[], Callable[[Any], Any]]
 class BatchkitPredictor:
     """A callable class for ``Dataset.map_batches``, run by an actor pool.
 
-    ``model_factory()`` builds the model once per actor (load weights, move them to
-    the GPU there). Every call takes one Ray batch (``dict[str, np.ndarray]``), makes
-    one item per row (the value of ``columns`` if it is one name, else a dict of the
-    named columns), groups the items with ``policy.batches`` and runs each group as
-    ``split(model(collate(items)))``, the same contract as ``@batched``: without
-    ``collate`` the model gets the list of items, without ``split`` it returns one
-    result per item. Results go back in row order, as column ``output_column`` (or
-    one column per key when results are dicts), beside the input columns unless
-    ``keep_columns=False``.
+    Every call takes one Ray batch (``dict[str, np.ndarray]``), makes one item per
+    row, groups the items with ``policy.batches`` and runs each group as
+    ``split(model(collate(items)))``, the same contract as ``@batched``. Results go
+    back in row order.
 
     The policy's ``max_batch_size``/``max_tokens`` size the model's batches; Ray's
     ``batch_size`` is how many rows are regrouped at once (larger: less padding).
+
+    Args:
+        model_factory: Builds the model, once per actor (load weights, move them to
+            the GPU there); the model takes a batch and returns its results.
+        policy: A batchkit policy ([`SortedBatcher`][batchkit.SortedBatcher],
+            [`BucketedBatcher`][batchkit.BucketedBatcher], ...) that groups the rows.
+        collate: Turns a group's items into the model's input (e.g.
+            [`pad`][batchkit.collate.pad.pad]); ``None``: the model gets the list of
+            items.
+        split: Turns the model's output into one result per item (e.g.
+            ``Padded.unpad``); ``None``: the model returns one result per item.
+        columns: The column whose value is each row's item, or several names: then
+            each item is a dict of those columns.
+        output_column: The column the results go to (results that are dicts give
+            one column per key instead).
+        keep_columns: Return the input columns beside the results.
+
+    Raises:
+        TypeError: ``policy`` is not a batchkit policy.
+        ValueError: ``columns`` is an empty list.
     """
 
     def __init__(
@@ -89,7 +104,15 @@ class BatchkitPredictor:
         return 1.0 - self.tokens / self.padded_tokens if self.padded_tokens else 0.0
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Run one Ray batch; the returned columns are in the batch's row order."""
+        """Run one Ray batch; the returned columns are in the batch's row order.
+
+        Args:
+            batch: Ray's batch: column name to a numpy array of rows.
+
+        Raises:
+            ValueError: The model (and ``split``) returned a number of results other
+                than the group's items.
+        """
         items = self._items(batch)
         results: list[Any] = [None] * len(items)
         for group in self.policy.batches(items):
@@ -128,7 +151,11 @@ class BatchkitPredictor:
 
 def to_column(values: list[Any]) -> np.ndarray:
     """One output column: stacked when every value has one shape, else an object array
-    holding one array per row (Ray stores that as a variable-shaped tensor column)."""
+    holding one array per row (Ray stores that as a variable-shaped tensor column).
+
+    Args:
+        values: One result per row (arrays, tensors or numbers).
+    """
     arrays = [_to_numpy(v) for v in values]
     shapes = {a.shape for a in arrays}
     if len(shapes) == 1:

@@ -2,7 +2,7 @@
 
 A Serve replica is an actor; several replicas share a node, so each cannot open its
 own Prometheus port, and a ``/metrics`` route behind Serve's proxy would answer from
-whichever replica the request reached. :class:`RayMetrics` records batchkit's
+whichever replica the request reached. `RayMetrics` records batchkit's
 events with ``ray.serve.metrics`` instead: Ray's agent on each node exports them
 with Serve's own metrics, every series tagged ``deployment``, ``replica`` (and
 ``application``) by Serve, plus batchkit's ``batcher`` label.
@@ -39,15 +39,28 @@ def _require_ray_serve() -> Any:
 @dataclass(frozen=True)
 class ReplicaStats:
     """One replica's view of a ``@batched`` function (picklable: return it from a
-    deployment method)."""
+    deployment method).
 
-    deployment: str  # "" outside a Serve replica
-    replica: str  # Serve's unique replica tag; "" outside a Serve replica
+    Attributes:
+        deployment: The Serve deployment's name; ``""`` outside a Serve replica.
+        replica: Serve's unique replica tag; ``""`` outside a Serve replica.
+        stats: The function's [`Stats`][batchkit.Stats] in this replica.
+    """
+
+    deployment: str
+    replica: str
     stats: Stats
 
 
 def replica_stats(f: BatchedFunction[Any]) -> ReplicaStats:
-    """``f.stats()`` tagged with the Serve replica this process is (empty outside Serve)."""
+    """``f.stats()`` tagged with the Serve replica this process is (empty outside Serve).
+
+    Args:
+        f: A ``@batched`` function living in this process.
+
+    Raises:
+        ImportError: Ray Serve is not installed.
+    """
     from ray import serve
     from ray.serve.exceptions import RayServeException
 
@@ -91,13 +104,24 @@ class RayMetrics:
     """batchkit's metrics for ``@batched`` functions, exported by Ray's metrics agent.
 
     Create one per process (per replica: in the deployment's ``__init__``) and
-    :meth:`track` each function. The metric names are those of
-    :mod:`batchkit.metrics` (``inference_batch_size``, ``inference_queue_wait_seconds``,
+    [`track`][batchkit.integrations.ray.RayMetrics.track] each function. The metric
+    names are those of
+    `batchkit.metrics` (``inference_batch_size``, ``inference_queue_wait_seconds``,
     ...), prefixed by ``namespace`` if given; Ray's exporter adds its ``ray_``
     prefix. Inside a Serve replica every series also carries Serve's ``deployment``,
     ``replica`` and ``application`` tags. The queue-depth and in-flight gauges are
     left to Serve (``ray_serve_replica_processing_queries``,
     ``ray_serve_deployment_queued_queries``): Ray has no scrape-time gauges.
+
+    Args:
+        namespace: A prefix for every name, e.g. ``"myapp"`` gives
+            ``myapp_inference_batch_size`` (``""``: none).
+        latency_buckets: Histogram bucket bounds, in seconds, of the queue wait and
+            batch latency histograms.
+        size_buckets: Bucket bounds, in items, of the batch size histogram.
+
+    Raises:
+        ImportError: Ray Serve is not installed.
     """
 
     def __init__(
@@ -127,7 +151,13 @@ class RayMetrics:
         self._tracked: dict[str, _RayTracker] = {}
 
     def record(self, metric: str, amount: float, tags: dict[str, str]) -> None:
-        """Observe (histograms) or add (counters) ``amount`` to one series."""
+        """Observe (histograms) or add (counters) ``amount`` to one series.
+
+        Args:
+            metric: A name of ``batchkit.metrics.METRIC_NAMES`` (without namespace).
+            amount: The observation (seconds, items) or the increment.
+            tags: The series' tags: ``batcher`` and the metric's own label, if any.
+        """
         family = self._families[metric]
         if metric in self._histograms:
             family.observe(amount, tags)
@@ -135,7 +165,19 @@ class RayMetrics:
             family.inc(amount, tags)
 
     def track(self, f: BatchedFunction[Any], name: str | None = None) -> str:
-        """Record ``f``'s events under ``batcher=name`` (default: its qualname); returns it."""
+        """Record ``f``'s events under ``batcher=name``.
+
+        Args:
+            f: A ``@batched`` function.
+            name: The ``batcher`` tag of its series (default: ``f``'s qualname).
+
+        Returns:
+            The tag.
+
+        Raises:
+            TypeError: ``f`` is not a ``@batched`` function.
+            ValueError: ``name`` is empty or already tracked.
+        """
         if not isinstance(f, BatchedFunction):
             raise TypeError(f"track() needs a @batched function, got {type(f).__name__}")
         label = f.__qualname__ if name is None else name
