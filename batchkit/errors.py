@@ -23,5 +23,6 @@ class RequestTimeout(BatchkitError, TimeoutError):
 class BatchTimeout(BatchkitError, TimeoutError):
     """The batch function ran past ``batch_timeout`` on this request's batch: the batch
     was given up (its slot freed; a stuck sync worker thread is replaced), so this
-    request has no result. Not a :class:`RequestTimeout`: the request did start."""
+    request has no result. Not a [`RequestTimeout`][batchkit.RequestTimeout]: the
+    request did start."""
 

@@ -36,7 +36,7 @@ class Settings:
 def read_settings(
     policy: Batcher, max_concurrent_batches: int, max_queue_size: int | None
 ) -> Settings:
-    """The settings of ``policy`` and the queue, as :class:`Settings`."""
+    """The settings of ``policy`` and the queue, as [`Settings`][batchkit.Settings]."""
     wait = policy.max_wait_s
     return Settings(
         max_batch_size=policy.max_batch_size,

@@ -54,7 +54,7 @@ class Watchdog:
         self.cond.notify()
 
     def join(self) -> None:
-        """Wait for the watchdog thread to exit (after :meth:`stop_locked`)."""
+        """Wait for the watchdog thread to exit (after ``stop_locked``)."""
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
 
