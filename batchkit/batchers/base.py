@@ -152,7 +152,8 @@ class Batcher:
     max_wait_s: float | None  # None: never leave before full (static batching)
     max_tokens: int | None
     key: KeyFn | None
-    cost: BatchCost
+    # A class default too: a policy pickled before `cost=` existed loads as "padded".
+    cost: BatchCost = PADDED
 
     def __init__(
         self,
