@@ -253,17 +253,6 @@ def as_batch_cost(cost: CostLike | BatchCost) -> BatchCost:
     return wrapped
 
 
-def fits(cost: BatchCost, keys: Sequence[float], max_tokens: float | None) -> bool:
-    """Whether a batch of `keys` is within `max_tokens` (a single item always is).
-
-    Args:
-        cost: the policy's cost.
-        keys: the batch's keys.
-        max_tokens: the budget; None: no budget.
-    """
-    return max_tokens is None or len(keys) <= 1 or cost.of(keys) <= max_tokens
-
-
 __all__ = [
     "COST_NAMES",
     "BatchCost",
@@ -273,5 +262,4 @@ __all__ = [
     "RunningCost",
     "SumCost",
     "as_batch_cost",
-    "fits",
 ]

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from batchkit.batchers import DynamicBatcher
-from batchkit.batchers.cost import CostLike
+from batchkit.batchers.cost import COST_NAMES, CostLike
 from batchkit.cli._args import (
     CliError,
     float_list,
@@ -73,7 +73,7 @@ def add_parser(commands: Any) -> None:
                              "at random (with --seed)")  # fmt: skip
     budget.add_argument("--max-tokens", type=positive_int,
                         help="the most a batch may cost, by --cost (needs --lengths)")  # fmt: skip
-    budget.add_argument("--cost", choices=("padded", "sum"), default=None,
+    budget.add_argument("--cost", choices=COST_NAMES, default=None,
                         help="what --max-tokens bounds: padded = batch size x longest "
                              "(default), sum = total tokens (packed, padding-free)")  # fmt: skip
     model = p.add_argument_group("latency model (default 5 ms + 0.5 ms x batch size)")
