@@ -19,8 +19,19 @@ Rows:
   ``window=`` the sampler's megabatch size (the same locality as HF, for comparison);
 - ``batchkit BucketedBatcher``: boundaries at length quantiles, and at powers of two.
 
+Token budget (``max_tokens``, the same for both): what ``cost=`` changes. ``"padded"``
+with ``pad`` (a ``[B, L]`` block: ``B * L`` within the budget) against ``"sum"`` with
+``pack_varlen`` (one packed sequence: its ``T`` within the budget), for
+``DynamicBatcher`` in the corpus's (shuffled) order and for ``SortedBatcher``. Each
+batch is collated for real and its layout checked against the budget; the rows give
+real tokens per batch, the layout's slots per batch, and batches per epoch.
+
 Targets: SortedBatcher matches the global sort's waste; BucketedBatcher beats the
-length-grouped sampler. Usage: ``python benchmarks/padding.py [--n N] [--quick]`` (~10 s).
+length-grouped sampler; ``cost="sum"`` needs fewer batches per epoch than
+``"padded"`` at the same budget, every batch of either within it. These are counts,
+not timings: the 2-core CPU box shows them exactly; whether fewer, fuller packed
+batches run faster depends on the varlen kernels of a GPU.
+Usage: ``python benchmarks/padding.py [--n N] [--quick]`` (~10 s).
 """
 
 from __future__ import annotations
@@ -44,6 +55,7 @@ import batchkit  # noqa: E402
 
 BATCH = 32
 MAX_TOKENS = 256
+BUDGET = 4096  # max_tokens for the cost rows: 16 of the longest (truncated) texts
 SKIP_MODULES = {
     "antigravity",
     "this",
@@ -162,6 +174,64 @@ def pow2_bounds(lengths: Sequence[int]) -> list[int]:
     return out
 
 
+# --------------------------------------------------------------------------- cost=
+
+
+def layout_slots(batch: Sequence[Sequence[int]], cost: str) -> int:
+    """Rows x columns of the collated batch: ``pad``'s ``[B, L]`` or ``pack_varlen``'s ``T``."""
+    if cost == "padded":
+        padded = batchkit.collate.pad(batch)
+        return int(padded.data.shape[0] * padded.data.shape[1])
+    return batchkit.collate.pack_varlen(batch).total_length
+
+
+def budget_rows(items: list[list[int]]) -> bool:
+    """``cost="padded"`` (pad) against ``cost="sum"`` (pack_varlen) at one ``max_tokens``."""
+    print(
+        f"\n# max_tokens={BUDGET}: cost='padded' + pad ([B, L]) vs cost='sum' + pack_varlen "
+        "(T); max_batch_size 1024"
+    )
+    head = f"{'policy':<16}{'cost':>8}{'batches':>9}{'tokens/batch':>14}{'slots/batch':>13}"
+    print(head + f"{'filled':>8}")
+    ok = True
+    epochs: dict[tuple[str, str], int] = {}
+    for name, make in (
+        (
+            "DynamicBatcher",
+            lambda cost: batchkit.DynamicBatcher(1024, max_tokens=BUDGET, cost=cost),
+        ),
+        (
+            "SortedBatcher",
+            lambda cost: batchkit.SortedBatcher(batch_size=1024, max_tokens=BUDGET, cost=cost),
+        ),
+    ):
+        for cost in ("padded", "sum"):
+            batches = list(make(cost).batches(items))
+            assert sorted(i for b in batches for i in b.indices) == list(range(len(items)))
+            tokens = sum(len(x) for b in batches for x in b)
+            slots = [layout_slots(b, cost) for b in batches]
+            over = sum(1 for b, n in zip(batches, slots) if len(b) > 1 and n > BUDGET)
+            epochs[name, cost] = len(batches)
+            print(
+                f"{name:<16}{cost:>8}{len(batches):>9}{tokens / len(batches):>14,.0f}"
+                f"{sum(slots) / len(batches):>13,.0f}{tokens / sum(slots):>8.1%}"
+            )
+            hit = over == 0
+            if not hit:
+                print(f"MISS  {name} cost={cost}: {over} batches' layouts exceed {BUDGET}")
+            ok &= hit
+    for name in ("DynamicBatcher", "SortedBatcher"):
+        padded, summed = epochs[name, "padded"], epochs[name, "sum"]
+        hit = summed < padded
+        print(
+            f"{'PASS' if hit else 'MISS'}  {name} cost='sum': {padded / summed:.2f}x the tokens "
+            f"per batch of 'padded', {summed} batches per epoch vs {padded}; every layout "
+            "within budget"
+        )
+        ok &= hit
+    return ok
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--n", type=int, default=0, help="texts used (default: all)")
@@ -246,6 +316,7 @@ def main() -> int:
             f"{w:.2%} vs {hf_w:.2%}"
         )
         ok &= hit
+    ok &= budget_rows(items)
     print(f"\n(total {time.perf_counter() - t0:.1f} s)")
     return 0 if ok else 1
 

@@ -2,6 +2,7 @@
 
 from batchkit.batchers.base import Batch, Batcher
 from batchkit.batchers.bucketed import BucketedBatcher
+from batchkit.batchers.cost import BatchCost
 from batchkit.batchers.dynamic import DynamicBatcher
 from batchkit.batchers.sampler import BatchSampler
 from batchkit.batchers.sorted import SortedBatcher
@@ -9,6 +10,7 @@ from batchkit.batchers.static import StaticBatcher
 
 __all__ = [
     "Batch",
+    "BatchCost",
     "BatchSampler",
     "Batcher",
     "BucketedBatcher",

@@ -1,13 +1,16 @@
-"""What every batching policy shares: the ``Batch`` type, options, token budgets.
+"""What every batching policy shares: the `Batch` type, options, token budgets.
 
 A policy decides *which items go together and when*. It never owns a queue or a
-thread: offline, :meth:`Batcher.batches` groups a finite list; online, the one
-scheduler in :mod:`batchkit.serve.scheduler` asks the policy which bucket an item
-belongs to, how to pick a batch from a bucket's waiting items, and how long to wait.
+thread: offline, [`Batcher.batches`][batchkit.Batcher.batches] groups a finite list;
+online, the one scheduler in `batchkit.serve.scheduler` asks the policy which bucket
+an item belongs to, how to pick a batch from a bucket's waiting items, and how long
+to wait. A token budget (`max_tokens`) bounds each batch's cost, as the policy's
+[`BatchCost`][batchkit.batchers.cost.BatchCost] computes it.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
@@ -15,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 # Re-exported: @batched and the simulator import it from here.
 from batchkit.batchers.checks import check_positive_int as check_positive_int
+from batchkit.batchers.cost import PADDED, BatchCost, CostLike, as_batch_cost
 from batchkit.batchers.sampler import BatchSampler
 
 if TYPE_CHECKING:
@@ -26,7 +30,12 @@ KeyFn = Callable[[Any], float]
 
 
 class Batch(list[T], Generic[T]):
-    """A list of items plus ``indices``: each item's position in the input."""
+    """A list of items plus `indices`: each item's position in the input.
+
+    Args:
+        items: the batch's items.
+        indices: each item's position in the sequence the batches were cut from.
+    """
 
     __slots__ = ("indices",)
 
@@ -50,32 +59,57 @@ class Candidate(Protocol):
 C = TypeVar("C", bound=Candidate)
 
 
-def padded_area(size: int, longest: float) -> float:
-    """The token budget a batch uses: every row padded to the longest item."""
-    return size * longest
+def take_within_budget(
+    keys: Iterable[float],
+    max_batch_size: int,
+    max_tokens: int | None,
+    cost: BatchCost = PADDED,
+) -> int:
+    """How many of `keys` (in order) fit one batch.
 
+    At most `max_batch_size`, and the batch's `cost` stays within `max_tokens`. The
+    first item is always taken, so an item over the budget alone goes alone; the
+    first item that takes the cost over the budget ends the batch (later, smaller
+    items are not tried).
 
-def take_within_budget(keys: Iterable[float], max_batch_size: int, max_tokens: int | None) -> int:
-    """How many of ``keys`` (in order) fit one batch.
-
-    At most ``max_batch_size``, and ``size * max(key)`` stays within ``max_tokens``;
-    the first item is always taken, so an item over the budget alone goes alone.
+    Args:
+        keys: the candidates' keys, in the order they would join.
+        max_batch_size: the most items.
+        max_tokens: the budget `cost` is held to; None: the size alone decides.
+        cost: how a batch of keys is costed (default: the padded area).
     """
-    count, longest = 0, -math.inf
+    if max_tokens is None:
+        return sum(1 for _ in itertools.islice(keys, max_batch_size))
+    count = 0
+    running = cost.running()
     for k in keys:
         if count == max_batch_size:
             break
-        new_longest = max(longest, k)
-        if count and max_tokens is not None and padded_area(count + 1, new_longest) > max_tokens:
+        if running.add(k) > max_tokens and count:
             break
-        count, longest = count + 1, new_longest
+        count += 1
     return count
 
 
 def cut(
-    order: Sequence[int], keys: Sequence[float], max_batch_size: int, max_tokens: int | None
+    order: Sequence[int],
+    keys: Sequence[float],
+    max_batch_size: int,
+    max_tokens: int | None,
+    cost: BatchCost = PADDED,
 ) -> Iterator[list[int]]:
-    """Cut ``order`` (indices into ``keys``) into consecutive batches within the limits."""
+    """Cut `order` into consecutive batches within the limits.
+
+    Args:
+        order: indices into `keys`, in the order batches are cut.
+        keys: every item's key.
+        max_batch_size: the most items per batch.
+        max_tokens: the budget each batch's `cost` is held to; None: no budget.
+        cost: how a batch of keys is costed (default: the padded area).
+
+    Yields:
+        Each batch's indices, in `order`.
+    """
     if max_tokens is None:  # the size alone decides: plain chunks
         for start in range(0, len(order), max_batch_size):
             yield list(order[start : start + max_batch_size])
@@ -84,7 +118,7 @@ def cut(
     while start < len(order):
         # a lazy view of the rest: slicing order[start:] would copy it for every batch
         rest = (keys[order[j]] for j in range(start, len(order)))
-        n = take_within_budget(rest, max_batch_size, max_tokens)
+        n = take_within_budget(rest, max_batch_size, max_tokens, cost)
         yield list(order[start : start + n])
         start += n
 
@@ -93,13 +127,33 @@ class Batcher:
     """Base class of the batching policies (static, dynamic, bucketed, sorted).
 
     Subclasses set the options and override the hooks; the online scheduler and
-    the offline :meth:`batches` are written once, here and in ``batchkit.serve``.
+    the offline [`batches`][batchkit.Batcher.batches] are written once, here and in
+    `batchkit.serve`.
+
+    Args:
+        max_batch_size: the most items in one batch.
+        max_wait_ms: how long, in milliseconds, the oldest waiting request may wait
+            before a partial batch leaves; None: never before full (static batching).
+        max_tokens: the most a batch of more than one item may cost, in the units of
+            `cost` (tokens, for lengths); None: no budget, the size alone decides.
+        key: an item's key (its length); defaults to `len` when `max_tokens` is set.
+        cost: what `max_tokens` bounds: `"padded"` (`len(batch) * max(key)`, the
+            default), `"sum"` (`sum(key)`) or a callable `cost(keys) -> number`; see
+            [`as_batch_cost`][batchkit.batchers.cost.as_batch_cost].
+
+    Raises:
+        ValueError: a size, budget or wait that is not a positive int / finite
+            number >= 0, or an unknown `cost` name.
+        TypeError: a `key` or `cost` that is not callable, or a `cost` that fails on
+            a sample of keys.
     """
 
     max_batch_size: int
     max_wait_s: float | None  # None: never leave before full (static batching)
     max_tokens: int | None
     key: KeyFn | None
+    # A class default too: a policy pickled before `cost=` existed loads as "padded".
+    cost: BatchCost = PADDED
 
     def __init__(
         self,
@@ -108,6 +162,7 @@ class Batcher:
         max_wait_ms: float | None,
         max_tokens: int | None = None,
         key: KeyFn | None = None,
+        cost: CostLike | BatchCost = "padded",
     ) -> None:
         check_positive_int("max_batch_size", max_batch_size)
         check_positive_int("max_tokens", max_tokens, allow_none=True)
@@ -119,10 +174,19 @@ class Batcher:
         self.max_wait_s = None if max_wait_ms is None else max_wait_ms / 1000.0
         self.max_tokens = max_tokens
         self.key = len if key is None and max_tokens is not None else key
+        self.cost = as_batch_cost(cost)
 
     # -- hooks ------------------------------------------------------------
     def key_of(self, item: Any) -> float:
-        """The item's key (length by default), or 0.0 when the policy uses none."""
+        """The item's key (length by default), or 0.0 when the policy uses none.
+
+        Args:
+            item: one input item.
+
+        Raises:
+            TypeError: `key(item)` is not a number.
+            ValueError: `key(item)` is NaN, or negative under a token budget.
+        """
         if self.key is None:
             return 0.0
         value = self.key(item)
@@ -138,7 +202,11 @@ class Batcher:
         return key
 
     def keys_of(self, items: Sequence[Any]) -> list[float]:
-        """:meth:`key_of` of every item; an error names the item's position."""
+        """[`key_of`][batchkit.Batcher.key_of] of every item; an error names the item's position.
+
+        Args:
+            items: the input items.
+        """
         keys: list[float] = []
         append, key_of = keys.append, self.key_of
         i = 0
@@ -154,34 +222,69 @@ class Batcher:
         return keys
 
     def bucket_of(self, key: float) -> Hashable:
-        """Which bucket an item belongs to; a batch never mixes buckets."""
+        """Which bucket an item belongs to; a batch never mixes buckets.
+
+        Args:
+            key: the item's key.
+        """
         return None
 
     def offline_order(self, keys: Sequence[float]) -> list[list[int]]:
-        """Groups of item indices, each in the order batches are cut from it."""
+        """Groups of item indices, each in the order batches are cut from it.
+
+        Args:
+            keys: every item's key, in input order.
+        """
         return [list(range(len(keys)))]
 
     def sampler_order(self, keys: Sequence[float]) -> list[list[int]]:
-        """Like :meth:`offline_order`, for ``keys`` that come in a random order.
+        """Like [`offline_order`][batchkit.Batcher.offline_order], for keys in a random order.
 
-        A shuffling sampler uses this hook; by default it is :meth:`offline_order`.
+        A shuffling sampler uses this hook; by default it is `offline_order`.
+
+        Args:
+            keys: every item's key, in the sampler's (random) order.
         """
         return self.offline_order(keys)
 
     def select(self, candidates: Sequence[C]) -> list[C]:
-        """Pick a batch from one bucket's waiting requests (given in service order)."""
+        """Pick a batch from one bucket's waiting requests.
+
+        The longest prefix whose cost stays within `max_tokens` (and at most
+        `max_batch_size`); the first request always goes.
+
+        Args:
+            candidates: the bucket's waiting requests, in service order.
+        """
         if self.max_tokens is None:
             return list(candidates[: self.max_batch_size])
-        n = take_within_budget((c.key for c in candidates), self.max_batch_size, self.max_tokens)
+        n = take_within_budget(
+            (c.key for c in candidates), self.max_batch_size, self.max_tokens, self.cost
+        )
         return list(candidates[:n])
 
     def padded_size(self, size: int) -> int:
-        """The batch size the function is called with for ``size`` real items."""
+        """The batch size the function is called with for `size` real items.
+
+        Args:
+            size: the real items in the batch.
+        """
         return size
+
+    def budget_reached(self, keys: Sequence[float]) -> bool:
+        """Whether a batch of `keys` uses all of `max_tokens` (False without a budget).
+
+        The online scheduler calls it on a bucket's waiting requests: a bucket whose
+        requests reach the budget is as full as one at `max_batch_size`.
+
+        Args:
+            keys: the waiting requests' keys, in service order.
+        """
+        return self.max_tokens is not None and self.cost.of(keys) >= self.max_tokens
 
     @property
     def candidate_limit(self) -> int | None:
-        """How many waiting requests :meth:`select` needs to see (None: all of them)."""
+        """How many waiting requests [`select`][batchkit.Batcher.select] needs (None: all)."""
         return self.max_batch_size
 
     @property
@@ -191,16 +294,28 @@ class Batcher:
 
     # -- offline ----------------------------------------------------------
     def index_batches(self, keys: Sequence[float], *, shuffled: bool = False) -> list[list[int]]:
-        """Batches of positions in ``keys``, cut by this policy's rules.
+        """Batches of positions in `keys`, cut by this policy's rules.
 
-        ``shuffled=True`` says the keys come in a random order (a training sampler),
-        so the groups come from :meth:`sampler_order` instead of :meth:`offline_order`.
+        Args:
+            keys: every item's key.
+            shuffled: the keys come in a random order (a training sampler), so the
+                groups come from [`sampler_order`][batchkit.Batcher.sampler_order]
+                instead of [`offline_order`][batchkit.Batcher.offline_order].
         """
         groups = self.sampler_order(keys) if shuffled else self.offline_order(keys)
-        return [b for g in groups for b in cut(g, keys, self.max_batch_size, self.max_tokens)]
+        return [
+            b for g in groups for b in cut(g, keys, self.max_batch_size, self.max_tokens, self.cost)
+        ]
 
     def batches(self, items: Sequence[T]) -> Iterator[Batch[T]]:
-        """Group a finite sequence of items into batches; indices cover every item once."""
+        """Group a finite sequence of items into batches; indices cover every item once.
+
+        Args:
+            items: the items to batch (read once into a list).
+
+        Yields:
+            Each [`Batch`][batchkit.Batch], its `indices` the items' input positions.
+        """
         items = list(items)
         keys = self.keys_of(items)
         for idx in self.index_batches(keys):
@@ -216,11 +331,20 @@ class Batcher:
         seed: int = 0,
         drop_last: bool = False,
     ) -> BatchSampler:
-        """A batch sampler for ``DataLoader(batch_sampler=...)`` over a dataset's lengths.
+        """A batch sampler for `DataLoader(batch_sampler=...)` over a dataset's lengths.
 
-        ``lengths[i]`` is example ``i``'s key (its token count). See
-        :class:`~batchkit.batchers.sampler.BatchSampler` for shuffling, epochs,
-        sharding across ``world_size`` ranks and resuming.
+        See [`BatchSampler`][batchkit.BatchSampler] for shuffling, epochs, sharding
+        across ranks and resuming.
+
+        Args:
+            lengths: `lengths[i]` is example `i`'s key (its token count); the
+                policy's `max_tokens` and `cost` apply to them.
+            rank: this process's rank, in `[0, world_size)`.
+            world_size: how many ranks share the batches.
+            shuffle: a new random order every epoch.
+            seed: the seed every rank shares.
+            drop_last: drop the last batches instead of repeating some, so the
+                batch count is a multiple of `world_size`.
         """
         return BatchSampler(
             self,
@@ -235,4 +359,3 @@ class Batcher:
     def __repr__(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
         return f"{type(self).__name__}({opts})"
-

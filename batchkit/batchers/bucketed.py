@@ -12,18 +12,35 @@ from typing_extensions import Self
 
 from batchkit.batchers.base import Batcher, KeyFn
 from batchkit.batchers.checks import check_positive_int
+from batchkit.batchers.cost import BatchCost, CostLike
 from batchkit.batchers.sampler import check_lengths
 
 
 class BucketedBatcher(Batcher):
     """Dynamic batching within length buckets.
 
-    An item goes to the first bucket whose boundary is >= ``key(item)``; items above
+    An item goes to the first bucket whose boundary is >= `key(item)`; items above
     the last boundary form a bucket of their own. Online, each bucket batches like
-    :class:`~batchkit.DynamicBatcher` (full, waited ``max_wait_ms``, or idle).
+    [`DynamicBatcher`][batchkit.DynamicBatcher] (full, waited `max_wait_ms`, or idle).
     Offline, a bucket's items are batched in key order (least padding), buckets in
-    ascending order; for training, :meth:`sampler` shuffles within buckets.
-    :meth:`from_lengths` estimates boundaries from a sample of lengths.
+    ascending order; for training, [`sampler`][batchkit.Batcher.sampler] shuffles
+    within buckets. [`from_lengths`][batchkit.BucketedBatcher.from_lengths] estimates
+    boundaries from a sample of lengths.
+
+    Args:
+        boundaries: strictly increasing bucket boundaries (keys, e.g. lengths).
+        key: an item's key (default `len`).
+        max_batch_size: the most items in one batch.
+        max_wait_ms: how long the oldest waiting request may wait, in milliseconds.
+        max_tokens: the most a batch of more than one item may cost (see `cost`);
+            None: no budget.
+        cost: what `max_tokens` bounds: `"padded"` (`len(batch) * max(key)`, the
+            default), `"sum"` (`sum(key)`) or a callable `cost(keys) -> number`
+            ([`as_batch_cost`][batchkit.batchers.cost.as_batch_cost]).
+
+    Raises:
+        ValueError: empty, non-numeric or not strictly increasing `boundaries`.
+        TypeError: `boundaries` is not iterable.
     """
 
     def __init__(
@@ -34,6 +51,7 @@ class BucketedBatcher(Batcher):
         max_batch_size: int = 32,
         max_wait_ms: float = 5.0,
         max_tokens: int | None = None,
+        cost: CostLike | BatchCost = "padded",
     ) -> None:
         try:
             bounds = list(boundaries)
@@ -50,7 +68,11 @@ class BucketedBatcher(Batcher):
         if any(nxt <= prev for prev, nxt in zip(bounds, bounds[1:])):
             raise ValueError(f"boundaries must be strictly increasing, got {bounds}")
         super().__init__(
-            max_batch_size=max_batch_size, max_wait_ms=max_wait_ms, max_tokens=max_tokens, key=key
+            max_batch_size=max_batch_size,
+            max_wait_ms=max_wait_ms,
+            max_tokens=max_tokens,
+            key=key,
+            cost=cost,
         )
         self.boundaries = tuple(bounds)
 
@@ -58,25 +80,42 @@ class BucketedBatcher(Batcher):
     def from_lengths(
         cls, lengths: Sequence[int] | np.ndarray, *, num_buckets: int, **options: Any
     ) -> Self:
-        """A policy whose ``num_buckets`` boundaries split a sample's tokens equally.
+        """A policy whose `num_buckets` boundaries split a sample's tokens equally.
 
-        Each bucket holds about the same total of ``lengths`` (tokens), so the dense
+        Each bucket holds about the same total of `lengths` (tokens), so the dense
         short lengths get narrow buckets and the long tail wide ones; the last
-        boundary is the sample's maximum. ``options`` go to the constructor.
+        boundary is the sample's maximum.
+
+        Args:
+            lengths: a sample of the keys (ints >= 0).
+            num_buckets: how many boundaries (at most the sample's distinct lengths).
+            **options: the constructor's other arguments (`max_tokens`, `cost`, ...).
         """
         check_positive_int("num_buckets", num_buckets)
         return cls(equal_token_boundaries(lengths, num_buckets), **options)
 
     def bucket_of(self, key: float) -> Hashable:
-        """Index of the first boundary >= ``key`` (``len(boundaries)`` above the last)."""
+        """Index of the first boundary >= `key` (`len(boundaries)` above the last).
+
+        Args:
+            key: the item's key.
+        """
         return bisect.bisect_left(self.boundaries, key)
 
     def offline_order(self, keys: Sequence[float]) -> list[list[int]]:
-        """One group per non-empty bucket, ascending; each in stable key order."""
+        """One group per non-empty bucket, ascending; each in stable key order.
+
+        Args:
+            keys: every item's key, in input order.
+        """
         return [sorted(group, key=keys.__getitem__) for group in self.sampler_order(keys)]
 
     def sampler_order(self, keys: Sequence[float]) -> list[list[int]]:
-        """One group per non-empty bucket, ascending; each in the given (random) order."""
+        """One group per non-empty bucket, ascending; each in the given (random) order.
+
+        Args:
+            keys: every item's key, in the sampler's order.
+        """
         buckets: dict[int, list[int]] = {}
         for i, k in enumerate(keys):
             buckets.setdefault(bisect.bisect_left(self.boundaries, k), []).append(i)
@@ -84,11 +123,18 @@ class BucketedBatcher(Batcher):
 
 
 def equal_token_boundaries(lengths: Sequence[int] | np.ndarray, num_buckets: int) -> list[int]:
-    """``num_buckets`` strictly increasing boundaries, each bucket about equal in tokens.
+    """`num_buckets` strictly increasing boundaries, each bucket about equal in tokens.
 
-    Boundary ``j`` is the smallest length at which the running token total of the
-    sorted sample reaches ``j / num_buckets`` of the whole, moved up or down only as
+    Boundary `j` is the smallest length at which the running token total of the
+    sorted sample reaches `j / num_buckets` of the whole, moved up or down only as
     far as needed to keep the boundaries distinct; the last is the maximum.
+
+    Args:
+        lengths: a sample of lengths (ints >= 0).
+        num_buckets: how many boundaries.
+
+    Raises:
+        ValueError: fewer distinct lengths than `num_buckets`.
     """
     check_positive_int("num_buckets", num_buckets)
     values, counts = np.unique(

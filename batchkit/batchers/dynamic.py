@@ -1,4 +1,4 @@
-"""Dynamic batching (Triton-style): up to ``max_batch_size``, waiting at most ``max_wait_ms``."""
+"""Dynamic batching (Triton-style): up to `max_batch_size`, waiting at most `max_wait_ms`."""
 
 from __future__ import annotations
 
@@ -7,24 +7,41 @@ from collections.abc import Iterable, Sequence
 
 from batchkit.batchers.base import Batcher, C, KeyFn, take_within_budget
 from batchkit.batchers.checks import check_positive_int
+from batchkit.batchers.cost import BatchCost, CostLike
 
 
 class DynamicBatcher(Batcher):
-    """Arrival-order batches of up to ``max_batch_size`` items.
+    """Arrival-order batches of up to `max_batch_size` items.
 
     A batch leaves when it is full, when its oldest request has waited
-    ``max_wait_ms``, or, with ``eager=True`` (the default), at once when no batch is
-    running (no idle waiting at low load). ``eager=False`` waits for a full batch or
-    ``max_wait_ms`` even when the device is idle, as Triton and Ray Serve do: for a
+    `max_wait_ms`, or, with `eager=True` (the default), at once when no batch is
+    running (no idle waiting at low load). `eager=False` waits for a full batch or
+    `max_wait_ms` even when the device is idle, as Triton and Ray Serve do: for a
     function with a large per-call cost, or a device shared with other work, where a
-    fuller batch is worth the wait. ``max_tokens`` bounds ``len(batch) * max(key(item))``
-    (``key`` defaults to ``len`` when a token budget is set).
+    fuller batch is worth the wait.
 
-    ``preferred_batch_sizes`` (e.g. ``(1, 2, 4, 8)``): batches leave at the largest
-    preferred size that is available. With ``strict_sizes=True`` the function is
+    `preferred_batch_sizes` (e.g. `(1, 2, 4, 8)`): batches leave at the largest
+    preferred size that is available. With `strict_sizes=True` the function is
     only ever called with one of those sizes: a batch of 5 is padded up to 8 by
     repeating its last item, and the extra results are discarded (for CUDA graphs
-    or TensorRT profiles built for fixed sizes).
+    or TensorRT profiles built for fixed sizes). Under a token budget the padded-up
+    batch, repeated items included, must fit it; if it does not, the batch is cut
+    down to a preferred size instead.
+
+    Args:
+        max_batch_size: the most items in one batch (lowered to the largest
+            preferred size, if any).
+        max_wait_ms: how long the oldest waiting request may wait, in milliseconds.
+        preferred_batch_sizes: the batch sizes to leave at; None: any size.
+        strict_sizes: only ever call the function with a preferred size (padding up).
+        max_tokens: the most a batch of more than one item may cost (see `cost`);
+            None: no budget.
+        key: an item's key; defaults to `len` when `max_tokens` is set.
+        eager: an idle device takes a partial batch at once.
+        cost: what `max_tokens` bounds: `"padded"` (`len(batch) * max(key)`, the
+            default), `"sum"` (`sum(key)`, for `pack_varlen` or graphs) or a
+            callable `cost(keys) -> number`
+            ([`as_batch_cost`][batchkit.batchers.cost.as_batch_cost]).
     """
 
     def __init__(
@@ -37,6 +54,7 @@ class DynamicBatcher(Batcher):
         max_tokens: int | None = None,
         key: KeyFn | None = None,
         eager: bool = True,
+        cost: CostLike | BatchCost = "padded",
     ) -> None:
         check_positive_int("max_batch_size", max_batch_size)  # before it is used below
         if not isinstance(eager, bool):  # a truthy string or 0/1 is a mistake, not a choice
@@ -57,7 +75,11 @@ class DynamicBatcher(Batcher):
         if sizes:
             max_batch_size = min(max_batch_size, sizes[-1])
         super().__init__(
-            max_batch_size=max_batch_size, max_wait_ms=max_wait_ms, max_tokens=max_tokens, key=key
+            max_batch_size=max_batch_size,
+            max_wait_ms=max_wait_ms,
+            max_tokens=max_tokens,
+            key=key,
+            cost=cost,
         )
         self.preferred_batch_sizes = tuple(sizes)
         self.strict_sizes = strict_sizes
@@ -66,30 +88,42 @@ class DynamicBatcher(Batcher):
     @property
     def dispatch_when_idle(self) -> bool:
         """Whether waiting requests leave at once when no batch is running: only when
-        ``eager`` (the scheduler otherwise waits for a full batch or ``max_wait_ms``)."""
+        `eager` (the scheduler otherwise waits for a full batch or `max_wait_ms`)."""
         return self.eager and super().dispatch_when_idle
 
     def select(self, candidates: Sequence[C]) -> list[C]:
-        """The oldest requests, cut to the largest preferred size available."""
+        """The oldest requests, cut to the largest preferred size available.
+
+        Args:
+            candidates: the waiting requests, in service order.
+        """
         sizes = self.preferred_batch_sizes
         if not sizes and self.max_tokens is None:
             return list(candidates[: self.max_batch_size])  # the default policy's fast path
-        n = take_within_budget((c.key for c in candidates), self.max_batch_size, self.max_tokens)
-        if sizes and (not self.strict_sizes or self._padded_area_over_budget(candidates, n)):
+        n = take_within_budget(
+            (c.key for c in candidates), self.max_batch_size, self.max_tokens, self.cost
+        )
+        if sizes and (not self.strict_sizes or self._padded_over_budget(candidates, n)):
             k = bisect.bisect_right(sizes, n)
             if k:
                 n = sizes[k - 1]  # a preferred size: no padding needed
         return list(candidates[:n])
 
-    def _padded_area_over_budget(self, candidates: Sequence[C], n: int) -> bool:
-        """Whether padding ``n`` items up to an allowed size would exceed ``max_tokens``."""
+    def _padded_over_budget(self, candidates: Sequence[C], n: int) -> bool:
+        """Whether `n` items padded up to an allowed size (their last one repeated, as
+        the function is called) would cost more than `max_tokens`."""
         if self.max_tokens is None or n == 0:
             return False
-        longest = max(c.key for c in candidates[:n])
-        return self.padded_size(n) * longest > self.max_tokens
+        keys = [c.key for c in candidates[:n]]
+        keys += [keys[-1]] * (self.padded_size(n) - n)
+        return len(keys) > 1 and self.cost.of(keys) > self.max_tokens
 
     def padded_size(self, size: int) -> int:
-        """With ``strict_sizes``, the smallest preferred size >= ``size``."""
+        """With `strict_sizes`, the smallest preferred size >= `size`.
+
+        Args:
+            size: the real items in the batch.
+        """
         if not self.strict_sizes:
             return size
         sizes = self.preferred_batch_sizes

@@ -1,13 +1,13 @@
 """Batch samplers: a policy's batches of dataset indices, per epoch and per rank.
 
-``policy.sampler(lengths, ...)`` returns a :class:`BatchSampler` for
-``DataLoader(batch_sampler=...)``. Every rank builds the same global batch list
-from ``lengths``, ``seed`` and the epoch, then takes every ``world_size``-th batch,
+`policy.sampler(lengths, ...)` returns a [`BatchSampler`][batchkit.BatchSampler] for
+`DataLoader(batch_sampler=...)`. Every rank builds the same global batch list
+from `lengths`, `seed` and the epoch, then takes every `world_size`-th batch,
 so the ranks agree without talking to each other and all yield the same number of
 batches (no rank waits on a collective the others never reach).
 
-torch is not imported: a ``DataLoader`` only needs an iterable of index lists with
-``__len__``. Batches are formed in the main process, so any ``num_workers`` works.
+torch is not imported: a `DataLoader` only needs an iterable of index lists with
+`__len__`. Batches are formed in the main process, so any `num_workers` works.
 """
 
 from __future__ import annotations
@@ -22,16 +22,29 @@ from batchkit.batchers.checks import check_positive_int
 
 
 class IndexBatching(Protocol):
-    """What a sampler needs from a policy (every ``Batcher`` has it): the batches of
+    """What a sampler needs from a policy (every `Batcher` has it): the batches of
     positions in a list of keys, cut by the policy's rules."""
 
     def index_batches(self, keys: Sequence[float], *, shuffled: bool = False) -> list[list[int]]:
-        """Batches of positions in ``keys``; ``shuffled``: the keys come in random order."""
+        """Batches of positions in `keys`.
+
+        Args:
+            keys: every index's key (length).
+            shuffled: the keys come in a random order.
+        """
         ...
 
 
 def check_lengths(lengths: Sequence[int] | np.ndarray) -> list[int]:
-    """``lengths`` as a list of python ints; ValueError/TypeError unless all are ints >= 0."""
+    """`lengths` as a list of python ints.
+
+    Args:
+        lengths: a sequence (or 1-d integer array) of ints >= 0.
+
+    Raises:
+        TypeError: not a sequence or 1-d integer array, or an entry that is not an int.
+        ValueError: a negative entry (named by its position).
+    """
     if isinstance(lengths, np.ndarray):
         if lengths.ndim != 1 or not np.issubdtype(lengths.dtype, np.integer):
             raise TypeError(
@@ -63,22 +76,36 @@ def _check_non_negative_int(name: str, value: object) -> int:
 class BatchSampler:
     """Batches of dataset indices cut by a policy, reshuffled per epoch, split across ranks.
 
-    Each epoch (see :meth:`set_epoch`) the sampler:
+    Each epoch (see [`set_epoch`][batchkit.BatchSampler.set_epoch]) the sampler:
 
-    1. with ``shuffle``, permutes the indices from ``seed`` and the epoch, so the
-       policy meets them in a new random order (``BucketedBatcher`` keeps that order
-       within each bucket, ``SortedBatcher`` sorts it, so equal lengths are tied
-       randomly, ``StaticBatcher`` cuts it as it is);
-    2. cuts batches by the policy's own rules (``max_batch_size`` / ``batch_size``,
-       ``max_tokens`` over ``lengths``, bucket boundaries; ``lengths[i]`` is the
-       key of index ``i``, the policy's ``key`` function is not used);
-    3. with ``shuffle``, shuffles the batch order;
-    4. makes the batch count a multiple of ``world_size``, by repeating batches from
-       the start (``drop_last=False``: every index at least once, fewer than
-       ``world_size`` batches repeated) or dropping the last ones (``drop_last=True``:
-       no index twice across ranks), and gives batch ``i`` to rank ``i % world_size``.
+    1. with `shuffle`, permutes the indices from `seed` and the epoch, so the
+       policy meets them in a new random order (`BucketedBatcher` keeps that order
+       within each bucket, `SortedBatcher` sorts it, so equal lengths are tied
+       randomly, `StaticBatcher` cuts it as it is);
+    2. cuts batches by the policy's own rules (`max_batch_size` / `batch_size`,
+       `max_tokens` over `lengths` by the policy's `cost`, bucket boundaries;
+       `lengths[i]` is the key of index `i`, the policy's `key` function is not used);
+    3. with `shuffle`, shuffles the batch order;
+    4. makes the batch count a multiple of `world_size`, by repeating batches from
+       the start (`drop_last=False`: every index at least once, fewer than
+       `world_size` batches repeated) or dropping the last ones (`drop_last=True`:
+       no index twice across ranks), and gives batch `i` to rank `i % world_size`.
 
-    Every rank must be given the same ``lengths``, policy, ``seed`` and epoch.
+    Every rank must be given the same `lengths`, policy, `seed` and epoch.
+
+    Args:
+        policy: the batching policy (any [`Batcher`][batchkit.Batcher]).
+        lengths: `lengths[i]` is dataset index `i`'s key (its token count).
+        rank: this process's rank, in `[0, world_size)`.
+        world_size: how many ranks share the batches.
+        shuffle: a new random order every epoch (else the input order).
+        seed: the seed every rank shares (an int >= 0).
+        drop_last: make the batch count a multiple of `world_size` by dropping the
+            last batches (no index twice) instead of repeating the first ones.
+
+    Raises:
+        ValueError: a `rank`, `world_size` or `seed` out of range, or bad `lengths`.
+        TypeError: `lengths` that are not ints.
     """
 
     def __init__(
@@ -110,20 +137,27 @@ class BatchSampler:
 
     # -- epochs -----------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
-        """Choose the epoch to produce (as ``DistributedSampler.set_epoch``).
+        """Choose the epoch to produce (as `DistributedSampler.set_epoch`).
 
         Another epoch than the current one starts from its first batch; the same
-        epoch keeps a position loaded by :meth:`load_state_dict`.
+        epoch keeps a position loaded by
+        [`load_state_dict`][batchkit.BatchSampler.load_state_dict].
+
+        Args:
+            epoch: the epoch (an int >= 0).
         """
         epoch = _check_non_negative_int("epoch", epoch)
         if epoch != self.epoch:
             self.epoch, self._resume_at, self._yielded = epoch, 0, 0
 
     def global_batches(self, epoch: int | None = None) -> list[list[int]]:
-        """Every rank's batches of an epoch (the current one by default), in order.
+        """Every rank's batches of an epoch, in order.
 
-        Batch ``i`` goes to rank ``i % world_size``; the list is already padded or
-        truncated to a multiple of ``world_size``.
+        Batch `i` goes to rank `i % world_size`; the list is already padded or
+        truncated to a multiple of `world_size`.
+
+        Args:
+            epoch: the epoch; None: the current one.
         """
         epoch = self.epoch if epoch is None else _check_non_negative_int("epoch", epoch)
         n = len(self.lengths)
@@ -139,7 +173,7 @@ class BatchSampler:
         return self._even_out(batches)
 
     def _even_out(self, batches: list[list[int]]) -> list[list[int]]:
-        """The batch list cut or padded to a multiple of ``world_size``."""
+        """The batch list cut or padded to a multiple of `world_size`."""
         extra = len(batches) % self.world_size
         if extra == 0:
             return batches
@@ -182,8 +216,8 @@ class BatchSampler:
 
     def batches_digest(self) -> str:
         """A digest of the current epoch's batches (all ranks'): a resume checks it, so a
-        state saved for other batches (another dataset, policy, ``shuffle`` or
-        ``drop_last``) is refused instead of resuming into a different list."""
+        state saved for other batches (another dataset, policy, `shuffle` or
+        `drop_last`) is refused instead of resuming into a different list."""
         return self._epoch_cache()[2]
 
     # -- checkpoints ------------------------------------------------------
@@ -193,7 +227,7 @@ class BatchSampler:
         All ranks yield in lockstep, so one rank's state can be loaded on every rank.
         With DataLoader workers prefetching, the sampler runs ahead of the batches
         the training loop has received: store your step count as
-        ``batches_yielded`` instead to resume at the next batch not yet trained on.
+        `batches_yielded` instead to resume at the next batch not yet trained on.
         """
         return {
             "epoch": self.epoch,
@@ -204,7 +238,17 @@ class BatchSampler:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Resume from :meth:`state_dict`: the next iteration skips the batches yielded."""
+        """Resume from [`state_dict`][batchkit.BatchSampler.state_dict]: the next
+        iteration skips the batches yielded.
+
+        Args:
+            state: a `state_dict()` (saved on any rank).
+
+        Raises:
+            TypeError: `state` is not a mapping.
+            ValueError: it lacks a position, was saved with another seed or world
+                size, or for other batches (another dataset, policy, ...).
+        """
         if not isinstance(state, Mapping):
             raise TypeError(f"state must be a mapping, got {type(state).__name__}")
         missing = {"epoch", "batches_yielded"} - set(state)

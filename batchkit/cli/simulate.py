@@ -1,4 +1,4 @@
-"""``batchkit simulate``: replay arrivals against batcher settings before deploying them."""
+"""`batchkit simulate`: replay arrivals against batcher settings before deploying them."""
 
 from __future__ import annotations
 
@@ -8,7 +8,10 @@ import math
 import sys
 from typing import Any
 
+import numpy as np
+
 from batchkit.batchers import DynamicBatcher
+from batchkit.batchers.cost import COST_NAMES, CostLike
 from batchkit.cli._args import (
     CliError,
     float_list,
@@ -18,7 +21,14 @@ from batchkit.cli._args import (
     positive_int,
 )
 from batchkit.tools.progress import Progress
-from batchkit.tools.simulate import LatencyModel, SimResult, poisson_arrivals, read_trace, simulate
+from batchkit.tools.simulate import (
+    LatencyModel,
+    SimResult,
+    poisson_arrivals,
+    read_lengths,
+    read_trace,
+    simulate,
+)
 
 
 def add_parser(commands: Any) -> None:
@@ -57,6 +67,15 @@ def add_parser(commands: Any) -> None:
                    help="batches running at once, each as if alone (default 1)")  # fmt: skip
     p.add_argument("--max-queue-size", type=positive_int,
                    help="waiting requests beyond this are rejected (QueueFull)")  # fmt: skip
+    budget = p.add_argument_group("token budget (dynamic policy)")
+    budget.add_argument("--lengths", metavar="FILE",
+                        help="request lengths, one int per line: each request draws one "
+                             "at random (with --seed)")  # fmt: skip
+    budget.add_argument("--max-tokens", type=positive_int,
+                        help="the most a batch may cost, by --cost (needs --lengths)")  # fmt: skip
+    budget.add_argument("--cost", choices=COST_NAMES, default=None,
+                        help="what --max-tokens bounds: padded = batch size x longest "
+                             "(default), sum = total tokens (packed, padding-free)")  # fmt: skip
     model = p.add_argument_group("latency model (default 5 ms + 0.5 ms x batch size)")
     model.add_argument("--latency-ms", type=non_negative_float, help="a: fixed cost of a batch")
     model.add_argument("--per-item-ms", type=non_negative_float, help="b: cost per item")
@@ -74,6 +93,24 @@ def _latency_model(args: argparse.Namespace) -> LatencyModel:
     fixed = 5.0 if args.latency_ms is None else args.latency_ms
     per_item = 0.5 if args.per_item_ms is None else args.per_item_ms
     return LatencyModel.linear(fixed, per_item)
+
+
+def _keys(args: argparse.Namespace, count: int) -> list[float] | None:
+    """Each request's length, drawn from --lengths; None without a file."""
+    if args.cost is not None and args.max_tokens is None:
+        raise CliError("--cost says what --max-tokens bounds: give --max-tokens too")
+    if args.lengths is None:
+        if args.max_tokens is not None:
+            raise CliError("--max-tokens needs --lengths (the requests' lengths)")
+        return None
+    if args.policy != "dynamic" and args.max_tokens is not None:
+        raise CliError("--max-tokens is for --policy dynamic (a static batch is a fixed size)")
+    try:
+        lengths = read_lengths(args.lengths)
+    except ValueError as exc:
+        raise CliError(f"argument --lengths: {exc}") from None
+    drawn = np.random.default_rng(args.seed).choice(np.asarray(lengths), size=count)
+    return [float(n) for n in drawn.tolist()]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -104,6 +141,8 @@ def run(args: argparse.Namespace) -> int:
                 f"argument --requests: not enough memory for {args.requests:,} requests"
             ) from None
         source = f"{len(times)} Poisson arrivals at {args.rate:g} req/s (seed {args.seed})"
+    keys = _keys(args, len(times))
+    cost: CostLike = "sum" if args.cost == "sum" else "padded"
     combos = list(
         itertools.product(args.max_batch_size, args.max_wait_ms, args.max_concurrent_batches)
     )
@@ -116,16 +155,25 @@ def run(args: argparse.Namespace) -> int:
                 simulate(
                     model,
                     arrivals=times,
-                    batcher=None if args.eager else DynamicBatcher(size, wait, eager=False),
+                    batcher=None
+                    if args.eager
+                    else DynamicBatcher(
+                        size, wait, eager=False, max_tokens=args.max_tokens, cost=cost
+                    ),
                     policy=args.policy,
                     max_batch_size=size,
                     max_wait_ms=wait,
                     max_concurrent_batches=slots,
                     max_queue_size=args.max_queue_size,
+                    keys=keys,
+                    max_tokens=args.max_tokens if args.eager else None,
+                    cost=cost if args.eager else "padded",
                 )
             )
             bar.advance()
     print(f"{source}; latency model {model.description}")
+    if keys is not None:
+        print(f"lengths drawn from {args.lengths}: mean {sum(keys) / len(keys):,.1f}")
     if not args.eager:
         print("not eager: a batch waits for full or --max-wait-ms even when nothing runs")
     if len(results) == 1:
@@ -185,6 +233,8 @@ def format_result(r: SimResult) -> str:
         f"batches       {r.batches:,}, mean size {r.mean_batch_size:.2f}; dispatched: "
         + ", ".join(f"{k} {v:,}" for k, v in sorted(r.dispatch_reasons.items())),
     ]
+    if not math.isnan(r.mean_batch_cost):
+        lines.append(f"batch cost    mean {r.mean_batch_cost:,.1f} (by the policy's cost)")
     if r.offered_rate > r.capacity:
         lines.append("warning: arrivals exceed capacity: the queue grows for as long as they last")
     lines.append("batch sizes")

@@ -115,6 +115,22 @@ class Bucket:
         elif count and self.track_max_key:
             self.max_key = max(r.key for r in self.candidates(None))
 
+    def reaches_budget(self, policy: Batcher) -> bool:
+        """Whether the waiting requests' cost, by the policy's `cost`, reaches `max_tokens`.
+
+        Then waiting longer cannot make the next batch larger: the bucket is full. The
+        cost's upper bound from the count and the largest key (the padded area, itself
+        exact for `"padded"`) answers most polls at once; the exact cost of every
+        waiting request is computed only when the bound says the budget may be reached.
+        """
+        budget = policy.max_tokens
+        if budget is None:
+            return False
+        bound = policy.cost.upper_bound(self.live, self.max_key)
+        if bound is not None and (bound < budget or policy.cost.bound_is_exact):
+            return bound >= budget
+        return policy.budget_reached([r.key for r in self.candidates(None)])
+
 
 class Scheduler:
     """Waiting requests grouped in buckets; decides which batch leaves, and when.
@@ -270,7 +286,7 @@ class Scheduler:
     def _reason(self, name: Hashable, bucket: Bucket, now: float) -> DispatchReason | None:
         policy = self.policy
         if bucket.live >= self._limit(name) or (
-            policy.max_tokens is not None and bucket.live * bucket.max_key >= policy.max_tokens
+            policy.max_tokens is not None and bucket.reaches_budget(policy)
         ):
             return DispatchReason.FULL
         if self.closing:

@@ -1,11 +1,13 @@
 """Discrete-event simulation of a batcher: which settings meet a latency target?
 
-Arrivals (Poisson, or a trace of times) are fed to the real
-:class:`~batchkit.serve.scheduler.Scheduler` with simulated time; each batch it
-forms "runs" for ``latency(batch_size)`` seconds of simulated time. Nothing sleeps,
+Arrivals (Poisson, or a trace of times) are fed to the real scheduler behind
+`@batched` (`batchkit.serve.scheduler.Scheduler`) with simulated time; each batch it
+forms "runs" for `latency(batch_size)` seconds of simulated time. Nothing sleeps,
 so 100k requests take a second or two, and the same seed gives the same numbers.
+With `keys` (each request's length) a token budget cuts the batches as online, by
+the policy's `cost`.
 
-Each of the ``max_concurrent_batches`` slots is assumed to run its batch as if
+Each of the `max_concurrent_batches` slots is assumed to run its batch as if
 alone (replicas, or streams that do not slow each other down).
 """
 
@@ -27,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from batchkit.batchers.base import Batcher, check_positive_int
+from batchkit.batchers.cost import BatchCost, CostLike
 from batchkit.batchers.dynamic import DynamicBatcher
 from batchkit.batchers.static import StaticBatcher
 from batchkit.errors import QueueFull
@@ -35,7 +38,12 @@ from batchkit.serve.scheduler import FormedBatch, Scheduler
 
 
 class LatencyModel:
-    """Seconds a batch of ``n`` items takes: ``a + b * n``, or interpolated from a profile."""
+    """Seconds a batch of `n` items takes: `a + b * n`, or interpolated from a profile.
+
+    Args:
+        fn: seconds a batch of `n` items takes (called once per size, then cached).
+        description: how the model reads in reports (`"5 ms + 0.5 ms x batch size"`).
+    """
 
     def __init__(self, fn: Callable[[int], float], description: str) -> None:
         self._fn = fn
@@ -44,7 +52,15 @@ class LatencyModel:
 
     @classmethod
     def linear(cls, fixed_ms: float, per_item_ms: float) -> LatencyModel:
-        """``fixed_ms + per_item_ms * n`` milliseconds."""
+        """`fixed_ms + per_item_ms * n` milliseconds.
+
+        Args:
+            fixed_ms: a batch's fixed cost, in milliseconds (>= 0).
+            per_item_ms: each item's cost, in milliseconds (>= 0; not both 0).
+
+        Raises:
+            ValueError: a negative or infinite value, or both 0.
+        """
         for name, v in (("fixed_ms", fixed_ms), ("per_item_ms", per_item_ms)):
             if not (math.isfinite(v) and v >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
@@ -60,6 +76,13 @@ class LatencyModel:
         """Measured (batch size, ms) points; linear in between, the last slope beyond.
 
         Points of the same size (repeated measurements) are averaged.
+
+        Args:
+            sizes: the measured batch sizes (>= 1).
+            latencies_ms: each size's latency, in milliseconds (> 0).
+
+        Raises:
+            ValueError: no points, or a size below 1 or a latency that is not positive.
         """
         pairs = list(zip(sizes, latencies_ms))
         if not pairs:
@@ -84,7 +107,14 @@ class LatencyModel:
 
     @classmethod
     def from_profile(cls, profile: Any) -> LatencyModel:
-        """From a :class:`~batchkit.tools.profile.ProfileResult` or its JSON file."""
+        """From a [`ProfileResult`][batchkit.ProfileResult] or its JSON file.
+
+        Args:
+            profile: a `ProfileResult`, or the path of a `batchkit profile --json` file.
+
+        Raises:
+            ValueError: the file cannot be read or holds no profile.
+        """
         if isinstance(profile, (str, Path)):
             try:
                 data = json.loads(Path(profile).read_text())
@@ -101,7 +131,11 @@ class LatencyModel:
         )
 
     def seconds(self, n: int) -> float:
-        """Simulated run time of a batch of ``n``."""
+        """Simulated run time of a batch of `n` items, in seconds.
+
+        Args:
+            n: the batch size the function is called with.
+        """
         t = self._cache.get(n)
         if t is None:
             t = self._cache[n] = self._fn(n)
@@ -115,7 +149,12 @@ LatencyLike = LatencyModel | tuple[float, float] | str | Path | Any
 
 
 def as_latency_model(latency: LatencyLike) -> LatencyModel:
-    """A model from a (fixed_ms, per_item_ms) pair, a profile (object or JSON path), or itself."""
+    """A model from a (fixed_ms, per_item_ms) pair, a profile (object or JSON path), or itself.
+
+    Args:
+        latency: a [`LatencyModel`][batchkit.LatencyModel], a `(fixed_ms, per_item_ms)`
+            pair, or a profile (result or JSON path).
+    """
     if isinstance(latency, LatencyModel):
         return latency
     if isinstance(latency, tuple):
@@ -124,7 +163,17 @@ def as_latency_model(latency: LatencyLike) -> LatencyModel:
 
 
 def poisson_arrivals(rate: float, num_requests: int, seed: int = 0) -> np.ndarray:
-    """Arrival times (seconds, from 0) of a Poisson process of ``rate`` requests/second."""
+    """Arrival times (seconds, from 0) of a Poisson process of `rate` requests/second.
+
+    Args:
+        rate: requests per second (> 0).
+        num_requests: how many arrivals (>= 1).
+        seed: the random seed.
+
+    Raises:
+        ValueError: a rate that is not positive or so low the times overflow, or
+            fewer than one request.
+    """
     if not (math.isfinite(rate) and rate > 0):
         raise ValueError(f"rate must be a positive number of requests/s, got {rate!r}")
     if num_requests < 1:
@@ -139,11 +188,18 @@ def poisson_arrivals(rate: float, num_requests: int, seed: int = 0) -> np.ndarra
 
 
 def read_trace(path: str | Path) -> np.ndarray:
-    """Arrival times in seconds, one per line (``#`` comments and blank lines skipped).
+    """Arrival times in seconds, one per line (`#` comments and blank lines skipped).
 
     A CSV's first column is read; a first line that is not a number but holds a name
-    (a header such as ``timestamp,len``) is skipped. Times are sorted and shifted so
+    (a header such as `timestamp,len`) is skipped. Times are sorted and shifted so
     the first request arrives at 0.
+
+    Args:
+        path: the trace file.
+
+    Raises:
+        ValueError: the file cannot be read, a line is not a finite number, or it
+            holds no times.
     """
     try:
         lines = Path(path).read_text().splitlines()
@@ -172,6 +228,37 @@ def read_trace(path: str | Path) -> np.ndarray:
     return shifted
 
 
+def read_lengths(path: str | Path) -> list[int]:
+    """Request lengths (keys), one int >= 0 per line (`#` comments, blank lines skipped).
+
+    Args:
+        path: the lengths file.
+
+    Raises:
+        ValueError: the file cannot be read, a line is not an int >= 0, or it holds
+            no lengths.
+    """
+    try:
+        lines = Path(path).read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read lengths file {str(path)!r}: {exc}") from None
+    lengths: list[int] = []
+    for lineno, line in enumerate(lines, 1):
+        text = line.split("#", 1)[0].strip()
+        if not text:
+            continue
+        try:
+            n = int(text)
+        except ValueError:
+            n = -1
+        if n < 0:
+            raise ValueError(f"{path}:{lineno}: not a length (an int >= 0): {text!r}")
+        lengths.append(n)
+    if not lengths:
+        raise ValueError(f"lengths file {str(path)!r} holds no lengths")
+    return lengths
+
+
 @dataclass(frozen=True)
 class LatencySummary:
     """Percentiles of a latency sample, in milliseconds (NaN when empty)."""
@@ -185,7 +272,11 @@ class LatencySummary:
 
     @classmethod
     def of_seconds(cls, samples: np.ndarray) -> LatencySummary:
-        """Summarise seconds as milliseconds."""
+        """Summarise seconds as milliseconds.
+
+        Args:
+            samples: latencies in seconds.
+        """
         if samples.size == 0:
             nan = float("nan")
             return cls(nan, nan, nan, nan, nan, nan)
@@ -198,41 +289,80 @@ class LatencySummary:
 
 @dataclass(frozen=True)
 class SimResult:
-    """What a simulated run measured. Latencies run from arrival to batch end."""
+    """What a simulated run measured. Latencies run from arrival to batch end.
+
+    Attributes:
+        requests: arrivals replayed.
+        served: requests that ran.
+        rejected: requests refused with `QueueFull` (`max_queue_size`).
+        duration_s: first arrival to last batch end, in seconds.
+        offered_rate: requests/s in the arrivals; NaN when they all share one time.
+        throughput: served requests/s over `duration_s`.
+        capacity: requests/s when every slot runs full batches back to back.
+        utilization: the fraction of slot-time spent running batches.
+        latency: arrival to batch end.
+        queue_wait: arrival to dispatch.
+        batches: batches run.
+        mean_batch_size: real items per batch, averaged.
+        mean_batch_cost: a batch's cost by the policy's `cost` (its padded area by
+            default, its total tokens under `"sum"`), averaged; NaN without `keys`.
+        batch_sizes: real items per batch -> number of batches.
+        dispatch_reasons: why batches left (`"full"`, `"idle"`, ...) -> how many.
+        batcher: the policy's settings, as `describe_batcher` names them.
+        latency_model: the latency model's description.
+        max_concurrent_batches: batches that ran at once.
+        latencies_s: each request's latency in seconds, in the order of the arrivals
+            as given; NaN if rejected.
+        batch_log: `(start, end, size)` of every batch.
+    """
 
     requests: int
     served: int
-    rejected: int  # refused with QueueFull (max_queue_size)
-    duration_s: float  # first arrival to last batch end
-    offered_rate: float  # requests/s in the arrivals; NaN when they all share one time
-    throughput: float  # served requests/s over duration_s
-    capacity: float  # requests/s when every slot runs full batches back to back
-    utilization: float  # fraction of slot-time spent running batches
+    rejected: int
+    duration_s: float
+    offered_rate: float
+    throughput: float
+    capacity: float
+    utilization: float
     latency: LatencySummary
-    queue_wait: LatencySummary  # arrival to dispatch
+    queue_wait: LatencySummary
     batches: int
     mean_batch_size: float
-    batch_sizes: dict[int, int]  # real items per batch -> number of batches
+    mean_batch_cost: float
+    batch_sizes: dict[int, int]
     dispatch_reasons: dict[str, int]
     batcher: str
     latency_model: str
     max_concurrent_batches: int
-    # per request, in the order of the arrivals as given; NaN if rejected
     latencies_s: np.ndarray = field(repr=False)
-    batch_log: list[tuple[float, float, int]] = field(repr=False)  # (start, end, size)
+    batch_log: list[tuple[float, float, int]] = field(repr=False)
 
 
 def describe_batcher(policy: Batcher) -> str:
-    """A short name for the settings that matter: ``DynamicBatcher(max_batch_size=32, ...)``."""
+    """A short name for the settings that matter: `DynamicBatcher(max_batch_size=32, ...)`.
+
+    Args:
+        policy: the batching policy.
+    """
     wait = "" if policy.max_wait_s is None else f", max_wait_ms={policy.max_wait_s * 1e3:g}"
     tokens = "" if policy.max_tokens is None else f", max_tokens={policy.max_tokens}"
+    if policy.max_tokens is not None and policy.cost.name != "padded":
+        tokens += f", cost={policy.cost!r}"
     return f"{type(policy).__name__}(max_batch_size={policy.max_batch_size}{wait}{tokens})"
 
 
-def _make_batcher(policy: str, max_batch_size: int, max_wait_ms: float) -> Batcher:
+def _make_batcher(
+    policy: str,
+    max_batch_size: int,
+    max_wait_ms: float,
+    max_tokens: int | None,
+    cost: CostLike | BatchCost,
+) -> Batcher:
     if policy == "dynamic":
-        return DynamicBatcher(max_batch_size, max_wait_ms)
+        return DynamicBatcher(max_batch_size, max_wait_ms, max_tokens=max_tokens, cost=cost)
     if policy == "static":
+        if max_tokens is not None:
+            raise ValueError("max_tokens is for policy='dynamic': a static batch is a fixed size")
         return StaticBatcher(max_batch_size)
     raise ValueError(f"policy must be 'dynamic' or 'static', got {policy!r}")
 
@@ -251,19 +381,45 @@ def simulate(
     max_concurrent_batches: int = 1,
     max_queue_size: int | None = None,
     keys: Sequence[float] | None = None,
+    max_tokens: int | None = None,
+    cost: CostLike | BatchCost = "padded",
 ) -> SimResult:
     """Replay arrivals against a batcher and a latency model; see the module docstring.
 
-    ``latency``: ``(fixed_ms, per_item_ms)``, a :class:`LatencyModel`, or a profile
-    (result or JSON path). Arrivals: ``arrivals`` (seconds), else ``num_requests``
-    Poisson arrivals at ``rate`` requests/s drawn with ``seed``. The batcher: a
-    ``Batcher`` instance, else ``policy`` (``"dynamic"``/``"static"``) with
-    ``max_batch_size`` and ``max_wait_ms``. ``keys``: each request's key (length),
-    for bucketed, sorted or token-budget policies. At the end of the arrivals the
-    batcher closes, so a static batcher's partial tail is still served.
+    At the end of the arrivals the batcher closes, so a static batcher's partial tail
+    is still served.
+
+    Args:
+        latency: `(fixed_ms, per_item_ms)`, a [`LatencyModel`][batchkit.LatencyModel],
+            or a profile (result or JSON path).
+        rate: Poisson arrivals, in requests/s (when `arrivals` is not given).
+        num_requests: how many Poisson arrivals.
+        arrivals: arrival times in seconds, instead of `rate`.
+        seed: the seed of the Poisson arrivals.
+        batcher: a policy instance; else one is built from `policy`,
+            `max_batch_size`, `max_wait_ms`, `max_tokens` and `cost`.
+        policy: `"dynamic"` ([`DynamicBatcher`][batchkit.DynamicBatcher]) or
+            `"static"` ([`StaticBatcher`][batchkit.StaticBatcher]).
+        max_batch_size: the built policy's largest batch.
+        max_wait_ms: the built policy's wait, in milliseconds.
+        max_concurrent_batches: batches that run at once, each as if alone.
+        max_queue_size: waiting requests beyond this are rejected; None: unbounded.
+        keys: each request's key (its length), in the order of `arrivals`: for
+            bucketed, sorted or token-budget policies.
+        max_tokens: the built dynamic policy's token budget (needs `keys`).
+        cost: what `max_tokens` bounds: `"padded"`, `"sum"` or a callable
+            ([`as_batch_cost`][batchkit.batchers.cost.as_batch_cost]).
+
+    Raises:
+        ValueError: neither `rate` nor `arrivals`, `keys` of another length, a token
+            budget without `keys`, or `max_tokens`/`cost` given with `batcher`.
     """
     # Zero slots never dispatch: the replay would wait forever.
     check_positive_int("max_concurrent_batches", max_concurrent_batches)
+    if batcher is not None and (max_tokens is not None or cost != "padded"):
+        raise ValueError("max_tokens and cost are set on the batcher given, not here")
+    if max_tokens is not None and keys is None:
+        raise ValueError("max_tokens needs keys= (each request's length) to cut batches by")
     model = as_latency_model(latency)
     if arrivals is None:
         if rate is None:
@@ -280,20 +436,30 @@ def simulate(
     times = times[order]
     if keys is not None:
         keys = [keys[i] for i in order.tolist()]
-    policy_obj = batcher or _make_batcher(policy, max_batch_size, max_wait_ms)
+    policy_obj = batcher or _make_batcher(policy, max_batch_size, max_wait_ms, max_tokens, cost)
     sched = Scheduler(
         policy_obj, max_queue_size=max_queue_size, max_concurrent_batches=max_concurrent_batches
     )
-    done_at, started_at, log = _replay(sched, times, model, keys)
-    result = _summarise(sched, times, done_at, started_at, log, model, policy_obj)
+    replay = _replay(sched, times, model, keys)
+    result = _summarise(sched, times, replay, model, policy_obj)
     given = np.empty_like(result.latencies_s)  # back in the order the caller gave
     given[order] = result.latencies_s
     return dataclasses.replace(result, latencies_s=given)
 
 
+@dataclass
+class _Replay:
+    """What the event loop recorded."""
+
+    done_at: np.ndarray  # per request: when its batch ended (NaN: never ran)
+    started_at: np.ndarray  # per request: when its batch started
+    log: list[tuple[float, float, int]]  # (start, end, size) per batch
+    costs: list[float]  # per batch: its cost by the policy's cost (with keys only)
+
+
 def _replay(
     sched: Scheduler, times: np.ndarray, model: LatencyModel, keys: Sequence[float] | None
-) -> tuple[np.ndarray, np.ndarray, list[tuple[float, float, int]]]:
+) -> _Replay:
     """The event loop. At equal times: batches end, then arrivals join, then dispatch."""
     n = len(times)
     arrive = times.tolist()
@@ -302,6 +468,7 @@ def _replay(
     running: list[tuple[float, int, FormedBatch]] = []  # (end, tie-break, batch) heap
     order = itertools.count()
     log: list[tuple[float, float, int]] = []
+    costs: list[float] = []
     policy = sched.policy
     inf = math.inf
     i, wake, now = 0, inf, 0.0
@@ -343,23 +510,20 @@ def _replay(
                 )
             heapq.heappush(running, (end, next(order), formed))
             log.append((now, end, len(formed.requests)))
+            if keys is not None:
+                costs.append(policy.cost.of([r.key for r in formed.requests]))
             for req in formed.requests:
                 started_at[req.item] = now
                 done_at[req.item] = end
         # A wake-up never lies in the past, even when float rounding says the due time is now.
         wake = inf if wake_at is None else max(wake_at, math.nextafter(now, inf))
-    return np.array(done_at), np.array(started_at), log
+    return _Replay(np.array(done_at), np.array(started_at), log, costs)
 
 
 def _summarise(
-    sched: Scheduler,
-    times: np.ndarray,
-    done_at: np.ndarray,
-    started_at: np.ndarray,
-    log: list[tuple[float, float, int]],
-    model: LatencyModel,
-    policy: Batcher,
+    sched: Scheduler, times: np.ndarray, replay: _Replay, model: LatencyModel, policy: Batcher
 ) -> SimResult:
+    done_at, started_at, log = replay.done_at, replay.started_at, replay.log
     served_mask = ~np.isnan(done_at)
     latencies = done_at - times
     served = int(served_mask.sum())
@@ -385,6 +549,7 @@ def _summarise(
         queue_wait=LatencySummary.of_seconds((started_at - times)[served_mask]),
         batches=stats.batches,
         mean_batch_size=stats.items_run / stats.batches if stats.batches else 0.0,
+        mean_batch_cost=statistics.fmean(replay.costs) if replay.costs else math.nan,
         batch_sizes=dict(sorted(stats.batch_sizes.items())),
         dispatch_reasons={r.value: n for r, n in stats.reasons.items()},
         batcher=describe_batcher(policy),

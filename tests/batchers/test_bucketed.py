@@ -27,4 +27,3 @@ def test_bucket_boundaries_must_be_numbers(boundaries: list, match: str) -> None
 def test_boundaries_must_be_iterable() -> None:
     with pytest.raises(TypeError, match="boundaries must be an iterable of numbers, got int"):
         BucketedBatcher(5)  # type: ignore[arg-type]
-

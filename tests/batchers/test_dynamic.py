@@ -176,4 +176,3 @@ def test_preferred_sizes_above_the_maximum_are_refused() -> None:
     with pytest.raises(ValueError, match=r"preferred_batch_sizes \[8\] exceed max_batch_size=4"):
         DynamicBatcher(4, preferred_batch_sizes=[2, 8], strict_sizes=True)  # padded 3 -> 8 > 4
     assert DynamicBatcher(preferred_batch_sizes=[4, 8]).max_batch_size == 8  # default 32 caps
-

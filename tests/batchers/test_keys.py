@@ -71,8 +71,6 @@ def test_an_online_caller_with_a_nan_key_fails_alone() -> None:
     asyncio.run(main())
 
 
-
 def test_key_must_return_number() -> None:
     with pytest.raises(TypeError, match="number"):
         list(SortedBatcher(key=str).batches([1, 2]))
-

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -10,6 +11,7 @@ from hypothesis import strategies as st
 
 from batchkit import Batch, BucketedBatcher, DynamicBatcher, SortedBatcher, StaticBatcher
 from batchkit.batchers.base import Batcher
+from tests.batchers._costs import costs, within_budget
 
 lengths_st = st.lists(st.integers(0, 64), min_size=0, max_size=80)
 budget_st = st.none() | st.integers(1, 256)
@@ -27,8 +29,7 @@ def _check_cover(policy: Batcher, items: list[str]) -> list[Batch[str]]:
         assert isinstance(b, Batch) and isinstance(b, list)
         assert list(b) == [items[i] for i in b.indices]
         assert 1 <= len(b) <= policy.max_batch_size
-        if policy.max_tokens is not None and len(b) > 1:
-            assert len(b) * max(map(len, b)) <= policy.max_tokens
+        assert within_budget(policy, [len(x) for x in b])
     return batches
 
 
@@ -44,19 +45,19 @@ def test_static_fixed_sizes(lengths: list[int], size: int, drop_last: bool) -> N
         assert len(batches[-1]) == size
 
 
-@given(lengths_st, st.integers(1, 9), budget_st)
-def test_dynamic_in_order(lengths: list[int], size: int, budget: int | None) -> None:
+@given(lengths_st, st.integers(1, 9), budget_st, costs)
+def test_dynamic_in_order(lengths: list[int], size: int, budget: int | None, cost: Any) -> None:
     items = _items(lengths)
-    batches = _check_cover(DynamicBatcher(size, max_tokens=budget), items)
+    batches = _check_cover(DynamicBatcher(size, max_tokens=budget, cost=cost), items)
     assert [i for b in batches for i in b.indices] == list(range(len(items)))
 
 
-@given(lengths_st, st.integers(1, 9), budget_st, st.none() | st.integers(1, 20))
+@given(lengths_st, st.integers(1, 9), budget_st, st.none() | st.integers(1, 20), costs)
 def test_sorted_least_padding(
-    lengths: list[int], size: int, budget: int | None, window: int | None
+    lengths: list[int], size: int, budget: int | None, window: int | None, cost: Any
 ) -> None:
     items = _items(lengths)
-    policy = SortedBatcher(batch_size=size, max_tokens=budget, window=window)
+    policy = SortedBatcher(batch_size=size, max_tokens=budget, window=window, cost=cost)
     batches = _check_cover(policy, items)
     if window is None:
         keys = [len(x) for b in batches for x in b]
@@ -71,13 +72,14 @@ def test_sorted_least_padding(
     st.lists(st.integers(1, 64), min_size=1, max_size=5, unique=True),
     st.integers(1, 9),
     budget_st,
+    costs,
 )
 def test_bucketed_never_mixes(
-    lengths: list[int], bounds: list[int], size: int, budget: int | None
+    lengths: list[int], bounds: list[int], size: int, budget: int | None, cost: Any
 ) -> None:
     bounds.sort()
     items = _items(lengths)
-    policy = BucketedBatcher(bounds, max_batch_size=size, max_tokens=budget)
+    policy = BucketedBatcher(bounds, max_batch_size=size, max_tokens=budget, cost=cost)
     batches = _check_cover(policy, items)
     for b in batches:
         buckets = {bisect.bisect_left(bounds, len(x)) for x in b}
@@ -111,4 +113,3 @@ def test_bucket_assignment() -> None:
 def test_bad_options(make: object) -> None:
     with pytest.raises(ValueError):
         make()  # type: ignore[operator]
-

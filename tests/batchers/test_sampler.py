@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from batchkit import BucketedBatcher, DynamicBatcher, SortedBatcher, StaticBatcher
 from batchkit.batchers import BatchSampler
 from batchkit.batchers.base import Batcher
+from tests.batchers._costs import costs, within_budget
 
 lengths_st = st.lists(st.integers(0, 64), min_size=0, max_size=80)
 budget_st = st.none() | st.integers(1, 256)
@@ -29,11 +30,15 @@ def policies(draw: st.DrawFn) -> Batcher:
         return StaticBatcher(size)
     if kind == "bucketed":
         bounds = sorted(draw(st.lists(st.integers(1, 64), min_size=1, max_size=5, unique=True)))
-        return BucketedBatcher(bounds, max_batch_size=size, max_tokens=draw(budget_st))
+        return BucketedBatcher(
+            bounds, max_batch_size=size, max_tokens=draw(budget_st), cost=draw(costs)
+        )
     if kind == "sorted":
         window = draw(st.none() | st.integers(1, 20))
-        return SortedBatcher(batch_size=size, max_tokens=draw(budget_st), window=window)
-    return DynamicBatcher(size, max_tokens=draw(budget_st))
+        return SortedBatcher(
+            batch_size=size, max_tokens=draw(budget_st), window=window, cost=draw(costs)
+        )
+    return DynamicBatcher(size, max_tokens=draw(budget_st), cost=draw(costs))
 
 
 def _ranks(
@@ -51,8 +56,7 @@ def _check_limits(policy: Batcher, lengths: list[int], batch: list[int]) -> None
     assert batch and all(type(i) is int for i in batch)
     assert len(batch) <= policy.max_batch_size
     keys = [lengths[i] for i in batch]
-    if policy.max_tokens is not None and len(batch) > 1:
-        assert len(batch) * max(keys) <= policy.max_tokens
+    assert within_budget(policy, keys)
     if isinstance(policy, BucketedBatcher):
         assert len({bisect.bisect_left(policy.boundaries, k) for k in keys}) == 1
 
@@ -372,4 +376,3 @@ def test_a_state_saved_for_other_batches_is_refused(other: dict) -> None:
     assert loader.state_dict() == before
     same.load_state_dict(state)  # the same batches: accepted
     assert list(same) == list(it)
-

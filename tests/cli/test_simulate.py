@@ -13,7 +13,7 @@ import batchkit.tools.simulate as sim
 from batchkit.batchers import BucketedBatcher, DynamicBatcher, StaticBatcher
 from batchkit.serve.scheduler import FormedBatch, Scheduler
 from batchkit.tools.simulate import LatencyModel, poisson_arrivals, read_trace, simulate
-from tests.cli._helpers import run, within
+from tests.cli._helpers import assert_one_line_error, run, within
 
 MS = 1e-3
 
@@ -222,7 +222,6 @@ def test_simulated_latencies_come_in_the_order_of_the_arrivals_given() -> None:
     assert result.latencies_s.tolist() == pytest.approx([1.9, 1.0])  # was [1.0, 1.9]
 
 
-
 def test_not_eager_waits_when_idle() -> None:
     # Arrivals 4 ms apart, 1 ms batches, max_wait 2 ms: eager, each runs alone at once
     # (1 ms latency); not eager, each waits its 2 ms first (3 ms), alone all the same.
@@ -248,3 +247,58 @@ def test_simulate_command_no_eager(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "simulate", "--rate", "100", "--requests", "200",
                        "--latency-ms", "1", "--per-item-ms", "0")  # fmt: skip
     assert code == 0 and "idle" in out and "not eager" not in out
+
+
+def test_a_sum_budget_packs_more_requests_per_batch_than_padded() -> None:
+    # Ten requests at once, lengths 40, 4, 4, ...; budget 79. Padded: 2 x 40 = 80 is
+    # over, so the 40 goes alone, then the nine 4s (9 x 4 = 36). Sum: 40 + 9 x 4 = 76.
+    keys = [40] + [4] * 9
+    padded = simulate((1.0, 0.0), arrivals=np.zeros(10), keys=keys, max_tokens=79)
+    summed = simulate((1.0, 0.0), arrivals=np.zeros(10), keys=keys, max_tokens=79, cost="sum")
+    assert sizes(padded) == [1, 9]
+    assert padded.mean_batch_cost == pytest.approx((40 + 36) / 2)
+    assert sizes(summed) == [10]
+    assert summed.mean_batch_cost == pytest.approx(76.0)
+    assert "cost='sum'" in summed.batcher and "cost" not in padded.batcher
+
+
+def test_a_token_budget_needs_keys_and_belongs_on_the_batcher_given() -> None:
+    with pytest.raises(ValueError, match="max_tokens needs keys"):
+        simulate((1.0, 0.0), arrivals=np.zeros(3), max_tokens=10)
+    with pytest.raises(ValueError, match="set on the batcher"):
+        simulate((1.0, 0.0), arrivals=np.zeros(3), batcher=DynamicBatcher(4), cost="sum")
+    with pytest.raises(ValueError, match="cost must be"):
+        simulate((1.0, 0.0), arrivals=np.zeros(3), keys=[1, 2, 3], max_tokens=10, cost="area")
+
+
+def test_simulate_command_cost_sum(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("# tokens\n200\n8\n8\n16\n")
+    common = ("simulate", "--rate", "2000", "--requests", "2000", "--lengths", str(lengths),
+              "--max-tokens", "512", "--max-batch-size", "64")  # fmt: skip
+    code, padded, _ = run(capsys, *common)
+    assert code == 0 and "max_tokens=512)" in padded
+    code, summed, _ = run(capsys, *common, "--cost", "sum")
+    assert code == 0 and "max_tokens=512, cost='sum')" in summed
+
+    def mean_size(out: str) -> float:
+        return float(out.split("mean size ")[1].split(";")[0])
+
+    assert mean_size(summed) > 2 * mean_size(padded)  # the 200s no longer pad the 8s
+    assert "batch cost    mean" in summed
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        (("--max-tokens", "64"), "--max-tokens needs --lengths"),
+        (("--cost", "sum"), "give --max-tokens too"),
+        (("--cost", "area"), "invalid choice"),
+        (("--lengths", "missing.txt", "--max-tokens", "64"), "argument --lengths"),
+    ],
+)
+def test_simulate_command_token_budget_errors(
+    capsys: pytest.CaptureFixture[str], extra: tuple[str, ...], needle: str
+) -> None:
+    code, _, err = run(capsys, "simulate", "--rate", "100", "--requests", "10", *extra)
+    assert_one_line_error(code, err, needle)

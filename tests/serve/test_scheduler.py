@@ -11,6 +11,7 @@ from batchkit.batchers.base import Batcher
 from batchkit.serve.request import Request, State
 from batchkit.serve.scheduler import Scheduler
 from batchkit.serve.stats import DispatchReason
+from tests.batchers._costs import squares, within_budget
 
 
 def add(sched: Scheduler, item: object, now: float, priority: int = 0) -> Request:
@@ -107,6 +108,42 @@ def test_bucket_never_mixed_and_token_budget() -> None:
     assert [r.item for r in batch.requests] == ["bbbb", "dddd", "eeee"]  # 3*4 = 12 tokens
 
 
+@pytest.mark.parametrize(
+    ("cost", "lengths", "full"),
+    [
+        ("padded", [10, 1], True),  # 2 x 10 = 20: the budget is used
+        ("sum", [10, 1], False),  # 11 of 20: more may join
+        ("sum", [10, 1, 9], True),  # 20 of 20
+        (squares, [3, 3], False),  # 18 of 20
+        (squares, [3, 3, 1, 1], True),  # 20 of 20
+    ],
+    ids=["padded-full", "sum-room", "sum-full", "squares-room", "squares-full"],
+)
+def test_a_bucket_is_full_when_its_waiting_requests_reach_the_budget_by_cost(
+    cost: object, lengths: list[int], full: bool
+) -> None:
+    # not eager: only a full batch (or the long max wait) leaves
+    sched = Scheduler(DynamicBatcher(8, max_wait_ms=1000, max_tokens=20, cost=cost, eager=False))
+    for n in lengths:
+        add(sched, "x" * n, 0.1)
+    batch, _ = sched.poll(0.1)
+    if full:
+        assert batch is not None and batch.reason is DispatchReason.FULL
+        assert within_budget(sched.policy, [r.key for r in batch.requests])
+    else:
+        assert batch is None
+
+
+def test_a_sum_budget_batch_takes_what_a_padded_one_leaves() -> None:
+    """The same waiting requests and budget: "sum" takes all three, "padded" one."""
+    for cost, expected in (("padded", ["a" * 12]), ("sum", ["a" * 12, "b", "c"])):
+        sched = Scheduler(DynamicBatcher(8, max_wait_ms=0, max_tokens=14, cost=cost))
+        for item in ["a" * 12, "b", "c"]:
+            add(sched, item, 0.0)
+        batch, _ = sched.poll(0.0)
+        assert batch is not None and [r.item for r in batch.requests] == expected
+
+
 def test_queue_full_rejects_without_enqueueing() -> None:
     sched = Scheduler(DynamicBatcher(2), max_queue_size=2)
     add(sched, 0, 0.0)
@@ -158,8 +195,13 @@ policies = st.sampled_from(
     [
         DynamicBatcher(4, max_wait_ms=3),
         DynamicBatcher(8, max_wait_ms=0, max_tokens=20),
+        DynamicBatcher(8, max_wait_ms=0, max_tokens=20, cost="sum"),
+        DynamicBatcher(8, max_wait_ms=2, max_tokens=90, cost=squares),
         BucketedBatcher([3, 6], max_batch_size=3, max_wait_ms=2),
+        BucketedBatcher([3, 6], max_batch_size=6, max_wait_ms=2, max_tokens=15, cost="sum"),
         SortedBatcher(batch_size=4, max_wait_ms=1),
+        SortedBatcher(batch_size=6, max_wait_ms=1, max_tokens=60, cost=squares),
+        SortedBatcher(batch_size=6, max_wait_ms=1, max_tokens=20, cost="sum"),
         StaticBatcher(3),
     ]
 )
@@ -182,8 +224,7 @@ def test_everything_served_once_within_limits(
         reqs = done.requests
         assert all(r.state is State.RUNNING for r in reqs)
         assert 1 <= len(reqs) <= policy.max_batch_size
-        if policy.max_tokens is not None and len(reqs) > 1:
-            assert len(reqs) * max(r.key for r in reqs) <= policy.max_tokens
+        assert within_budget(policy, [r.key for r in reqs])
         assert len({r.bucket for r in reqs}) == 1
         sched.finish(done, now)
         served.extend(reqs)
@@ -210,6 +251,8 @@ prefix_policies = st.sampled_from(
     [
         DynamicBatcher(4, max_wait_ms=1),
         DynamicBatcher(8, max_wait_ms=0, max_tokens=20),
+        DynamicBatcher(8, max_wait_ms=0, max_tokens=20, cost="sum"),
+        DynamicBatcher(8, max_wait_ms=1, max_tokens=90, cost=squares),
         BucketedBatcher([3, 6], max_batch_size=3, max_wait_ms=2),
     ]
 )
