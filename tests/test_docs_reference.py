@@ -123,10 +123,6 @@ SPHINX_ROLE = re.compile(r":(?:py:)?(?:meth|class|func|attr|data|mod|exc|obj|con
 # Files whose docstrings still use Sphinx roles, to be converted. Each entry must still
 # hold one (a file that is clean is removed from the list, so the list only shrinks).
 SPHINX_ROLES_TODO = {
-    "batchkit/batchers/base.py",
-    "batchkit/batchers/bucketed.py",
-    "batchkit/batchers/sampler.py",
-    "batchkit/batchers/sorted.py",
     "batchkit/serve/admission.py",
     "batchkit/serve/batched.py",
     "batchkit/serve/callers.py",
@@ -140,7 +136,6 @@ SPHINX_ROLES_TODO = {
     "batchkit/serve/scheduler.py",
     "batchkit/serve/streaming.py",
     "batchkit/serve/threads.py",
-    "batchkit/tools/simulate.py",
 }
 
 
@@ -191,17 +186,10 @@ def test_docstrings_use_markdown_cross_references_not_sphinx_roles() -> None:
 # Files defining reference entries whose parameters are not all documented yet. Each
 # entry must still have one (a file that is done is removed from the list).
 ARGS_TODO = {
-    "batchkit/batchers/base.py",
-    "batchkit/batchers/bucketed.py",
-    "batchkit/batchers/dynamic.py",
-    "batchkit/batchers/sampler.py",
-    "batchkit/batchers/sorted.py",
-    "batchkit/batchers/static.py",
     "batchkit/serve/batched.py",
     "batchkit/serve/events.py",
     "batchkit/serve/scheduler.py",
     "batchkit/serve/stats.py",
-    "batchkit/tools/simulate.py",
 }
 
 
