@@ -13,6 +13,7 @@ from typing import Any, Generic, Literal, Protocol, TypeVar, overload
 
 from batchkit.batchers.base import Batcher, check_positive_int
 from batchkit.batchers.dynamic import DynamicBatcher
+from batchkit.serve.callers import AsyncCall
 from batchkit.serve.core import ServingCore
 from batchkit.serve.event_loop import LoopDriver
 from batchkit.serve.events import Listener
@@ -41,9 +42,8 @@ class Driver(Protocol):
         """``f.map(items)``, blocking."""
         ...
 
-    async def acall(self, item: Any, *, priority: int = 0, timeout: float | None = None) -> Any:
-        """``await f.acall(x)``."""
-        ...
+    acall: AsyncCall
+    """``await f.acall(x, *, priority=0, timeout=None)``."""
 
     async def amap(
         self, items: Iterable[Any], *, priority: int = 0, timeout: float | None = None
@@ -104,7 +104,7 @@ class BatchedFunction(Generic[R]):
         core = ServingCore(options, self.__qualname__)
         self._driver: Driver = (LoopDriver if self.is_async else ThreadDriver)(fn, core)
         if not self.streams:
-            self.acall = self._driver.acall  # type: ignore[method-assign]
+            self.acall = self._driver.acall  # type: ignore[method-assign,assignment]
 
     @property
     def runtime(self) -> Driver:

@@ -9,7 +9,7 @@ batcher's clock.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from batchkit.errors import RequestTimeout
@@ -32,12 +32,14 @@ def _left(core: ServingCore, timeout: float | None, started: float) -> float | N
 def call(core: ServingCore, item: Any, priority: int, timeout: float | None) -> Any:
     """One item from a thread: block until its result (or error)."""
     req = core.make_request(item, priority, None)
-    started = _started(core, timeout)
-    if core.admission is not None:
-        core.admission.submit(req, timeout)
+    left = timeout
+    if core.admission is None:
+        core.submit(req)  # at once: the timeout is all still left
     else:
-        core.submit(req)
-    if not req.wait(_left(core, timeout, started)):
+        started = _started(core, timeout)
+        core.admission.submit(req, timeout)  # may wait for room
+        left = _left(core, timeout, started)
+    if not req.wait(left):
         assert timeout is not None
         if core.give_up(req, core.timeout_error(timeout), timed_out=True):
             raise req.error  # type: ignore[misc]
@@ -89,15 +91,43 @@ def _withdraw(
 
 
 # -- from asyncio --------------------------------------------------------------------
-async def acall(core: ServingCore, item: Any, priority: int, timeout: float | None) -> Any:
-    """One item from asyncio: await its result, honouring timeout and cancellation."""
-    req = core.make_request(item, priority, asyncio.get_running_loop())
-    started = _started(core, timeout)
-    if core.admission is not None:
-        await core.admission.asubmit(req, timeout)
-    else:
-        core.submit(req)
-    return await await_request(core, req, _left(core, timeout, started))
+AsyncCall = Callable[..., Awaitable[Any]]
+"""A driver's ``acall(item, *, priority=0, timeout=None)``."""
+
+FastLane = Callable[[Any, int, asyncio.AbstractEventLoop], "Request | None"]
+"""A driver's cheaper admission for some calls: the admitted request, or None (the
+call takes the checked path)."""
+
+
+async def acall(
+    core: ServingCore,
+    fast_lane: FastLane | None,
+    item: Any,
+    *,
+    priority: int = 0,
+    timeout: float | None = None,
+) -> Any:
+    """One item from asyncio: await its result, honouring timeout and cancellation.
+
+    Both drivers' ``acall`` (bound to their core): the one coroutine per call.
+    """
+    loop = asyncio.get_running_loop()
+    req = None if fast_lane is None else fast_lane(item, priority, loop)
+    if req is None:
+        req = core.make_request(item, priority, loop)
+        if core.admission is None:
+            core.submit(req)  # at once: the timeout is all still left
+        else:
+            started = _started(core, timeout)
+            await core.admission.asubmit(req, timeout)  # may wait for room
+            timeout = _left(core, timeout, started)
+    if timeout is None:  # no timer to arm or cancel: await the outcome itself
+        try:
+            return await req.future  # type: ignore[misc]
+        except asyncio.CancelledError:
+            _withdraw_cancelled(core, req)
+            raise
+    return await await_request(core, req, timeout)
 
 
 async def amap(
@@ -137,11 +167,16 @@ async def await_request(core: ServingCore, req: Request, timeout: float | None) 
     try:
         return await fut
     except asyncio.CancelledError:
-        core.give_up(req, asyncio.CancelledError(), timed_out=False)
+        _withdraw_cancelled(core, req)
         raise
     finally:
         if timer is not None:
             timer.cancel()
+
+
+def _withdraw_cancelled(core: ServingCore, req: Request) -> None:
+    """The caller's task was cancelled: its request is withdrawn if it still waits."""
+    core.give_up(req, asyncio.CancelledError(), timed_out=False)
 
 
 def _expire(core: ServingCore, req: Request, timeout: float) -> None:

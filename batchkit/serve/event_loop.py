@@ -10,12 +10,14 @@ expiry is a single ``call_later`` timer. Batches run as tasks, at most
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from batchkit.errors import BatcherClosed, BatchTimeout
 from batchkit.loops import on_loop_thread, schedule_on_loop
 from batchkit.serve import callers
+from batchkit.serve.callers import AsyncCall
 from batchkit.serve.core import ServingCore
 from batchkit.serve.execute import BatchRun, Outcome, run_steps
 from batchkit.serve.request import Request, deliver
@@ -68,6 +70,9 @@ class LoopDriver:
         core.wake = self._wake
         core.check_loop = self._check_loop_locked
         core.settings_changed = self._settings_changed_locked
+        # One item from asyncio: the callers' coroutine, taking the lock-free lane when
+        # it can (the checked path binds the loop under the lock: see check_loop).
+        self.acall: AsyncCall = functools.partial(callers.acall, core, self._admit_lock_free)
 
     # -- which loop ------------------------------------------------------------
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -266,18 +271,18 @@ class LoopDriver:
         return outcome
 
     # -- callers -------------------------------------------------------------------
-    async def acall(self, item: Any, *, priority: int = 0, timeout: float | None = None) -> Any:
-        """One item from asyncio: await its result, honouring timeout and cancellation."""
-        loop = asyncio.get_running_loop()
-        if loop is self._owner_loop and priority.__class__ is int and priority == 0:
-            # The usual call: this thread alone changes the scheduler, so no lock; the
-            # request is placed in bulk at the next scheduling pass.
-            req = Request(item, 0.0, None, 0, loop, self.core.clock())
-            self.core.sched.arrivals.append(req)
+    def _admit_lock_free(
+        self, item: Any, priority: int, loop: asyncio.AbstractEventLoop
+    ) -> Request | None:
+        """The usual call, admitted without the lock (this thread alone changes the
+        scheduler while it runs the loop this batcher serves); None for the others."""
+        if loop is not self._owner_loop or priority.__class__ is not int or priority != 0:
+            return None
+        req = Request(item, 0.0, None, 0, loop, self.core.clock())
+        self.core.sched.arrivals.append(req)  # placed in bulk at the next scheduling pass
+        if not self._poll_due:  # (usually due: a burst of callers shares one pump)
             self._wake()
-            return await callers.await_request(self.core, req, timeout)
-        self.bind(loop)
-        return await callers.acall(self.core, item, priority, timeout)
+        return req
 
     def call(self, item: Any, *, priority: int = 0, timeout: float | None = None) -> Any:
         """``f(x)`` of an async function: the awaitable of :meth:`acall`."""

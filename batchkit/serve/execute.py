@@ -118,9 +118,11 @@ class BatchRun:
             )
         self.largest_ok = max(self.largest_ok, padded)  # caps count what the function saw
         self.values[start:stop] = chunk
-        for i, value in enumerate(chunk, start):
-            if isinstance(value, BaseException):
-                self.errors[i] = value
+        # (Scanned in C first: a result is rarely an exception.)
+        if any(map(isinstance, chunk, itertools.repeat(BaseException))):
+            for i, value in enumerate(chunk, start):
+                if isinstance(value, BaseException):
+                    self.errors[i] = value
 
     def failed(self, part: Part, exc: BaseException, stage: Stage) -> None:
         """``part`` raised ``exc`` at ``stage``: split it and retry, or settle it with ``exc``.

@@ -71,11 +71,12 @@ class Request:
         self.channel = channel  # a streaming caller reads its chunks here
         self.future: asyncio.Future[Any] | None = None
         self._done: threading.Lock | None = None
-        if channel is None and loop is None:
-            self._done = threading.Lock()
-            self._done.acquire()
-        elif channel is None and loop is not None:
-            self.future = loop.create_future()
+        if channel is None:
+            if loop is not None:
+                self.future = loop.create_future()
+            else:
+                self._done = threading.Lock()
+                self._done.acquire()
 
     def wait(self, timeout: float | None) -> bool:
         """Block a thread caller until done; False if ``timeout`` seconds passed first."""

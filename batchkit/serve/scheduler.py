@@ -343,8 +343,9 @@ class Scheduler:
             del chosen[cap:]
             while len(chosen) > 1 and self.policy.padded_size(len(chosen)) > cap:
                 chosen.pop()
+        running = State.RUNNING  # (read once: an Enum member is a descriptor on 3.11)
         for req in chosen:
-            req.state = State.RUNNING
+            req.state = running
         # The usual batch, the front of the one clean deque, leaves it at once. (Checked
         # against the deque itself: a policy's select() may reorder or skip.)
         front = queue is not None and _is_prefix(chosen, queue)

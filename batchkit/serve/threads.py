@@ -10,12 +10,14 @@ future resolved on their own loop, so the event loop is never blocked.
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from batchkit.serve import callers
+from batchkit.serve.callers import AsyncCall
 from batchkit.serve.core import ServingCore
 from batchkit.serve.execute import BatchRun, Outcome, run_steps, start_run
 from batchkit.serve.request import deliver
@@ -66,6 +68,9 @@ class ThreadDriver:
             self.watchdog = Watchdog(core.lock, core.clock, timeout, self._expired, core.name)
         core.wake = self._wake_locked
         core.settings_changed = self._settings_changed_locked
+        # One item from asyncio (the function runs on a worker thread, never on the
+        # loop): the callers' coroutine itself, so that a call is one coroutine.
+        self.acall: AsyncCall = functools.partial(callers.acall, core, None)
 
     def _wake_locked(self) -> None:
         if not self.workers:
@@ -237,10 +242,6 @@ class ThreadDriver:
     ) -> callers.LoopStream:
         """One item's stream, read from asyncio (the generator runs on a worker thread)."""
         return callers.LoopStream(self.core, item, priority, timeout)
-
-    async def acall(self, item: Any, *, priority: int = 0, timeout: float | None = None) -> Any:
-        """One item from asyncio; the function runs on a worker thread, never on the loop."""
-        return await callers.acall(self.core, item, priority, timeout)
 
     async def amap(
         self, items: Iterable[Any], *, priority: int = 0, timeout: float | None = None

@@ -169,6 +169,8 @@ def test_asyncio_callers_get_exactly_their_solo_chunks(
     async def main() -> list[tuple[list[str], str | None]]:
         out = await asyncio.wait_for(asyncio.gather(*(reader(s) for s in specs)), 10)
         await f.aclose()
+        await asyncio.sleep(0)  # let finished batch tasks run their last callbacks
+        assert asyncio.all_tasks() == {asyncio.current_task()}  # no task left behind
         return list(out)
 
     results = asyncio.run(main())
