@@ -132,7 +132,6 @@ SPHINX_ROLES_TODO = {
     "batchkit/serve/observe.py",
     "batchkit/serve/options.py",
     "batchkit/serve/request.py",
-    "batchkit/serve/scheduler.py",
     "batchkit/serve/streaming.py",
     "batchkit/serve/threads.py",
 }
@@ -185,9 +184,6 @@ def test_docstrings_use_markdown_cross_references_not_sphinx_roles() -> None:
 # Files defining reference entries whose parameters are not all documented yet. Each
 # entry must still have one (a file that is done is removed from the list).
 ARGS_TODO = {
-    "batchkit/serve/events.py",
-    "batchkit/serve/scheduler.py",
-    "batchkit/serve/stats.py",
 }
 
 
