@@ -1,4 +1,4 @@
-"""Waiting for queue room (``when_full="block"``): callers blocked on a full queue,
+"""Waiting for queue room (`when_full="block"`): callers blocked on a full queue,
 woken first-come-first-served as requests leave it.
 
 Thread callers wait on a lock, asyncio callers on a future of their own loop; a

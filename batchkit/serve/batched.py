@@ -1,4 +1,4 @@
-"""``@batched``: call a batch function one item at a time, from threads or asyncio."""
+"""`@batched`: call a batch function one item at a time, from threads or asyncio."""
 
 from __future__ import annotations
 
@@ -32,43 +32,95 @@ class Driver(Protocol):
     core: ServingCore
 
     def call(self, item: Any, *, priority: int = 0, timeout: float | None = None) -> Any:
-        """``f(x)``: a sync function's result, an async function's awaitable."""
+        """`f(x)`: a sync function's result, an async function's awaitable.
+
+        Args:
+            item: The item.
+            priority: Lower values are served first.
+            timeout: Seconds the item may wait before its batch starts; None for no
+                bound.
+        """
         ...
 
     def call_many(
         self, items: Iterable[Any], *, priority: int = 0, timeout: float | None = None
     ) -> list[Any]:
-        """``f.map(items)``, blocking."""
+        """`f.map(items)`, blocking.
+
+        Args:
+            items: The items.
+            priority: Every item's priority.
+            timeout: Seconds, from this call, within which each item must start;
+                None for no bound.
+        """
         ...
 
     async def acall(self, item: Any, *, priority: int = 0, timeout: float | None = None) -> Any:
-        """``await f.acall(x)``."""
+        """`await f.acall(x)`.
+
+        Args:
+            item: The item.
+            priority: Lower values are served first.
+            timeout: Seconds the item may wait before its batch starts; None for no
+                bound.
+        """
         ...
 
     async def amap(
         self, items: Iterable[Any], *, priority: int = 0, timeout: float | None = None
     ) -> list[Any]:
-        """``await f.amap(items)``."""
+        """`await f.amap(items)`.
+
+        Args:
+            items: The items.
+            priority: Every item's priority.
+            timeout: Seconds, from this call, within which each item must start;
+                None for no bound.
+        """
         ...
 
     def close(self, timeout: float | None = None) -> None:
-        """Stop accepting, drain, then fail what is left after ``timeout``."""
+        """Stop accepting, drain, then fail what is left after `timeout`.
+
+        Args:
+            timeout: Seconds to wait before failing what is left with
+                `BatcherClosed`; None waits for everything.
+        """
         ...
 
     async def aclose(self, timeout: float | None = None) -> None:
-        """`close` from asyncio."""
+        """`close` from asyncio.
+
+        Args:
+            timeout: Seconds to wait before failing what is left with
+                `BatcherClosed`; None waits for everything.
+        """
         ...
 
     def stream(
         self, item: Any, *, priority: int = 0, timeout: float | None = None
     ) -> Iterator[Any]:
-        """``f.stream(x)``: a streaming function's chunks, from a thread."""
+        """`f.stream(x)`: a streaming function's chunks, from a thread.
+
+        Args:
+            item: The item.
+            priority: Lower values are served first.
+            timeout: Seconds the item may wait before its batch starts; None for no
+                bound.
+        """
         ...
 
     def astream(
         self, item: Any, *, priority: int = 0, timeout: float | None = None
     ) -> AsyncIterator[Any]:
-        """``f.astream(x)``: its chunks, from asyncio."""
+        """`f.astream(x)`: its chunks, from asyncio.
+
+        Args:
+            item: The item.
+            priority: Lower values are served first.
+            timeout: Seconds the item may wait before its batch starts; None for no
+                bound.
+        """
         ...
 
 
@@ -93,6 +145,8 @@ class BatchedFunction(Generic[R]):
     """
 
     def __init__(self, fn: Callable[..., Any], options: Options) -> None:
+        # No Args section on purpose: batched() makes it (from the function and its
+        # validated Options), and the reference hides this signature.
         self.fn = fn
         call = getattr(fn, "__call__", None)  # noqa: B004 - an object with an async __call__
         self.streams = any(
@@ -111,7 +165,7 @@ class BatchedFunction(Generic[R]):
             weakref.WeakKeyDictionary()
         )
         # Created now (cheap: no thread starts before the first call), so that
-        # ``f.acall`` is the driver's own ``async def acall`` (same signature) even when
+        # `f.acall` is the driver's own `async def acall` (same signature) even when
         # a caller keeps the bound method: one coroutine per call instead of two.
         core = ServingCore(options, self.__qualname__)
         self._driver: Driver = (LoopDriver if self.is_async else ThreadDriver)(fn, core)
@@ -120,7 +174,7 @@ class BatchedFunction(Generic[R]):
 
     @property
     def runtime(self) -> Driver:
-        """The driver behind this function: its workers, and its queue (``runtime.core``)."""
+        """The driver behind this function: its workers, and its queue (`runtime.core`)."""
         return self._driver
 
     # -- methods: one queue per instance --------------------------------------
@@ -429,7 +483,7 @@ class BatchedFunction(Generic[R]):
         )
 
     def load(self) -> tuple[int, int]:
-        """``(queue depth, batches in flight)`` now, cheaply (what a metrics scrape reads)."""
+        """`(queue depth, batches in flight)` now, cheaply (what a metrics scrape reads)."""
         return self._driver.core.load()
 
     def close(self, timeout: float | None = None) -> None:
@@ -490,8 +544,19 @@ def _oom_recovery(
     oom_errors: type[BaseException] | tuple[type[BaseException], ...] | None,
     on_oom: OnOom | Literal[False] | None,
 ) -> OomRecovery:
-    """``oom_errors``: None (the default) the built-in out-of-memory types; ``()`` turns
-    splitting off. ``on_oom``: None the default hook; False none."""
+    """The out-of-memory handling `@batched`'s two options ask for.
+
+    Args:
+        oom_errors: None (the default) for the built-in out-of-memory types; extra
+            types (a tuple, or one type) are added to them; `()` turns splitting
+            off.
+        on_oom: None for the default hook (`empty_cuda_cache`); False for none; else
+            the callable to run.
+
+    Raises:
+        TypeError: `on_oom` is not callable, None or False, or `oom_errors` holds
+            something that is not an exception type.
+    """
     if on_oom is not None and on_oom is not False and not callable(on_oom):
         raise TypeError(f"on_oom must be callable, None or False, got {type(on_oom).__name__}")
     hook = empty_cuda_cache if on_oom is None else (on_oom or None)
@@ -511,7 +576,14 @@ def _check_serving_options(
     when_full: str,
     batch_timeout: float | None,
 ) -> None:
-    """ValueError naming the first option of ``@batched`` that is not valid."""
+    """Raise ValueError naming the first option of `@batched` that is not valid.
+
+    Args:
+        max_queue_size: A positive int, or None.
+        max_concurrent_batches: A positive int.
+        when_full: `"reject"` or `"block"` (which needs a `max_queue_size`).
+        batch_timeout: A finite number of seconds above 0, or None.
+    """
     check_positive_int("max_queue_size", max_queue_size, allow_none=True)
     check_positive_int("max_concurrent_batches", max_concurrent_batches)
     if when_full not in ("reject", "block"):

@@ -40,9 +40,9 @@ class FormedBatch:
 class Bucket:
     """One bucket's waiting requests, FIFO per priority; dead entries removed lazily.
 
-    ``live`` counts the waiting requests; the deques may also hold requests that
+    `live` counts the waiting requests; the deques may also hold requests that
     left (dropped, or taken by a selection that was not a prefix) until they reach
-    the front. When a single deque holds exactly ``live`` entries it *is* the
+    the front. When a single deque holds exactly `live` entries it *is* the
     service order, and the hot paths use it directly.
 
     Args:
@@ -108,7 +108,7 @@ class Bucket:
         return out
 
     def taken(self, count: int, *, front: bool = False) -> None:
-        """Bookkeeping after ``count`` requests left: compact, refresh the key maximum.
+        """Bookkeeping after `count` requests left: compact, refresh the key maximum.
 
         Args:
             count: How many waiting requests left (taken into a batch, or dropped);
@@ -190,7 +190,7 @@ class Scheduler:
         self.buckets: dict[Hashable, Bucket] = {}
         # Admitted requests not yet placed: only those of a keyless policy's default lane
         # (key 0.0, bucket None, priority 0) may be appended here, while the queue is
-        # unbounded. The runtimes' hot path does so, one C-level call per request
+        # unbounded. The admission hot path does so, one C-level call per request
         # instead of add(); the next scheduling step places them all (see ingest()).
         self.arrivals: deque[Request] = deque()
         self._placed = 0  # waiting requests already in a bucket
@@ -253,7 +253,7 @@ class Scheduler:
         count = len(arrivals)
         self.stats.requests += count
         bucket, queue = self._lane(None, 0)
-        # Exactly ``count`` popped: an append racing this step, from a loop that lost
+        # Exactly `count` popped: an append racing this step, from a loop that lost
         # the batcher in a rebind race, is kept for the next step (a copy and a clear
         # could drop it between them).
         for _ in range(count):
@@ -272,7 +272,7 @@ class Scheduler:
         return bucket, queue
 
     def _place(self, req: Request) -> None:
-        """Append ``req`` to its bucket's deque for its priority."""
+        """Append `req` to its bucket's deque for its priority."""
         bucket, queue = self._lane(req.bucket, req.priority)
         queue.append(req)
         bucket.live += 1

@@ -1,4 +1,4 @@
-"""Counters and latency samples, and the immutable snapshot ``f.stats()`` returns."""
+"""Counters and latency samples, and the immutable snapshot `f.stats()` returns."""
 
 from __future__ import annotations
 
@@ -113,7 +113,13 @@ class Stats:
 
 @dataclass
 class StatsRecorder:
-    """Mutable counters; updated under the serving core's lock."""
+    """Mutable counters; updated under the serving core's lock.
+
+    The fields are those of [`Stats`][batchkit.Stats] they feed (`reasons` by
+    [`DispatchReason`][batchkit.serve.DispatchReason]; `queue_wait`,
+    `batch_latency` and `first_chunk` are windows of the most recent samples, in
+    seconds); all start empty.
+    """
 
     requests: int = 0
     batches: int = 0
@@ -137,7 +143,14 @@ class StatsRecorder:
     def record_batch(
         self, requests: list[Request], reason: DispatchReason, padded: int, now: float
     ) -> None:
-        """A batch of ``requests`` left the queue at ``now`` (called once per batch)."""
+        """A batch left the queue (called once per batch).
+
+        Args:
+            requests: Its requests (their waits are counted to `now`).
+            reason: Why it left.
+            padded: The size the function is called with.
+            now: When it left, on the scheduler's clock.
+        """
         size = len(requests)
         self.batches += 1
         self.items_run += size
@@ -157,7 +170,16 @@ class StatsRecorder:
         abandoned_workers: int = 0,
         healthy: bool = True,
     ) -> Stats:
-        """Freeze the current values (``unplaced``: admitted requests not yet counted)."""
+        """Freeze the current values, with what only the caller knows.
+
+        Args:
+            queue_depth: Requests waiting now.
+            in_flight: Batches running now.
+            caps: Learned batch-size caps, by bucket name.
+            unplaced: Admitted requests not yet counted (bulk arrivals not placed).
+            abandoned_workers: Worker threads stuck in a timed-out call.
+            healthy: Whether stuck threads are still replaced.
+        """
         return Stats(
             requests=self.requests + unplaced,
             batches=self.batches,

@@ -6,7 +6,7 @@ chunk for that item's caller, [`END`][batchkit.END] to end its stream, or an
 `Exception` instance to fail its stream alone. The generator returning ends
 every stream still open; raising fails them with its exception; a yield of the wrong
 length fails them with an error stating both lengths. Once every caller has left (or
-been answered), the generator is closed at its current ``yield``.
+been answered), the generator is closed at its current `yield`.
 
 Streams are not split and retried (chunks already delivered cannot be taken back),
 but a `collate` that fails still costs only the malformed items: each item is then

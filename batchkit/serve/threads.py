@@ -1,4 +1,4 @@
-"""The driver for sync functions: ``max_concurrent_batches`` worker threads.
+"""The driver for sync functions: `max_concurrent_batches` worker threads.
 
 Each idle worker sleeps on one condition variable until an arrival, a finished
 batch or the oldest request's max-wait expiry; there is no polling loop. Batches
