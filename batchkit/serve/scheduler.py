@@ -164,8 +164,9 @@ class Scheduler:
     It learns a per-bucket size cap after out-of-memory (`learn_cap`) and probes it
     upward again (`note_success`).
 
-    Not thread-safe: the serving core calls it under its lock (an async function's
-    driver, on its loop).
+    Not thread-safe: the serving core calls it under its lock. Only `arrivals` is
+    appended to without it, by an event loop's own callers while that loop's thread
+    alone runs the scheduler.
 
     Args:
         policy: The batching policy: its hooks (`key_of`, `bucket_of`, `select`,
