@@ -120,25 +120,6 @@ def test_every_public_name_is_in_the_reference() -> None:
 # as :class:`X` shows up as raw text. Cross-references are written [`X`][batchkit.X].
 SPHINX_ROLE = re.compile(r":(?:py:)?(?:meth|class|func|attr|data|mod|exc|obj|const|ref):`")
 
-# Files whose docstrings still use Sphinx roles, to be converted. Each entry must still
-# hold one (a file that is clean is removed from the list, so the list only shrinks).
-SPHINX_ROLES_TODO = {
-    "batchkit/serve/admission.py",
-    "batchkit/serve/batched.py",
-    "batchkit/serve/callers.py",
-    "batchkit/serve/channels.py",
-    "batchkit/serve/core.py",
-    "batchkit/serve/event_loop.py",
-    "batchkit/serve/execute.py",
-    "batchkit/serve/observe.py",
-    "batchkit/serve/options.py",
-    "batchkit/serve/request.py",
-    "batchkit/serve/scheduler.py",
-    "batchkit/serve/streaming.py",
-    "batchkit/serve/threads.py",
-}
-
-
 def relative_file(obj: Any) -> str:
     return Path(obj.filepath).resolve().relative_to(ROOT).as_posix()
 
@@ -172,25 +153,10 @@ def sphinx_roles_by_file() -> dict[str, list[str]]:
 
 
 def test_docstrings_use_markdown_cross_references_not_sphinx_roles() -> None:
-    found = sphinx_roles_by_file()
-    offending = [
-        hit for file, hits in sorted(found.items()) if file not in SPHINX_ROLES_TODO for hit in hits
-    ]
+    offending = [hit for _, hits in sorted(sphinx_roles_by_file().items()) for hit in hits]
     assert not offending, (
         "Sphinx roles render as raw text; write [`Name`][batchkit.Name]:\n" + "\n".join(offending)
     )
-    converted = sorted(SPHINX_ROLES_TODO - found.keys())
-    assert not converted, f"no Sphinx role left in {converted}: remove them from SPHINX_ROLES_TODO"
-
-
-# Files defining reference entries whose parameters are not all documented yet. Each
-# entry must still have one (a file that is done is removed from the list).
-ARGS_TODO = {
-    "batchkit/serve/batched.py",
-    "batchkit/serve/events.py",
-    "batchkit/serve/scheduler.py",
-    "batchkit/serve/stats.py",
-}
 
 
 def is_public_method(name: str) -> bool:
@@ -278,10 +244,5 @@ def undocumented_by_file() -> dict[str, list[str]]:
 
 
 def test_every_parameter_in_the_reference_is_documented() -> None:
-    found = undocumented_by_file()
-    offending = [
-        hit for file, hits in sorted(found.items()) if file not in ARGS_TODO for hit in hits
-    ]
+    offending = [hit for _, hits in sorted(undocumented_by_file().items()) for hit in hits]
     assert not offending, "parameters missing from the Args: section:\n" + "\n".join(offending)
-    done = sorted(ARGS_TODO - found.keys())
-    assert not done, f"every parameter is documented in {done}: remove them from ARGS_TODO"

@@ -1,4 +1,5 @@
-"""The runtime: ``@batched``, its queue-and-worker core, errors and stats."""
+"""Serving: `@batched`, and what runs it (a pure scheduler, a serving core, a driver for
+threads or an event loop); its errors, statistics and events."""
 
 from batchkit.errors import BatcherClosed, BatchkitError, BatchTimeout, QueueFull, RequestTimeout
 from batchkit.percentiles import Percentiles

@@ -1,10 +1,10 @@
-"""Waiting for queue room (``when_full="block"``): callers blocked on a full queue,
+"""Waiting for queue room (`when_full="block"`): callers blocked on a full queue,
 woken first-come-first-served as requests leave it.
 
 Thread callers wait on a lock, asyncio callers on a future of their own loop; a
 waiter that is woken retries its enqueue (and waits again if it lost a race). The
-serving core holds one :class:`BlockingAdmission` and gives it the one thing it needs
-from the core: a way to try an enqueue under the core's lock.
+serving core holds one `BlockingAdmission` and gives it the one thing it needs from
+the core: a way to try an enqueue under the core's lock.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from batchkit.serve.request import Request
 Waiter: TypeAlias = "threading.Lock | asyncio.Future[None]"  # a string: Lock is a factory
 TryAdmit = Callable[[Request], bool]
 """Under the lock: enqueue the request and return True, or return False (no room); may
-raise (e.g. ``BatcherClosed``)."""
+raise (e.g. `BatcherClosed`)."""
 OnTimeout = Callable[[float], RequestTimeout]
 """Under the lock: count a caller that gave up waiting and make its error."""
 
@@ -43,13 +43,24 @@ class RoomWaiters:
         return lock
 
     def add_async(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future[None]:
-        """A future resolved (on ``loop``) when room may be free."""
+        """A future resolved (on `loop`) when room may be free.
+
+        Args:
+            loop: The waiting caller's running loop.
+        """
         fut: asyncio.Future[None] = loop.create_future()
         self._waiters.append(fut)
         return fut
 
     def discard(self, waiter: Waiter) -> bool:
-        """Withdraw a waiter that gave up; False if it was already woken."""
+        """Withdraw a waiter that gave up.
+
+        Args:
+            waiter: A lock or future this FIFO handed out.
+
+        Returns:
+            True if it was still waiting; False if it was already woken.
+        """
         try:
             self._waiters.remove(waiter)
         except ValueError:
@@ -57,13 +68,17 @@ class RoomWaiters:
         return True
 
     def wake(self, count: int) -> None:
-        """Wake up to ``count`` waiters, oldest first (skipping any whose loop is gone)."""
+        """Wake waiters, oldest first (skipping any whose loop is gone).
+
+        Args:
+            count: How many to wake at most.
+        """
         while count > 0 and self._waiters:
             if _wake(self._waiters.popleft()):
                 count -= 1
 
     def wake_all(self) -> None:
-        """Wake everyone (on close: they will see ``BatcherClosed``)."""
+        """Wake everyone (on close: they will see `BatcherClosed`)."""
         self.wake(len(self._waiters))
 
 
@@ -85,7 +100,16 @@ def _resolve(fut: asyncio.Future[None]) -> None:
 
 
 class BlockingAdmission:
-    """Callers wait for queue room (within their timeout) instead of getting ``QueueFull``."""
+    """Callers wait for queue room (within their timeout) instead of getting `QueueFull`.
+
+    Args:
+        lock: The serving core's lock, taken around every enqueue attempt.
+        try_admit: Under the lock: enqueue a request and return True, or return
+            False when there is no room.
+        on_timeout: Under the lock: count a caller that gave up waiting, and make its
+            error from its `timeout`.
+        clock: The batcher's clock (seconds), for the callers' deadlines.
+    """
 
     def __init__(
         self,
@@ -101,12 +125,26 @@ class BlockingAdmission:
         self._on_timeout = on_timeout
 
     def room_freed(self, free: int | None) -> None:
-        """Under the lock: ``free`` places are open in the queue (None: unbounded)."""
+        """Under the lock: requests left the queue; wake as many waiters as fit.
+
+        Args:
+            free: Places open in the queue now; None for an unbounded queue (wake
+                everyone).
+        """
         if self.waiters:
             self.waiters.wake(len(self.waiters) if free is None else free)
 
     def submit(self, req: Request, timeout: float | None) -> None:
-        """A thread caller's enqueue: wait for room up to ``timeout`` seconds."""
+        """A thread caller's enqueue: wait for room, then enqueue.
+
+        Args:
+            req: The request to enqueue.
+            timeout: Seconds to wait for room at most; None for no bound.
+
+        Raises:
+            RequestTimeout: No room within `timeout` (made by `on_timeout`).
+            BatcherClosed: The function is closed (raised by `try_admit`).
+        """
         deadline = None if timeout is None else self.clock() + timeout
         while True:
             with self.lock:
@@ -121,7 +159,18 @@ class BlockingAdmission:
                 # Woken just as the timeout passed: try once more.
 
     async def asubmit(self, req: Request, timeout: float | None) -> None:
-        """:meth:`submit` for asyncio callers (the loop is never blocked)."""
+        """`submit` for asyncio callers (the loop is never blocked).
+
+        A cancelled caller passes its wake-up on to the next waiter.
+
+        Args:
+            req: The request to enqueue.
+            timeout: Seconds to wait for room at most; None for no bound.
+
+        Raises:
+            RequestTimeout: No room within `timeout`.
+            BatcherClosed: The function is closed.
+        """
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else self.clock() + timeout
         while True:

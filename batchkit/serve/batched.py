@@ -1,4 +1,4 @@
-"""``@batched``: call a batch function one item at a time, from threads or asyncio."""
+"""`@batched`: call a batch function one item at a time, from threads or asyncio."""
 
 from __future__ import annotations
 
@@ -27,60 +27,120 @@ R = TypeVar("R")
 
 class Driver(Protocol):
     """What runs a batched function's batches and waits for its callers: worker threads
-    (:class:`~batchkit.serve.threads.ThreadDriver`) or one event loop
-    (:class:`~batchkit.serve.event_loop.LoopDriver`), over one serving core."""
+    (`batchkit.serve.threads.ThreadDriver`) or one event loop
+    (`batchkit.serve.event_loop.LoopDriver`), over one serving core."""
 
     core: ServingCore
 
     def call(self, item: Any, *, priority: int = 0, timeout: float | None = None) -> Any:
-        """``f(x)``: a sync function's result, an async function's awaitable."""
+        """`f(x)`: a sync function's result, an async function's awaitable.
+
+        Args:
+            item: The item.
+            priority: Lower values are served first.
+            timeout: Seconds the item may wait before its batch starts; None for no
+                bound.
+        """
         ...
 
     def call_many(
         self, items: Iterable[Any], *, priority: int = 0, timeout: float | None = None
     ) -> list[Any]:
-        """``f.map(items)``, blocking."""
+        """`f.map(items)`, blocking.
+
+        Args:
+            items: The items.
+            priority: Every item's priority.
+            timeout: Seconds, from this call, within which each item must start;
+                None for no bound.
+        """
         ...
 
     acall: AsyncCall
-    """``await f.acall(x, *, priority=0, timeout=None)``."""
+    """`await f.acall(x, *, priority=0, timeout=None)`: one item from asyncio (the
+    callers' coroutine bound to this driver's core)."""
 
     async def amap(
         self, items: Iterable[Any], *, priority: int = 0, timeout: float | None = None
     ) -> list[Any]:
-        """``await f.amap(items)``."""
+        """`await f.amap(items)`.
+
+        Args:
+            items: The items.
+            priority: Every item's priority.
+            timeout: Seconds, from this call, within which each item must start;
+                None for no bound.
+        """
         ...
 
     def close(self, timeout: float | None = None) -> None:
-        """Stop accepting, drain, then fail what is left after ``timeout``."""
+        """Stop accepting, drain, then fail what is left after `timeout`.
+
+        Args:
+            timeout: Seconds to wait before failing what is left with
+                `BatcherClosed`; None waits for everything.
+        """
         ...
 
     async def aclose(self, timeout: float | None = None) -> None:
-        """:meth:`close` from asyncio."""
+        """`close` from asyncio.
+
+        Args:
+            timeout: Seconds to wait before failing what is left with
+                `BatcherClosed`; None waits for everything.
+        """
         ...
 
     def stream(
         self, item: Any, *, priority: int = 0, timeout: float | None = None
     ) -> Iterator[Any]:
-        """``f.stream(x)``: a streaming function's chunks, from a thread."""
+        """`f.stream(x)`: a streaming function's chunks, from a thread.
+
+        Args:
+            item: The item.
+            priority: Lower values are served first.
+            timeout: Seconds the item may wait before its batch starts; None for no
+                bound.
+        """
         ...
 
     def astream(
         self, item: Any, *, priority: int = 0, timeout: float | None = None
     ) -> AsyncIterator[Any]:
-        """``f.astream(x)``: its chunks, from asyncio."""
+        """`f.astream(x)`: its chunks, from asyncio.
+
+        Args:
+            item: The item.
+            priority: Lower values are served first.
+            timeout: Seconds the item may wait before its batch starts; None for no
+                bound.
+        """
         ...
 
 
 class BatchedFunction(Generic[R]):
     """A batch function wrapped so that callers pass one item and get one result.
 
-    Created by :func:`batched`. Sync functions: ``f(x)`` blocks the calling thread;
-    async functions: ``f(x)`` returns an awaitable. ``await f.acall(x)`` works for
-    both (a sync function then runs on a worker thread, never on the loop).
+    Made by [`batched`][batchkit.serve.batched.batched], not constructed directly.
+    Sync functions: `f(x)` blocks the calling thread; async functions: `f(x)`
+    returns an awaitable. `await f.acall(x)` works for both (a sync function then
+    runs on a worker thread, never on the loop). A generator function is read with
+    [`stream`][batchkit.BatchedFunction.stream] or
+    [`astream`][batchkit.BatchedFunction.astream] instead.
+
+    Every call takes `priority` (an `int`: lower values are served first, then
+    arrival order; default 0) and `timeout` (seconds the item may wait before its
+    batch starts, else [`RequestTimeout`][batchkit.RequestTimeout]; None, the
+    default, waits as long as it takes; with `when_full="block"` the wait for queue
+    room counts too). Once its batch has started, an item is no longer bounded by
+    `timeout` (`batch_timeout` bounds the call).
+
+    It is also a context manager (`with`, `async with`) that closes it on exit.
     """
 
     def __init__(self, fn: Callable[..., Any], options: Options) -> None:
+        # No Args section on purpose: batched() makes it (from the function and its
+        # validated Options), and the reference hides this signature.
         self.fn = fn
         call = getattr(fn, "__call__", None)  # noqa: B004 - an object with an async __call__
         self.streams = any(
@@ -99,7 +159,7 @@ class BatchedFunction(Generic[R]):
             weakref.WeakKeyDictionary()
         )
         # Created now (cheap: no thread starts before the first call), so that
-        # ``f.acall`` is the driver's own ``async def acall`` (same signature) even when
+        # `f.acall` is the driver's own `async def acall` (same signature) even when
         # a caller keeps the bound method: one coroutine per call instead of two.
         core = ServingCore(options, self.__qualname__)
         self._driver: Driver = (LoopDriver if self.is_async else ThreadDriver)(fn, core)
@@ -108,7 +168,7 @@ class BatchedFunction(Generic[R]):
 
     @property
     def runtime(self) -> Driver:
-        """The driver behind this function: its workers, and its queue (``runtime.core``)."""
+        """The driver behind this function: its workers, and its queue (`runtime.core`)."""
         return self._driver
 
     # -- methods: one queue per instance --------------------------------------
@@ -143,7 +203,32 @@ class BatchedFunction(Generic[R]):
 
     # -- one item ------------------------------------------------------------
     def __call__(self, item: Any, *, priority: int = 0, timeout: float | None = None) -> Any:
-        """Run one item in a batch. Sync function: its result; async function: an awaitable."""
+        """Run one item in a batch: `f(x)`.
+
+        A sync function blocks this thread until the result (called on a thread that
+        runs an event loop, it warns once: nothing batches while the loop is
+        blocked; use [`acall`][batchkit.BatchedFunction.acall] there). An async
+        function returns an awaitable of the result.
+
+        Args:
+            item: The item; the policy's key (if any) is computed here, so its errors
+                reach this caller.
+            priority: Lower values are served first (then arrival order); an `int`.
+            timeout: Seconds the item may wait before its batch starts; None (the
+                default) for no bound.
+
+        Returns:
+            The item's result (sync), or an awaitable of it (async).
+
+        Raises:
+            RequestTimeout: The item did not start within `timeout`; it will not run.
+            QueueFull: `max_queue_size` requests wait (with `when_full="reject"`).
+            BatcherClosed: The function is closed, or closed before serving the item.
+            BatchTimeout: The item's batch ran past `batch_timeout`.
+            TypeError: The function is a generator function (use `stream`), or
+                `priority` is not an `int`.
+            Exception: Whatever the batch function raised for this item.
+        """
         if self.streams:
             raise self._streams_error()
         return self._driver.call(item, priority=priority, timeout=timeout)
@@ -165,8 +250,27 @@ class BatchedFunction(Generic[R]):
     async def acall(self, item: Any, *, priority: int = 0, timeout: float | None = None) -> Any:
         """Run one item in a batch, from asyncio (sync or async function alike).
 
-        ``timeout``: seconds before the item must have started running, else
-        :class:`~batchkit.RequestTimeout`. Lower ``priority`` values are served first.
+        A sync function runs on a worker thread: the loop is never blocked.
+        Cancelling the awaiting task withdraws the item if it has not started.
+
+        Args:
+            item: The item.
+            priority: Lower values are served first (then arrival order); an `int`.
+            timeout: Seconds the item may wait before its batch starts, else
+                [`RequestTimeout`][batchkit.RequestTimeout]; None (the default) for
+                no bound.
+
+        Returns:
+            The item's result.
+
+        Raises:
+            RequestTimeout: The item did not start within `timeout`.
+            QueueFull: `max_queue_size` requests wait (with `when_full="reject"`).
+            BatcherClosed: The function is closed, or closed before serving the item.
+            BatchTimeout: The item's batch ran past `batch_timeout`.
+            RuntimeError: An async function already serves another running event
+                loop (it serves one loop at a time).
+            TypeError: The function is a generator function (use `astream`).
         """
         if self.streams:
             raise self._streams_error()
@@ -178,10 +282,32 @@ class BatchedFunction(Generic[R]):
     ) -> Iterator[Any]:
         """One item's chunks, from a thread, as the batch's generator yields them.
 
-        For a sync generator function. The item is queued at once (streams made one
-        after another batch together); ``timeout`` bounds the wait before its batch
-        starts. Stopping early (``break``, ``close()``) drops the rest of this stream
+        For a sync generator function. The item is queued at once, when the iterator
+        is made (so streams made one after another batch together). Stopping early
+        (`break`, `close()`, dropping the iterator) drops the rest of this stream
         only; once every caller of a batch has left, its generator is closed.
+
+        Args:
+            item: The item.
+            priority: Lower values are served first (then arrival order); an `int`.
+            timeout: Seconds the item may wait before its batch starts (its first
+                chunk is then on the way; later chunks are not bounded); None (the
+                default) for no bound.
+
+        Returns:
+            An iterator of the item's chunks. It ends when the generator yields
+            [`END`][batchkit.END] for the item or returns; it raises the exception
+            the generator yielded for the item or raised, and
+            [`RequestTimeout`][batchkit.RequestTimeout] if the batch did not start
+            within `timeout`.
+
+        Raises:
+            QueueFull: `max_queue_size` requests wait (with `when_full="reject"`).
+            RequestTimeout: With `when_full="block"`, no room was free within
+                `timeout`.
+            BatcherClosed: The function is closed.
+            TypeError: The function is not a generator function, or is an async one
+                (use `astream`).
         """
         if not self.streams:
             raise self._plain_error("stream")
@@ -193,8 +319,27 @@ class BatchedFunction(Generic[R]):
         """One item's chunks, from asyncio (sync or async generator function alike).
 
         Call it inside a coroutine; a sync generator runs on a worker thread and its
-        chunks reach this loop without blocking it. ``aclose()``, ``break`` or a
-        cancelled task leaves the stream (see :meth:`stream`).
+        chunks reach this loop without blocking it. `aclose()`, `break` or a
+        cancelled task leaves the stream (see
+        [`stream`][batchkit.BatchedFunction.stream]).
+
+        Args:
+            item: The item.
+            priority: Lower values are served first (then arrival order); an `int`.
+            timeout: Seconds the item may wait before its batch starts (later chunks
+                are not bounded); None (the default) for no bound.
+
+        Returns:
+            An async iterator of the item's chunks, ending and raising as
+            [`stream`][batchkit.BatchedFunction.stream]'s does. The item is queued at
+            once, or, with `when_full="block"`, at the first `__anext__` (which may
+            wait for room).
+
+        Raises:
+            QueueFull: `max_queue_size` requests wait (with `when_full="reject"`).
+            BatcherClosed: The function is closed.
+            RuntimeError: No event loop is running in this thread.
+            TypeError: The function is not a generator function.
         """
         if not self.streams:
             raise self._plain_error("astream")
@@ -204,8 +349,30 @@ class BatchedFunction(Generic[R]):
     def map(
         self, items: Iterable[Any], *, priority: int = 0, timeout: float | None = None
     ) -> list[Any]:
-        """Run many items; results in input order. Raises the first failed item's error
-        (in input order) once every item has finished."""
+        """Run many items from a thread; results in input order.
+
+        For a sync function. The items are queued together (they batch with each
+        other and with other callers' items); this returns, or raises, once every
+        item has finished.
+
+        Args:
+            items: The items.
+            priority: Every item's priority: lower values are served first.
+            timeout: Seconds, counted from this call, within which each item must
+                have started; at the deadline the items not yet started are withdrawn
+                with [`RequestTimeout`][batchkit.RequestTimeout]. None (the default)
+                for no bound.
+
+        Returns:
+            One result per item, in input order.
+
+        Raises:
+            QueueFull: The items do not all fit in the queue (`max_queue_size`, with
+                `when_full="reject"`): none of them was queued.
+            BatcherClosed: The function is closed.
+            TypeError: The function is async (use `amap`) or a generator function.
+            Exception: The first failed item's error, in input order.
+        """
         if self.streams:
             raise self._streams_error()
         return self._driver.call_many(items, priority=priority, timeout=timeout)
@@ -213,22 +380,62 @@ class BatchedFunction(Generic[R]):
     async def amap(
         self, items: Iterable[Any], *, priority: int = 0, timeout: float | None = None
     ) -> list[Any]:
-        """:meth:`map` from asyncio, for sync and async functions."""
+        """Run many items from asyncio, for sync and async functions; results in input
+        order.
+
+        Args:
+            items: The items.
+            priority: Every item's priority: lower values are served first.
+            timeout: Seconds, counted from this call, within which each item must
+                have started (else [`RequestTimeout`][batchkit.RequestTimeout] for
+                it); None (the default) for no bound.
+
+        Returns:
+            One result per item, in input order.
+
+        Raises:
+            QueueFull: The items do not all fit in the queue (`max_queue_size`, with
+                `when_full="reject"`): none of them was queued.
+            BatcherClosed: The function is closed.
+            TypeError: The function is a generator function.
+            Exception: The first failed item's error, in input order, once every
+                item has finished.
+        """
         if self.streams:
             raise self._streams_error()
         return await self._driver.amap(items, priority=priority, timeout=timeout)
 
     # -- introspection and lifetime ---------------------------------------------
     def add_listener(self, listener: Listener) -> None:
-        """Observe every batch and every dropped request (see :mod:`batchkit.serve.events`)."""
+        """Observe every batch that ends and every request dropped without running.
+
+        Args:
+            listener: A [`Listener`][batchkit.serve.Listener]: its `on_batch` gets a
+                [`BatchEvent`][batchkit.serve.BatchEvent], its `on_drop` a
+                [`DropEvent`][batchkit.serve.DropEvent]. Both are called on the
+                worker thread (or event loop) right after the fact, under the
+                function's lock: keep them fast and non-blocking. An exception they
+                raise is logged, never passed on.
+        """
         self._driver.core.add_listener(listener)
 
     def remove_listener(self, listener: Listener) -> None:
-        """Stop observing."""
+        """Stop observing.
+
+        Args:
+            listener: A listener given to
+                [`add_listener`][batchkit.BatchedFunction.add_listener] (compared by
+                identity; one not added is ignored).
+        """
         self._driver.core.remove_listener(listener)
 
     def stats(self) -> Stats:
-        """A snapshot: requests, batches, batch sizes, waits, latencies, dispatch reasons."""
+        """A snapshot of the counters and latencies since the function was made.
+
+        Returns:
+            A [`Stats`][batchkit.Stats]: requests, batches, batch sizes, waits,
+            latencies, dispatch reasons, and the health of the workers.
+        """
         return self._driver.core.stats()
 
     def configure(
@@ -246,11 +453,14 @@ class BatchedFunction(Generic[R]):
         at once). Thread-safe under load: nothing queued is lost or run twice.
 
         Args:
-            max_batch_size: The policy's largest batch.
-            max_wait_ms: The policy's longest wait for a batch to fill (milliseconds);
-                a policy without one (``StaticBatcher``) refuses it by name.
+            max_batch_size: The policy's largest batch, in items (at most the largest
+                of a policy's `preferred_batch_sizes`).
+            max_wait_ms: The policy's longest wait for a batch to fill, in
+                milliseconds (>= 0); a policy without one
+                ([`StaticBatcher`][batchkit.StaticBatcher]) refuses it by name.
             max_concurrent_batches: Batches that may run at once.
-            max_queue_size: Requests that may wait (a bound; ``None`` leaves it as it is).
+            max_queue_size: Requests that may wait. A bound can be set or changed,
+                not removed; requests already waiting past a lower bound stay.
 
         Returns:
             The settings in force afterwards.
@@ -267,16 +477,42 @@ class BatchedFunction(Generic[R]):
         )
 
     def load(self) -> tuple[int, int]:
-        """``(queue depth, batches in flight)`` now, cheaply (what a metrics scrape reads)."""
+        """`(queue depth, batches in flight)` now, cheaply (what a metrics scrape reads)."""
         return self._driver.core.load()
 
     def close(self, timeout: float | None = None) -> None:
-        """Stop accepting (later calls raise ``BatcherClosed``), finish what is queued and
-        running; after ``timeout`` seconds, fail what is left with ``BatcherClosed``."""
+        """Stop accepting, serve what is queued and running, and wait for it.
+
+        Later calls raise [`BatcherClosed`][batchkit.BatcherClosed]. Waiting requests
+        leave at once, without waiting for a full batch or the max wait. For an async
+        function, call it from another thread than the loop's (inside the loop, use
+        [`aclose`][batchkit.BatchedFunction.aclose]); when its loop no longer runs,
+        whatever is left fails at once with `BatcherClosed`.
+
+        Args:
+            timeout: Seconds to wait; then every request not answered yet, waiting or
+                running, fails with [`BatcherClosed`][batchkit.BatcherClosed] (a
+                running batch goes on, its results discarded). None (the default)
+                waits for everything.
+
+        Raises:
+            RuntimeError: An async function's `close` was called on its own loop.
+        """
         self._driver.close(timeout)
 
     async def aclose(self, timeout: float | None = None) -> None:
-        """:meth:`close` from asyncio."""
+        """[`close`][batchkit.BatchedFunction.close] from asyncio, without blocking the
+        loop.
+
+        Args:
+            timeout: Seconds to wait before failing what is left with
+                [`BatcherClosed`][batchkit.BatcherClosed]; None (the default) waits
+                for everything.
+
+        Raises:
+            RuntimeError: An async function is closed from another loop than the one
+                it serves.
+        """
         await self._driver.aclose(timeout)
 
     def __enter__(self) -> BatchedFunction[R]:
@@ -302,8 +538,19 @@ def _oom_recovery(
     oom_errors: type[BaseException] | tuple[type[BaseException], ...] | None,
     on_oom: OnOom | Literal[False] | None,
 ) -> OomRecovery:
-    """``oom_errors``: None (the default) the built-in out-of-memory types; ``()`` turns
-    splitting off. ``on_oom``: None the default hook; False none."""
+    """The out-of-memory handling `@batched`'s two options ask for.
+
+    Args:
+        oom_errors: None (the default) for the built-in out-of-memory types; extra
+            types (a tuple, or one type) are added to them; `()` turns splitting
+            off.
+        on_oom: None for the default hook (`empty_cuda_cache`); False for none; else
+            the callable to run.
+
+    Raises:
+        TypeError: `on_oom` is not callable, None or False, or `oom_errors` holds
+            something that is not an exception type.
+    """
     if on_oom is not None and on_oom is not False and not callable(on_oom):
         raise TypeError(f"on_oom must be callable, None or False, got {type(on_oom).__name__}")
     hook = empty_cuda_cache if on_oom is None else (on_oom or None)
@@ -323,7 +570,14 @@ def _check_serving_options(
     when_full: str,
     batch_timeout: float | None,
 ) -> None:
-    """ValueError naming the first option of ``@batched`` that is not valid."""
+    """Raise ValueError naming the first option of `@batched` that is not valid.
+
+    Args:
+        max_queue_size: A positive int, or None.
+        max_concurrent_batches: A positive int.
+        when_full: `"reject"` or `"block"` (which needs a `max_queue_size`).
+        batch_timeout: A finite number of seconds above 0, or None.
+    """
     check_positive_int("max_queue_size", max_queue_size, allow_none=True)
     check_positive_int("max_concurrent_batches", max_concurrent_batches)
     if when_full not in ("reject", "block"):
@@ -379,34 +633,102 @@ def batched(
 ) -> Any:
     """Decorate a batch function (list of items -> sequence of results).
 
-    A generator function (or async generator function) streams: each ``yield`` is a
-    sequence with one entry per item (a chunk, :data:`batchkit.END`, or an exception
-    for that item alone), read by callers with :meth:`BatchedFunction.stream` /
-    :meth:`BatchedFunction.astream`.
+    Callers then pass one item and get one result; the items of concurrent callers
+    run together, in batches formed by the policy. Use it bare (`@batched`) for the
+    defaults, or called (`@batched(max_batch_size=16)`) with options; it also
+    decorates methods (one queue per instance) and async functions.
 
-    Defaults to ``DynamicBatcher(max_batch_size=32, max_wait_ms=5)``; pass
-    ``batcher=`` for another policy (then ``max_batch_size``/``max_wait_ms`` belong
-    to it). ``collate(items)`` builds the function's argument and ``split(output)``
-    its per-item results. ``max_queue_size`` waiting requests make further calls
-    raise ``QueueFull`` at once, or with ``when_full="block"`` wait for room (within
-    their ``timeout``). ``clock`` replaces ``time.monotonic`` (tests).
+    A generator function (or async generator function) streams: each `yield` is a
+    sequence with one entry per item (a chunk, [`END`][batchkit.END] to end that
+    item's stream, or an exception instance to fail that item's stream alone), read
+    by callers with [`stream`][batchkit.BatchedFunction.stream] or
+    [`astream`][batchkit.BatchedFunction.astream].
 
-    Reliability: a batch that runs out of memory (``MemoryError``,
-    ``torch.cuda.OutOfMemoryError``, plus any ``oom_errors`` types) is split in
-    halves and retried down to single items, and the size that worked becomes the
-    bucket's effective maximum (probed upward again later); ``oom_errors=()`` turns
-    this off. Before each retry, everything the failed attempt held is released (its
-    argument, and the locals of its traceback's frames), then ``on_oom()`` runs: by
-    default it empties the CUDA cache when torch has initialised CUDA; ``on_oom=False``
-    turns it off. ``isolate_errors=True`` re-runs a failing batch in halves so that
-    only the items that fail alone get the exception. A batch whose ``collate`` fails
-    is always split the same way: a malformed item fails only its own caller.
+    Reliability: a batch that runs out of memory is split in halves and retried,
+    down to single items, and the size that worked becomes its bucket's effective
+    maximum (probed upward again after 32 successful batches at it). Before each
+    retry everything the failed attempt held is released (its argument, and the
+    locals of its traceback's frames), then `on_oom()` runs. A batch whose `collate`
+    fails is always split the same way, so a malformed item fails only its own
+    caller. Streams are never split and retried (their delivered chunks cannot be
+    taken back); a failing `collate` still costs only the malformed items.
 
-    ``batch_timeout``: seconds one call of the function may run. Past it, that batch's
-    callers get ``BatchTimeout`` and serving goes on: an async call is cancelled; a
-    sync function's stuck worker thread is abandoned (its late result dropped) and
-    replaced, up to ``max_concurrent_batches`` stuck threads (past that, no more are
-    spawned and ``stats().healthy`` is False until one returns).
+    Args:
+        fn: The batch function. It is called with the batch (a list of items, or
+            what `collate` made of it) and returns one result per item, in order (a
+            sequence whose `len()` is the batch's size, or whatever `split` turns into
+            one). A result that is an exception instance is raised to that item's
+            caller alone. Under a policy with strict batch sizes the batch is padded
+            up by repeating its last item, and the padding's results are dropped. Sync,
+            async, generator and async generator functions all work. Positional only;
+            omit it to get a decorator that takes the options.
+        max_batch_size: The default policy's largest batch, in items (default 32).
+            Only without `batcher` (pass it to the policy instead).
+        max_wait_ms: The default policy's longest wait for a batch to fill, in
+            milliseconds, counted from the oldest waiting request (default 5; while
+            no batch is running, waiting requests leave at once). Only without
+            `batcher`.
+        batcher: The batching policy, e.g. [`SortedBatcher`][batchkit.SortedBatcher]
+            or [`BucketedBatcher`][batchkit.BucketedBatcher]; None (the default) is
+            [`DynamicBatcher`][batchkit.DynamicBatcher] with `max_batch_size` and
+            `max_wait_ms`.
+        collate: Builds the function's argument from the batch's list of items
+            (e.g. a padded tensor); None (the default) passes the list itself.
+        split: Turns the function's output into its per-item results (e.g.
+            [`unstack`][batchkit.unstack]); None (the default) takes the output as the sequence of
+            results. An error in it, or a wrong number of results, fails every item
+            of the batch.
+        max_queue_size: How many requests may wait (queued, not yet running); None
+            (the default) is no bound. When it is reached a call raises
+            [`QueueFull`][batchkit.QueueFull] at once (`map` enqueues all its items
+            or none), or waits for room with `when_full="block"`.
+        max_concurrent_batches: How many batches may run at once (worker threads of a
+            sync function, tasks of an async one); default 1. While fewer run, the
+            next batch forms from everything that arrived in the meantime.
+        when_full: What a call does when `max_queue_size` requests wait: `"reject"`
+            (the default) raises [`QueueFull`][batchkit.QueueFull]; `"block"` waits
+            for room, first come first served, within the caller's `timeout` (then
+            [`RequestTimeout`][batchkit.RequestTimeout]), and needs a
+            `max_queue_size`.
+        oom_errors: A tuple of extra exception types that mean "this batch did not fit in
+            memory", added to the built-in ones (`MemoryError` and
+            `torch.cuda.OutOfMemoryError`); None (the default) is the built-in ones
+            only, and `()` turns out-of-memory splitting off (such an error then
+            fails the batch like any other).
+        on_oom: Called with no argument after each out-of-memory failure, before
+            the retry. None (the default) empties the CUDA cache when torch has
+            already initialised CUDA (it never initialises CUDA itself); False runs
+            nothing. An exception it raises is logged, and the retry goes on.
+        isolate_errors: When the function raises for a batch, re-run it in halves
+            (a binary search) so that only the items that fail alone get the
+            exception and the others get their results: with `k` failing items among
+            `n`, about `2 * k * log2(n)` extra calls at most, none when nothing
+            fails. False (the default): the exception fails every item of the batch.
+        batch_timeout: Seconds one call of the function may run (each call of a
+            split batch is timed on its own); None (the default) is no bound. Past
+            it, the callers of that batch get [`BatchTimeout`][batchkit.BatchTimeout]
+            and serving goes on: an async call is cancelled; a sync function's stuck
+            worker thread is abandoned (its late result dropped) and replaced, up to
+            `max_concurrent_batches` stuck threads (past that, none is replaced and
+            `stats().healthy` is False until one returns). A timed-out batch is not
+            retried. Not applied to generator (streaming) functions.
+        clock: A monotonic clock in seconds, read for max waits, caller timeouts and
+            the latencies in [`stats`][batchkit.BatchedFunction.stats]; None (the
+            default) is `time.monotonic`. Tests inject a fake one.
+
+    Returns:
+        With `fn`: the [`BatchedFunction`][batchkit.BatchedFunction] wrapping it.
+        Without: a decorator that makes one.
+
+    Raises:
+        ValueError: An option is not valid (the message names it): `max_batch_size`
+            or `max_wait_ms` beside a `batcher`, a `max_queue_size` or
+            `max_concurrent_batches` below 1, an unknown `when_full`,
+            `when_full="block"` without a `max_queue_size`, or a `batch_timeout` that
+            is not a finite number of seconds above 0.
+        TypeError: `batcher` is not a [`Batcher`][batchkit.Batcher]; `fn`,
+            `collate`, `split` or `on_oom` is not callable; or `oom_errors` holds
+            something that is not an exception type.
     """
     if batcher is not None and (max_batch_size is not None or max_wait_ms is not None):
         raise ValueError("pass max_batch_size/max_wait_ms to the batcher, not to @batched")

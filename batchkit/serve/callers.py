@@ -1,9 +1,9 @@
 """How a caller waits for its answer: one item or many, from a thread (blocking) or
 from asyncio (awaiting, never blocking the loop), with its timeout and cancellation.
 
-Plain functions over a :class:`~batchkit.serve.core.ServingCore`; both drivers use
-them. A ``timeout`` bounds the wait before the item starts running, read on the
-batcher's clock.
+Plain functions over a `batchkit.serve.core.ServingCore`; both drivers use them. A
+`timeout` bounds the wait before the item starts running, read on the batcher's
+clock.
 """
 
 from __future__ import annotations
@@ -19,18 +19,31 @@ from batchkit.serve.request import Request
 
 
 def _started(core: ServingCore, timeout: float | None) -> float:
-    """When a wait bounded by ``timeout`` starts (the clock is read only if there is one)."""
+    """When a wait bounded by `timeout` starts (the clock is read only if there is one)."""
     return 0.0 if timeout is None else core.clock()
 
 
 def _left(core: ServingCore, timeout: float | None, started: float) -> float | None:
-    """What is left of ``timeout`` since ``started`` (on the core's clock)."""
+    """What is left of `timeout` since `started` (on the core's clock)."""
     return None if timeout is None else max(timeout - (core.clock() - started), 0.0)
 
 
 # -- from a thread ------------------------------------------------------------------
 def call(core: ServingCore, item: Any, priority: int, timeout: float | None) -> Any:
-    """One item from a thread: block until its result (or error)."""
+    """One item from a thread: block until its result (or error).
+
+    Args:
+        core: The function's serving core.
+        item: The item.
+        priority: Lower values are served first.
+        timeout: Seconds the item may wait before it starts; None for no bound.
+
+    Returns:
+        The item's result.
+
+    Raises:
+        RequestTimeout: It did not start within `timeout`.
+    """
     req = core.make_request(item, priority, None)
     left = timeout
     if core.admission is None:
@@ -51,7 +64,18 @@ def call_many(
     core: ServingCore, items: Iterable[Any], priority: int, timeout: float | None
 ) -> list[Any]:
     """Many items from a thread; results in input order. Raises the first failed
-    item's error (in input order) once every item has finished."""
+    item's error (in input order) once every item has finished.
+
+    Args:
+        core: The function's serving core.
+        items: The items.
+        priority: Every item's priority.
+        timeout: Seconds, from this call, within which each item must start; None
+            for no bound.
+
+    Returns:
+        One result per item, in input order.
+    """
     reqs = [core.make_request(x, priority, None) for x in items]
     # Every item's timeout runs from this call, as if each were called alone now (a
     # blocked enqueue included): at the deadline, items not yet started are withdrawn.
@@ -80,8 +104,18 @@ def call_many(
 def _withdraw(
     core: ServingCore, reqs: Sequence[Request], error: BaseException, timeout: float | None
 ) -> BaseException:
-    """Withdraw the items of a ``map`` admitted before ``error`` stopped it; the error
-    for the caller (a timeout names the caller's ``timeout``, not what was left)."""
+    """Withdraw the items of a `map` admitted before `error` stopped it.
+
+    Args:
+        core: The function's serving core.
+        reqs: The requests admitted so far.
+        error: What stopped the admission; each withdrawn request gets it.
+        timeout: The caller's `timeout`.
+
+    Returns:
+        The error for the caller (a timeout names the caller's `timeout`, not what
+        was left of it).
+    """
     timed_out = isinstance(error, RequestTimeout)
     for req in reqs:
         core.give_up(req, error, timed_out=timed_out)
@@ -92,7 +126,7 @@ def _withdraw(
 
 # -- from asyncio --------------------------------------------------------------------
 AsyncCall = Callable[..., Awaitable[Any]]
-"""A driver's ``acall(item, *, priority=0, timeout=None)``."""
+"""A driver's `acall(item, *, priority=0, timeout=None)`."""
 
 FastLane = Callable[[Any, int, asyncio.AbstractEventLoop], "Request | None"]
 """A driver's cheaper admission for some calls: the admitted request, or None (the
@@ -109,7 +143,19 @@ async def acall(
 ) -> Any:
     """One item from asyncio: await its result, honouring timeout and cancellation.
 
-    Both drivers' ``acall`` (bound to their core): the one coroutine per call.
+    Both drivers' `acall` (bound to their core and fast lane): the one coroutine per
+    call.
+
+    Args:
+        core: The function's serving core.
+        fast_lane: The driver's cheaper admission for the calls it can take (the
+            event loop's lock-free lane), or None.
+        item: The item.
+        priority: Lower values are served first.
+        timeout: Seconds the item may wait before it starts; None for no bound.
+
+    Returns:
+        The item's result.
     """
     loop = asyncio.get_running_loop()
     req = None if fast_lane is None else fast_lane(item, priority, loop)
@@ -133,7 +179,18 @@ async def acall(
 async def amap(
     core: ServingCore, items: Iterable[Any], priority: int, timeout: float | None
 ) -> list[Any]:
-    """:func:`call_many` from asyncio."""
+    """`call_many` from asyncio.
+
+    Args:
+        core: The function's serving core.
+        items: The items.
+        priority: Every item's priority.
+        timeout: Seconds, from this call, within which each item must start; None
+            for no bound.
+
+    Returns:
+        One result per item, in input order.
+    """
     loop = asyncio.get_running_loop()
     reqs = [core.make_request(x, priority, loop) for x in items]
     started = _started(core, timeout)
@@ -158,7 +215,21 @@ async def amap(
 
 
 async def await_request(core: ServingCore, req: Request, timeout: float | None) -> Any:
-    """Await an asyncio request, honouring its timeout and its caller's cancellation."""
+    """Await an asyncio request, honouring its timeout and its caller's cancellation.
+
+    Args:
+        core: The function's serving core.
+        req: The admitted request (it has a future).
+        timeout: Seconds left before it must have started; None for no bound.
+
+    Returns:
+        The request's result.
+
+    Raises:
+        RequestTimeout: It did not start in time (it was withdrawn).
+        asyncio.CancelledError: The caller was cancelled (it was withdrawn, if it
+            had not started).
+    """
     fut, loop = req.future, req.loop
     assert fut is not None and loop is not None
     timer = None
@@ -195,10 +266,17 @@ def _unpack(message: Message) -> Any:
 
 
 class ThreadStream(Iterator[Any]):
-    """The chunks of one item's stream, read from a thread (``f.stream(x)``).
+    """The chunks of one item's stream, read from a thread (`f.stream(x)`).
 
     The request is queued when the stream is made, so that streams made one after
-    another batch together; ``close()`` (or dropping the iterator) leaves the stream.
+    another batch together; `close()` (or dropping the iterator) leaves the stream.
+
+    Args:
+        core: The function's serving core.
+        item: The item.
+        priority: Lower values are served first.
+        timeout: Seconds the item may wait before its batch starts; None for no
+            bound.
     """
 
     def __init__(
@@ -250,10 +328,18 @@ class ThreadStream(Iterator[Any]):
 
 
 class LoopStream(AsyncIterator[Any]):
-    """The chunks of one item's stream, read from asyncio (``f.astream(x)``).
+    """The chunks of one item's stream, read from asyncio (`f.astream(x)`).
 
-    Queued when made (or, with ``when_full="block"``, at the first ``__anext__``, which
-    may wait for room); ``aclose()``, a cancelled read or dropping it leaves the stream.
+    Queued when made (or, with `when_full="block"`, at the first `__anext__`, which
+    may wait for room); `aclose()`, a cancelled read or dropping it leaves the stream.
+    Made inside a running event loop.
+
+    Args:
+        core: The function's serving core.
+        item: The item.
+        priority: Lower values are served first.
+        timeout: Seconds the item may wait before its batch starts; None for no
+            bound.
     """
 
     def __init__(

@@ -5,7 +5,7 @@ thread, or a task on its own loop).
 Buffers are unbounded: the batch's generator never waits for a slow consumer (that
 would stall every other caller of the batch), so a consumer that falls behind keeps
 its chunks in memory until it reads them or leaves. A channel ends once: with
-:data:`END`, or with an error; anything put after that is dropped.
+[`END`][batchkit.END], or with an error; anything put after that is dropped.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from batchkit.loops import call_on_loop
 
 
 class _End:
-    """The type of :data:`END`."""
+    """The type of [`END`][batchkit.END]: one instance, kept by pickling."""
 
     _instance: _End | None = None
 
@@ -58,14 +58,22 @@ class ThreadChannel:
         return self._finished or self.left
 
     def put(self, chunk: Any) -> None:
-        """One chunk for the consumer (dropped once the stream has ended)."""
+        """One chunk for the consumer (dropped once the stream has ended).
+
+        Args:
+            chunk: What the generator yielded for this item.
+        """
         with self._cond:
             if not self._finished:
                 self._items.append(("chunk", chunk))
                 self._cond.notify()
 
     def finish(self, error: BaseException | None) -> None:
-        """End the stream (with ``error``, if any); later calls change nothing."""
+        """End the stream; later calls change nothing.
+
+        Args:
+            error: What the consumer raises at the end; None for a plain end.
+        """
         with self._cond:
             if not self._finished:
                 self._finished = True
@@ -73,8 +81,15 @@ class ThreadChannel:
                 self._cond.notify()
 
     def get(self, timeout: float | None) -> Message | None:
-        """The next message, waiting up to ``timeout`` seconds (None: no bound); None if
-        the time passed first."""
+        """The next message, waiting for it.
+
+        Args:
+            timeout: Seconds to wait at most; None for no bound.
+
+        Returns:
+            `("chunk", value)` or `("end", error or None)`; None if `timeout` passed
+            first.
+        """
         with self._cond:
             if not self._cond.wait_for(lambda: self._items, timeout):
                 return None
@@ -82,7 +97,11 @@ class ThreadChannel:
 
 
 class LoopChannel:
-    """A stream read by a task on ``loop``: messages reach it on that loop, from any thread."""
+    """A stream read by a task on `loop`: messages reach it on that loop, from any thread.
+
+    Args:
+        loop: The consumer's event loop.
+    """
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -97,13 +116,21 @@ class LoopChannel:
         return self._finished or self.left
 
     def put(self, chunk: Any) -> None:
-        """One chunk for the consumer (dropped once the stream has ended)."""
+        """One chunk for the consumer (dropped once the stream has ended).
+
+        Args:
+            chunk: What the generator yielded for this item.
+        """
         with self._lock:
             if not self._finished:
                 call_on_loop(self.loop, self._queue.put_nowait, ("chunk", chunk))
 
     def finish(self, error: BaseException | None) -> None:
-        """End the stream (with ``error``, if any); later calls change nothing."""
+        """End the stream; later calls change nothing.
+
+        Args:
+            error: What the consumer raises at the end; None for a plain end.
+        """
         with self._lock:
             if not self._finished:
                 self._finished = True

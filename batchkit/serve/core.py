@@ -1,13 +1,13 @@
 """The serving core: admitting requests, and handing every caller its own outcome
 exactly once ("where a caller is answered").
 
-One :class:`ServingCore` per batched function holds the lock, the scheduler
-(:mod:`batchkit.serve.scheduler`: where a batch is formed), the closed flag, the
-listeners and the counters. A driver (:mod:`batchkit.serve.threads` or
-:mod:`batchkit.serve.event_loop`) runs the batches it forms (:mod:`batchkit.serve.execute`:
-how a batch runs) and reports back here. The core knows nothing of threads or event
-loops: a driver gives it two callbacks, :attr:`ServingCore.wake` and
-:attr:`ServingCore.check_loop`.
+One `ServingCore` per batched function holds the lock, the scheduler
+(`batchkit.serve.scheduler`: where a batch is formed), the closed flag, the
+listeners and the counters. A driver (`batchkit.serve.threads` or
+`batchkit.serve.event_loop`) runs the batches it forms (`batchkit.serve.execute` and
+`batchkit.serve.streaming`: how a batch runs) and reports back here. The core knows
+nothing of threads or event loops: a driver gives it its callbacks, `wake`,
+`check_loop` and `settings_changed`.
 """
 
 from __future__ import annotations
@@ -37,7 +37,12 @@ def _nothing() -> None:
 
 
 class ServingCore:
-    """Admission, outcome assignment and delivery for one batched function."""
+    """Admission, outcome assignment and delivery for one batched function.
+
+    Args:
+        options: The function's validated options.
+        name: The function's qualified name, for errors, events and thread names.
+    """
 
     def __init__(self, options: Options, name: str) -> None:
         self.options = options
@@ -84,7 +89,17 @@ class ServingCore:
         *,
         channel: Channel | None = None,
     ) -> Request:
-        """A request for ``item``; the policy's key runs here, so its errors reach this caller."""
+        """A request for `item`; the policy's key runs here, so its errors reach this caller.
+
+        Args:
+            item: The caller's item.
+            priority: Lower values are served first; an `int` (not a `bool`).
+            loop: An asyncio caller's running loop; None for a thread caller.
+            channel: A streaming caller's channel; None for a plain call.
+
+        Raises:
+            TypeError: `priority` is not an `int`.
+        """
         if priority.__class__ is not int:  # bool and other look-alikes are refused too
             raise TypeError(f"priority must be an int, got {type(priority).__name__}")
         if self.keyless:
@@ -94,12 +109,24 @@ class ServingCore:
         return Request(item, key, policy.bucket_of(key), priority, loop, channel=channel)
 
     def submit(self, req: Request) -> None:
-        """Enqueue, or raise ``BatcherClosed``/``QueueFull`` without enqueuing."""
+        """Enqueue a request.
+
+        Args:
+            req: A request from `make_request`.
+
+        Raises:
+            BatcherClosed: The function is closed; nothing was enqueued.
+            QueueFull: `max_queue_size` requests wait; nothing was enqueued.
+        """
         with self.lock:
             self.admit_locked(req)
 
     def admit_locked(self, req: Request) -> None:
-        """Under the lock: :meth:`submit`."""
+        """Under the lock: `submit`.
+
+        Args:
+            req: A request from `make_request`.
+        """
         if self.closed:
             raise BatcherClosed(f"{self.name} is closed")
         if self.check_loop is not None:
@@ -116,7 +143,15 @@ class ServingCore:
         self.wake()
 
     def submit_many(self, reqs: Sequence[Request]) -> None:
-        """Enqueue several requests atomically: all of them, or none (``QueueFull``)."""
+        """Enqueue several requests atomically: all of them, or none.
+
+        Args:
+            reqs: Requests from `make_request`, all of one caller (one loop).
+
+        Raises:
+            BatcherClosed: The function is closed.
+            QueueFull: They do not all fit under `max_queue_size`.
+        """
         with self.lock:
             if self.closed:
                 raise BatcherClosed(f"{self.name} is closed")
@@ -156,7 +191,16 @@ class ServingCore:
         return self.timeout_error(timeout)
 
     def give_up(self, req: Request, error: BaseException, *, timed_out: bool) -> bool:
-        """Withdraw a request its caller no longer waits for; False if it already started."""
+        """Withdraw a request its caller no longer waits for, and answer it.
+
+        Args:
+            req: The request.
+            error: Its outcome (what its caller sees).
+            timed_out: Count it as a timeout; False counts it as cancelled.
+
+        Returns:
+            True if it was withdrawn; False if it already started (it runs on).
+        """
         with self.lock:
             if not self.sched.drop(req):
                 return False
@@ -172,14 +216,22 @@ class ServingCore:
 
     def leave(self, req: Request) -> None:
         """A streaming caller stopped reading: withdraw its request if it still waits,
-        else drop its later chunks (the batch's generator stops once all have left)."""
+        else drop its later chunks (the batch's generator stops once all have left).
+
+        Args:
+            req: The streaming caller's request.
+        """
         if self.give_up(req, BatcherClosed(f"{self.name}: the stream was left"), timed_out=False):
             return
         if req.channel is not None:
             req.channel.left = True
 
     def timeout_error(self, timeout: float) -> RequestTimeout:
-        """The error for a request whose ``timeout`` passed before it ran."""
+        """The error for a request whose `timeout` passed before it ran.
+
+        Args:
+            timeout: The caller's `timeout`, in seconds (named in the message).
+        """
         return RequestTimeout(f"{self.name}: request did not start within timeout={timeout}s")
 
     def closed_error(self) -> BatcherClosed:
@@ -196,10 +248,18 @@ class ServingCore:
     ) -> list[Request]:
         """Under the lock: free the slot and settle each still-running request once.
 
-        Returns the settled requests, for the caller to :func:`deliver` (outside the
-        lock). ``on_loop``: the event loop this runs on; when every item succeeded, the
-        futures of the requests awaiting on it are resolved here, and only the others
-        are returned.
+        Also counts the run's calls and splits, learns (or probes) the bucket's size
+        cap, and tells the listeners.
+
+        Args:
+            batch: The batch that ended.
+            run: Its outcomes.
+            on_loop: The event loop this runs on; when every item succeeded, the
+                futures of the requests awaiting on it are resolved here, and only
+                the others are returned. None from a worker thread.
+
+        Returns:
+            The settled requests, for the caller to `deliver` (outside the lock).
         """
         now = self.clock()
         self.sched.finish(batch, now)
@@ -244,9 +304,16 @@ class ServingCore:
             sched.note_success(bucket, batch.padded_size)
 
     def abandon_locked(self, batch: FormedBatch, error: BaseException) -> list[Request]:
-        """Under the lock: ``batch`` will never report (its task or loop is gone). Fail
-        its unanswered requests with ``error``, tell listeners, free its slot; returns
-        the requests failed here (to deliver)."""
+        """Under the lock: `batch` will never report (its task or loop is gone, or its
+        call timed out). Fail its unanswered requests, tell listeners, free its slot.
+
+        Args:
+            batch: The running batch.
+            error: What its unanswered callers get.
+
+        Returns:
+            The requests failed here, to deliver.
+        """
         abandoned = self._answer_running_locked(batch, error)
         now = self.clock()
         self.sched.finish(batch, now)
@@ -255,9 +322,12 @@ class ServingCore:
         return abandoned
 
     def fail_all_locked(self, error: BaseException) -> None:
-        """Under the lock: answer every waiting and running request with ``error``.
+        """Under the lock: answer every waiting and running request with `error`.
 
         Running batches go on; their results are discarded when they end.
+
+        Args:
+            error: What every unanswered caller gets.
         """
         failed = self.sched.drop_all()
         if self.admission is not None:
@@ -271,7 +341,7 @@ class ServingCore:
         deliver(failed)
 
     def _answer_running_locked(self, batch: FormedBatch, error: BaseException) -> list[Request]:
-        """Fail ``batch``'s still-running requests with ``error`` (counted); its end must
+        """Fail `batch`'s still-running requests with `error` (counted); its end must
         not answer them again. Returns them, to deliver."""
         answered = [r for r in batch.requests if r.state is State.RUNNING]
         for req in answered:
@@ -303,7 +373,20 @@ class ServingCore:
         max_queue_size: int | None = None,
     ) -> Settings:
         """Change the given settings at once for batches formed from now on (a running
-        batch is not touched); the settings in force. A bad value changes nothing."""
+        batch is not touched). A bad value changes nothing.
+
+        Args:
+            max_batch_size: The policy's largest batch; None leaves it.
+            max_wait_ms: The policy's longest wait, in milliseconds; None leaves it.
+            max_concurrent_batches: Batches that may run at once; None leaves it.
+            max_queue_size: Requests that may wait; None leaves it.
+
+        Returns:
+            The settings in force afterwards.
+
+        Raises:
+            ValueError: A value is not valid, or the policy has no such setting.
+        """
         check_settings(max_batch_size, max_wait_ms, max_concurrent_batches, max_queue_size)
         with self.lock:
             policy = reconfigured(self.sched.policy, max_batch_size, max_wait_ms)
@@ -322,12 +405,20 @@ class ServingCore:
 
     # -- observers and stats ------------------------------------------------------
     def add_listener(self, listener: Listener) -> None:
-        """Observe every batch and every dropped request."""
+        """Observe every batch and every dropped request.
+
+        Args:
+            listener: Its `on_batch` and `on_drop` are called under the lock.
+        """
         with self.lock:
             self.listeners = [*self.listeners, listener]
 
     def remove_listener(self, listener: Listener) -> None:
-        """Stop observing."""
+        """Stop observing.
+
+        Args:
+            listener: A listener added before (by identity).
+        """
         with self.lock:
             self.listeners = [x for x in self.listeners if x is not listener]
 
@@ -352,13 +443,18 @@ class ServingCore:
         notify(self.listeners, "on_batch", event)
 
     def dropped(self, reason: DropReason, count: int) -> None:
-        """Tell listeners that ``count`` requests ended without running."""
+        """Tell listeners that requests ended without running.
+
+        Args:
+            reason: Why they did not run.
+            count: How many (nothing is reported for 0).
+        """
         if self.listeners and count:
             notify(self.listeners, "on_drop", DropEvent(self.name, reason, count))
 
     def load(self) -> tuple[int, int]:
-        """``(queue depth, batches in flight)`` now: what :meth:`stats` reports, without
-        its percentiles (a metrics scrape reads this for every function)."""
+        """`(queue depth, batches in flight)` now: what `stats` reports, without its
+        percentiles (a metrics scrape reads this for every function)."""
         with self.lock:
             return self.sched.num_waiting, self.sched.in_flight
 
@@ -379,7 +475,7 @@ class ServingCore:
             )
 
     def batch_timeout_error(self) -> BatchTimeout:
-        """The error for the callers of a batch whose call ran past ``batch_timeout``."""
+        """The error for the callers of a batch whose call ran past `batch_timeout`."""
         return BatchTimeout(
             f"{self.name}: the batch function ran longer than "
             f"batch_timeout={self.options.batch_timeout}s on this request's batch"

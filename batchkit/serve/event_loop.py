@@ -1,9 +1,9 @@
 """The driver for async functions: everything on one event loop, no threads.
 
 Arrivals in the same loop iteration coalesce into one scheduling pass (scheduled
-with ``call_soon``), so a burst of concurrent callers forms one batch; the max-wait
-expiry is a single ``call_later`` timer. Batches run as tasks, at most
-``max_concurrent_batches`` at a time. An async function serves one loop at a time
+with `call_soon`), so a burst of concurrent callers forms one batch; the max-wait
+expiry is a single `call_later` timer. Batches run as tasks, at most
+`max_concurrent_batches` at a time. An async function serves one loop at a time
 (its callers'); a batcher idle on a finished loop moves to the next one.
 """
 
@@ -26,7 +26,15 @@ from batchkit.serve.streaming import run_stream_async
 
 
 async def call_async(fn: Callable[[Any], Awaitable[Any]], argument: Any) -> Outcome:
-    """Await ``fn(argument)``; its output or what it raised (a cancellation is raised)."""
+    """Await `fn(argument)`; its output or what it raised (a cancellation is raised).
+
+    Args:
+        fn: The async batch function.
+        argument: The batch, as collated.
+
+    Returns:
+        `(True, output)`, or `(False, exception)`.
+    """
     try:
         return True, await fn(argument)
     except asyncio.CancelledError:
@@ -38,7 +46,17 @@ async def call_async(fn: Callable[[Any], Awaitable[Any]], argument: Any) -> Outc
 async def call_async_within(
     fn: Callable[[Any], Awaitable[Any]], argument: Any, timeout: float, expired: BaseException
 ) -> Outcome:
-    """:func:`call_async`, cancelled after ``timeout`` seconds: then ``(False, expired)``."""
+    """`call_async`, cancelled after `timeout` seconds.
+
+    Args:
+        fn: The async batch function.
+        argument: The batch, as collated.
+        timeout: Seconds the call may run.
+        expired: The outcome's error when it ran past `timeout`.
+
+    Returns:
+        The call's outcome, or `(False, expired)` once it is cancelled.
+    """
     call = asyncio.ensure_future(call_async(fn, argument))
     try:
         done, _ = await asyncio.wait({call}, timeout=timeout)
@@ -52,7 +70,17 @@ async def call_async_within(
 
 
 class LoopDriver:
-    """Runs an async batch function on the event loop of its callers."""
+    """Runs an async batch function on the event loop of its callers.
+
+    One loop at a time: the first caller's loop is bound. A caller on another loop
+    is refused while the bound loop runs, or is stopped with work left; otherwise
+    the driver moves to the caller's loop (a closed loop's leftovers are answered
+    with `BatcherClosed`).
+
+    Args:
+        fn: The async batch function (or async generator function).
+        core: The function's serving core; the driver installs its callbacks there.
+    """
 
     def __init__(self, fn: Callable[[Any], Awaitable[Any]], core: ServingCore) -> None:
         self.fn = fn
@@ -76,7 +104,17 @@ class LoopDriver:
 
     # -- which loop ------------------------------------------------------------
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Serve callers on ``loop`` (refused while busy on another loop)."""
+        """Serve callers on `loop`.
+
+        Leftovers of a closed previous loop are answered with `BatcherClosed` first.
+
+        Args:
+            loop: The caller's running loop.
+
+        Raises:
+            RuntimeError: The driver serves another loop that still runs, or has
+                work on one that is stopped.
+        """
         if self.loop is loop:
             return
         core = self.core
@@ -177,7 +215,7 @@ class LoopDriver:
 
     # -- batch tasks -----------------------------------------------------------------
     def _start(self, loop: asyncio.AbstractEventLoop, batch: FormedBatch) -> None:
-        """A task runs ``batch`` (and the batches ready as it ends). ``holding`` names the
+        """A task runs `batch` (and the batches ready as it ends). `holding` names the
         batch it owns, so that a task that ends early still settles it (see _ended)."""
         holding: list[FormedBatch | None] = [batch]
         coro = self._run_batches(holding, loop)
@@ -190,7 +228,7 @@ class LoopDriver:
         task.add_done_callback(lambda t: self._ended(t, holding))
 
     def _not_started(self, batch: FormedBatch, exc: BaseException) -> None:
-        """No task could be made for ``batch``: fail its callers, free its slot, and poll
+        """No task could be made for `batch`: fail its callers, free its slot, and poll
         again (the slot may be what the waiting requests need)."""
         error = BatcherClosed(f"{self.core.name}: could not start a task for this batch: {exc!r}")
         error.__cause__ = exc
@@ -236,7 +274,7 @@ class LoopDriver:
         self._pump()  # its slot is free: start what waits (a no-op off the loop)
 
     async def _execute(self, batch: FormedBatch) -> BatchRun:
-        """Await the function as :func:`run_steps` asks (parts too, if split).
+        """Await the function as `run_steps` asks (parts too, if split).
 
         A failing call is recorded, never raised; a cancellation of this task is raised
         (its batch is then settled by _ended).
@@ -259,7 +297,7 @@ class LoopDriver:
             return run
 
     async def _call(self, argument: Any) -> Outcome:
-        """One call of the function, cancelled past ``batch_timeout`` if there is one."""
+        """One call of the function, cancelled past `batch_timeout` if there is one."""
         core = self.core
         timeout = core.options.batch_timeout
         if timeout is None:
@@ -285,40 +323,90 @@ class LoopDriver:
         return req
 
     def call(self, item: Any, *, priority: int = 0, timeout: float | None = None) -> Any:
-        """``f(x)`` of an async function: the awaitable of :meth:`acall`."""
+        """`f(x)` of an async function: the awaitable of `acall`.
+
+        Args:
+            item: The item.
+            priority: Lower values are served first.
+            timeout: Seconds the item may wait before its batch starts; None for no
+                bound.
+        """
         return self.acall(item, priority=priority, timeout=timeout)
 
     def call_many(
         self, items: Iterable[Any], *, priority: int = 0, timeout: float | None = None
     ) -> list[Any]:
-        """Refused: an async function's many items are awaited."""
+        """Refused: an async function's many items are awaited.
+
+        Args:
+            items: The items.
+            priority: Every item's priority.
+            timeout: Seconds, from this call, within which each item must start;
+                None for no bound.
+
+        Raises:
+            TypeError: Always (use `amap`).
+        """
         name = self.core.name
         raise TypeError(f"{name} is async: use 'await {name}.amap(items)'")
 
     def stream(
         self, item: Any, *, priority: int = 0, timeout: float | None = None
     ) -> callers.ThreadStream:
-        """Refused: an async generator's chunks are read from asyncio."""
+        """Refused: an async generator's chunks are read from asyncio.
+
+        Args:
+            item: The item.
+            priority: Lower values are served first.
+            timeout: Seconds the item may wait before its batch starts; None for no
+                bound.
+
+        Raises:
+            TypeError: Always (use `astream`).
+        """
         name = self.core.name
         raise TypeError(f"{name} is an async generator function: use '{name}.astream(x)'")
 
     def astream(
         self, item: Any, *, priority: int = 0, timeout: float | None = None
     ) -> callers.LoopStream:
-        """One item's stream, read from asyncio on this driver's loop."""
+        """One item's stream, read from asyncio on this driver's loop.
+
+        Args:
+            item: The item.
+            priority: Lower values are served first.
+            timeout: Seconds the item may wait before its batch starts; None for no
+                bound.
+        """
         self.bind(asyncio.get_running_loop())
         return callers.LoopStream(self.core, item, priority, timeout)
 
     async def amap(
         self, items: Iterable[Any], *, priority: int = 0, timeout: float | None = None
     ) -> list[Any]:
-        """Many items from asyncio."""
+        """Many items from asyncio.
+
+        Args:
+            items: The items.
+            priority: Every item's priority.
+            timeout: Seconds, from this call, within which each item must start;
+                None for no bound.
+        """
         self.bind(asyncio.get_running_loop())
         return await callers.amap(self.core, items, priority, timeout)
 
     # -- shutdown ------------------------------------------------------------------
     async def aclose(self, timeout: float | None = None) -> None:
-        """Stop accepting, serve what is queued and running; after ``timeout``, fail the rest."""
+        """Stop accepting, serve what is queued and running; after `timeout`, fail the rest.
+
+        Args:
+            timeout: Seconds to wait; then whatever is unanswered fails with
+                `BatcherClosed`. None waits for everything.
+
+        Raises:
+            RuntimeError: Called on another loop than the one it serves (while that
+                one is open).
+        """
         loop = asyncio.get_running_loop()
         core = self.core
         with core.lock:
@@ -341,7 +429,18 @@ class LoopDriver:
                 core.fail_all_locked(core.closed_error())
 
     def close(self, timeout: float | None = None) -> None:
-        """Close from a thread. From inside the loop, use ``await aclose()`` instead."""
+        """Close from a thread. From inside the loop, use `await aclose()` instead.
+
+        When the loop no longer runs, whatever is left fails at once with
+        `BatcherClosed` (no loop will ever run it).
+
+        Args:
+            timeout: Seconds to wait; then whatever is unanswered fails with
+                `BatcherClosed`. None waits for everything.
+
+        Raises:
+            RuntimeError: Called on the loop's own thread.
+        """
         loop, core = self.loop, self.core
         if loop is None or loop.is_closed() or not loop.is_running():
             with core.lock:  # no loop will ever run what is left: answer it now

@@ -1,6 +1,7 @@
 """Events for observers (metrics exporters, tracing): what happened to each batch and
-to each request that never ran. Listeners are called on the runtime's worker (or
-loop) right after the fact, under its lock: keep them fast and non-blocking.
+to each request that never ran. Listeners are called on the driver's worker thread
+(or event loop) right after the fact, under the serving core's lock: keep them fast
+and non-blocking.
 """
 
 from __future__ import annotations
@@ -16,22 +17,50 @@ DropReason = Literal["rejected", "timeout", "cancelled", "closed"]
 
 @dataclass(frozen=True, slots=True)
 class BatchEvent:
-    """One batch that ended (successfully or not)."""
+    """One batch that ended (successfully or not), for
+    [`Listener.on_batch`][batchkit.serve.Listener.on_batch].
 
-    name: str  # the batched function
-    size: int  # real items
-    padded_size: int  # the size the function was called with (strict sizes pad up)
-    reason: str  # why it left: "full", "max_wait", "idle", "closing"
-    queue_waits: tuple[float, ...]  # seconds each item waited before the batch left
-    latency: float  # seconds from dispatch to results
-    failed: int  # items that ended with an error
-    tokens: float  # sum of the items' keys (0 when the policy has no key)
-    padded_tokens: float  # padded_size * max key: the area a padded batch occupies
+    Attributes:
+        name: The batched function's qualified name.
+        size: Real items in the batch.
+        padded_size: The size the function was called with (a policy with strict
+            sizes pads up).
+        reason: Why it left the queue: a
+            [`DispatchReason`][batchkit.serve.DispatchReason] value (`"full"`,
+            `"max_wait"`, `"idle"`, `"closing"`).
+        queue_waits: Seconds each item waited before the batch left, in batch order.
+        latency: Seconds from the batch leaving the queue to its results.
+        failed: Items that ended with an error.
+        tokens: The sum of the items' keys (their lengths, in tokens); 0 when the
+            policy has no key.
+        padded_tokens: `padded_size` times the largest key: the area a padded batch
+            occupies.
+    """
+
+    name: str
+    size: int
+    padded_size: int
+    reason: str
+    queue_waits: tuple[float, ...]
+    latency: float
+    failed: int
+    tokens: float
+    padded_tokens: float
 
 
 @dataclass(frozen=True, slots=True)
 class DropEvent:
-    """Requests that ended without running."""
+    """Requests that ended without running, for
+    [`Listener.on_drop`][batchkit.serve.Listener.on_drop].
+
+    Attributes:
+        name: The batched function's qualified name.
+        reason: Why: `"rejected"` (the queue was full: `QueueFull`), `"timeout"`
+            (their `timeout` passed first), `"cancelled"` (their caller left), or
+            `"closed"` (the function closed before they ran: a close timed out, or
+            its event loop was gone).
+        count: How many requests, all with this reason (default 1).
+    """
 
     name: str
     reason: DropReason
@@ -39,19 +68,39 @@ class DropEvent:
 
 
 class Listener(Protocol):
-    """What ``f.add_listener`` accepts."""
+    """What [`add_listener`][batchkit.BatchedFunction.add_listener] accepts: any
+    object with these two methods.
+
+    Both are called on the worker thread (or event loop) right after the fact, under
+    the function's lock: keep them fast and non-blocking. An exception they raise is
+    logged, never passed on.
+    """
 
     def on_batch(self, event: BatchEvent) -> None:
-        """A batch ended."""
+        """A batch ended.
+
+        Args:
+            event: What the batch was and how it went.
+        """
 
     def on_drop(self, event: DropEvent) -> None:
-        """Requests were rejected, timed out, cancelled or failed by close without running."""
+        """Requests were rejected, timed out, cancelled or failed by close without running.
+
+        Args:
+            event: Which requests, and why.
+        """
 
 
 def notify(listeners: list[Listener], method: str, event: BatchEvent | DropEvent) -> None:
-    """Call every listener; a failing listener is logged, never allowed to break a batch."""
+    """Call every listener; a failing listener is logged, never allowed to break a batch.
+
+    Args:
+        listeners: The listeners to call, in order.
+        method: `"on_batch"` or `"on_drop"`.
+        event: The event passed to each.
+    """
     for listener in listeners:
         try:
             getattr(listener, method)(event)
-        except Exception:  # noqa: BLE001 - observers must not take the runtime down
+        except Exception:  # noqa: BLE001 - observers must not take serving down
             log.exception("batchkit listener %r failed on %s", listener, method)

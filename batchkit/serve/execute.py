@@ -3,13 +3,15 @@ recipe both drivers follow (collate, call, check the output, split and retry).
 
 A batch may be split in halves and its parts re-run:
 
-- on out-of-memory (``MemoryError``, ``torch.cuda.OutOfMemoryError``, plus the
-  ``oom_errors`` types given to ``@batched``), down to single items; the size that
+- on out-of-memory (`MemoryError`, `torch.cuda.OutOfMemoryError`, plus the
+  `oom_errors` types given to `@batched`), down to single items; the size that
   worked becomes the bucket's effective maximum;
-- when ``collate`` fails: a malformed item must fail only its own caller;
-- when the function raises and ``isolate_errors=True``: a binary search for the
-  poison items. With ``k`` failing items among ``n``, at most about
-  ``2 * k * log2(n)`` extra calls are made; with none, no extra call at all.
+- when `collate` fails: a malformed item must fail only its own caller;
+- when the function raises and `isolate_errors=True`: a binary search for the
+  poison items. With `k` failing items among `n`, at most about
+  `2 * k * log2(n)` extra calls are made; with none, no extra call at all.
+
+A call that ran past `batch_timeout` is never retried.
 
 Anything else (a wrong number of results, an error without isolation) fails the
 whole part, which is the whole batch unless an out-of-memory split happened.
@@ -18,7 +20,7 @@ Before a part is retried, everything the failed attempt held is released: its
 argument, and the locals of every frame in its exception's traceback (chained
 exceptions included), so that on a GPU the retry finds the memory the failed
 forward pass used. An error handed to callers keeps its traceback, without frame
-locals (so a caller holding it holds no tensors). See :func:`release_frames`.
+locals (so a caller holding it holds no tensors). See `release_frames`.
 """
 
 from __future__ import annotations
@@ -49,9 +51,14 @@ class Stage(Enum):
 
 
 def release_frames(exc: BaseException, *, drop_traceback: bool) -> None:
-    """Free what ``exc``'s traceback keeps alive: clear the locals of its finished
-    frames (and of its chained exceptions'); with ``drop_traceback``, also detach the
-    tracebacks (the exception is discarded: a retry follows)."""
+    """Free what `exc`'s traceback keeps alive: clear the locals of its finished
+    frames, and of its chained exceptions' (frames still running are skipped).
+
+    Args:
+        exc: The exception a failed attempt raised.
+        drop_traceback: Also detach the tracebacks: the exception is discarded (a
+            retry follows). False keeps them, for the callers that get the error.
+    """
     seen: set[int] = set()
     pending: list[BaseException | None] = [exc]
     while pending:
@@ -69,8 +76,13 @@ def release_frames(exc: BaseException, *, drop_traceback: bool) -> None:
 class BatchRun:
     """The parts of one batch still to run, and the outcomes settled so far.
 
-    Outcomes are kept by position: ``values[i]`` is the result for
-    ``requests[i]`` unless ``errors`` holds an exception for ``i``.
+    Outcomes are kept by position: `values[i]` is the result for
+    `requests[i]` unless `errors` holds an exception for `i`.
+
+    Args:
+        requests: The batch's requests, in batch order.
+        oom: Out-of-memory handling: which errors split a part, and the hook to run.
+        isolate_errors: Split a part whose call raised, to find the failing items.
     """
 
     __slots__ = (
@@ -107,9 +119,19 @@ class BatchRun:
         return self._todo.pop() if self._todo else None
 
     def succeeded(self, part: Part, results: Iterable[Any], padded: int) -> None:
-        """The function, called with ``padded`` items, returned ``results``: one per item
-        of ``part`` first (the padding's results after them are ignored). A result that
-        is an exception instance is that item's error."""
+        """Record a successful call: the function, called with `padded` items,
+        returned `results`.
+
+        Args:
+            part: The `[start, stop)` positions the call ran.
+            results: The per-item results: one per item of `part` first (the
+                padding's results after them are ignored). A result that is an
+                exception instance is that item's error.
+            padded: The size the function was called with.
+
+        Raises:
+            ValueError: Iterating `results` gave fewer results than the part has.
+        """
         start, stop = part
         chunk = list(itertools.islice(results, stop - start))
         if len(chunk) != stop - start:  # len() said otherwise: e.g. a table iterating columns
@@ -125,10 +147,18 @@ class BatchRun:
                     self.errors[i] = value
 
     def failed(self, part: Part, exc: BaseException, stage: Stage) -> None:
-        """``part`` raised ``exc`` at ``stage``: split it and retry, or settle it with ``exc``.
+        """`part` raised `exc` at `stage`: split it and retry, or settle it with `exc`.
 
-        A discarded exception's frames are released before the retry; after an
-        out-of-memory failure the ``on_oom`` hook runs next.
+        A part of more than one item is split in halves when it ran out of memory,
+        when its `collate` failed, or when its call raised and `isolate_errors` is
+        on (never after a `BatchTimeout`). A discarded exception's frames are
+        released before the retry; after an out-of-memory failure the `on_oom` hook
+        runs next.
+
+        Args:
+            part: The `[start, stop)` positions that failed.
+            exc: What was raised.
+            stage: Where: collating, calling, or reading the output.
         """
         start, stop = part
         size = stop - start
@@ -168,7 +198,12 @@ def _run_oom_hook(oom: OomRecovery) -> None:
 
 
 def start_run(requests: Sequence[Request], options: Options) -> BatchRun:
-    """The bookkeeping for running ``requests``, with their split-and-retry rules."""
+    """The bookkeeping for running `requests`, with their split-and-retry rules.
+
+    Args:
+        requests: The batch's requests.
+        options: The function's options (out-of-memory handling, `isolate_errors`).
+    """
     return BatchRun(requests, oom=options.oom, isolate_errors=options.isolate_errors)
 
 
@@ -177,10 +212,21 @@ def run_steps(
 ) -> Generator[Any, Outcome, BatchRun]:
     """The recipe for running a batch, for both drivers.
 
-    Yields each argument to call the function with, and is sent back the call's
-    :data:`Outcome`; returns the settled run once every request has its outcome (after
-    any split-and-retry). No reference to a finished call's argument or outcome is kept
-    while the next call runs (the driver sends the outcome straight back, too).
+    No reference to a finished call's argument or outcome is kept while the next
+    call runs (the driver sends the outcome straight back, too).
+
+    Args:
+        requests: The batch's requests, in batch order.
+        options: The function's options (policy, `collate`, `split`, retry rules).
+        name: The function's name, for error messages.
+
+    Yields:
+        Each argument to call the function with; the driver sends back the call's
+        `Outcome`, `(True, output)` or `(False, exception)`.
+
+    Returns:
+        The settled run, once every request has its outcome (after any
+        split-and-retry).
     """
     run = start_run(requests, options)
     while (part := run.next_part()) is not None:
@@ -203,7 +249,17 @@ _COLLATE_FAILED: Any = object()
 
 
 def prepare(run: BatchRun, part: Part, padded: int, options: Options) -> Any:
-    """The function's argument for ``part``, or ``_COLLATE_FAILED`` (recorded)."""
+    """The function's argument for `part` (padded up by repeating its last item).
+
+    Args:
+        run: The batch's run (a failing `collate` is recorded there).
+        part: The `[start, stop)` positions to run.
+        padded: The size to call the function with.
+        options: The function's options (`collate`).
+
+    Returns:
+        The argument, or `_COLLATE_FAILED` when `collate` raised.
+    """
     start, stop = part
     items = [req.item for req in run.requests[start:stop]]
     if padded > len(items):  # strict sizes: repeat the last item; its results are dropped
@@ -219,7 +275,17 @@ def prepare(run: BatchRun, part: Part, padded: int, options: Options) -> Any:
 def settle(
     run: BatchRun, part: Part, padded: int, output: Any, options: Options, name: str
 ) -> None:
-    """Record the function's output for ``part`` (split, length-checked, per slot)."""
+    """Record the function's output for `part` (split, length-checked, per slot); an
+    error in doing so fails the part.
+
+    Args:
+        run: The batch's run.
+        part: The `[start, stop)` positions the call ran.
+        padded: The size the function was called with.
+        output: What the function returned.
+        options: The function's options (`split`).
+        name: The function's name, for error messages.
+    """
     try:
         run.succeeded(part, per_item_results(output, padded, options, name), padded)
     except BaseException as exc:  # noqa: BLE001 - e.g. a bug in split()
@@ -227,7 +293,18 @@ def settle(
 
 
 def per_item_results(output: Any, padded: int, options: Options, name: str) -> Sequence[Any]:
-    """The per-item results in ``output``, checked to be ``padded`` of them."""
+    """The per-item results in `output`, checked to be `padded` of them.
+
+    Args:
+        output: What the function returned.
+        padded: The size the function was called with.
+        options: The function's options (`split`).
+        name: The function's name, for error messages.
+
+    Raises:
+        TypeError: The results have no `len()`.
+        ValueError: There are not `padded` of them.
+    """
     results = options.split(output) if options.split is not None else output
     try:
         count = len(results)

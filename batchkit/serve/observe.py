@@ -1,7 +1,7 @@
 """What batchkit's metrics exporters record: one table of metric families and one
-mapping from runtime events to observations, shared by the Prometheus exporter
-(:mod:`batchkit.metrics`) and Ray's (:mod:`batchkit.integrations.ray`), so the two
-can never disagree on a name, a label or a meaning. Needs neither library.
+mapping from serving events to observations, shared by the Prometheus exporter
+(`batchkit.metrics`) and Ray's (`batchkit.integrations.ray`), so the two can never
+disagree on a name, a label or a meaning. Needs neither library.
 """
 
 from __future__ import annotations
@@ -21,13 +21,22 @@ DEFAULT_SIZE_BUCKETS: tuple[float, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512
 
 
 class MetricSpec(NamedTuple):
-    """One metric family recorded from events (every series also has a ``batcher`` label)."""
+    """One metric family recorded from events (every series also has a `batcher` label).
 
-    name: str  # without namespace; counters without their "_total"
+    Attributes:
+        name: The family's name, without namespace; a counter's without its
+            `"_total"`.
+        kind: `"counter"` or `"histogram"`.
+        doc: Its help text.
+        label: The one extra label, if any.
+        buckets: A histogram's buckets: `"latency"` or `"size"`; None for a counter.
+    """
+
+    name: str
     kind: Literal["counter", "histogram"]
     doc: str
-    label: str | None = None  # the one extra label, if any
-    buckets: Literal["latency", "size"] | None = None  # histograms only
+    label: str | None = None
+    buckets: Literal["latency", "size"] | None = None
 
 
 METRICS: tuple[MetricSpec, ...] = (
@@ -77,14 +86,21 @@ LABEL_VALUES: dict[str, tuple[str, ...]] = {
     "inference_dropped_requests": get_args(DropReason),
 }
 """Every known value of each extra label: exporters create these series up front, at
-0, so that ``rate()`` and ``absent()`` work from the first scrape."""
+0, so that `rate()` and `absent()` work from the first scrape."""
 
 Observation = tuple[str, str | None, float]
 """(metric name, extra label value or None, amount to observe or add)."""
 
 
 def batch_observations(event: BatchEvent) -> list[Observation]:
-    """What one finished batch adds to each metric."""
+    """What one finished batch adds to each metric.
+
+    Args:
+        event: The batch that ended.
+
+    Returns:
+        `(metric name, extra label value or None, amount)` for every observation.
+    """
     out: list[Observation] = [("inference_batch_size", None, event.size)]
     out += [("inference_queue_wait_seconds", None, wait) for wait in event.queue_waits]
     out.append(("inference_batch_latency_seconds", None, event.latency))
@@ -102,5 +118,12 @@ def batch_observations(event: BatchEvent) -> list[Observation]:
 
 
 def drop_observations(event: DropEvent) -> list[Observation]:
-    """What requests that ended without running add."""
+    """What requests that ended without running add.
+
+    Args:
+        event: The requests dropped.
+
+    Returns:
+        One observation: the dropped-requests counter, by reason.
+    """
     return [("inference_dropped_requests", event.reason, event.count)]

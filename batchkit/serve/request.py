@@ -28,6 +28,17 @@ class Request:
 
     The lock-as-event (acquired at creation, released once on completion) is the
     cheapest blocking wait CPython offers: one C-level lock per request.
+
+    Args:
+        item: The caller's item.
+        key: The policy's key of the item (0.0 for a keyless policy).
+        bucket: The bucket it belongs to (`bucket_of(key)`; None for the one bucket).
+        priority: Lower values are served first.
+        loop: The event loop of an asyncio caller (its future is made there); None
+            for a thread caller.
+        enqueued_at: When it was admitted, on the core's clock; set again at
+            admission.
+        channel: Where a streaming caller reads its chunks; None for a plain call.
     """
 
     __slots__ = (
@@ -79,7 +90,17 @@ class Request:
                 self._done.acquire()
 
     def wait(self, timeout: float | None) -> bool:
-        """Block a thread caller until done; False if ``timeout`` seconds passed first."""
+        """Block a thread caller until done.
+
+        Args:
+            timeout: Seconds to wait at most; None for no bound.
+
+        Returns:
+            True once the outcome is stored; False if `timeout` passed first.
+
+        Raises:
+            TypeError: The request is an asyncio caller's (await its future).
+        """
         if self._done is None:
             raise TypeError("an asyncio request is awaited (its future), not waited on")
         if self._done.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
@@ -100,7 +121,13 @@ class Request:
 
 
 def resolve_futures(requests: Sequence[Request]) -> None:
-    """On the requests' event loop: copy each outcome into its future (if still wanted)."""
+    """On the requests' event loop: copy each outcome into its future (if still wanted).
+
+    A `StopIteration` is wrapped in a `RuntimeError` (a future refuses it).
+
+    Args:
+        requests: Settled asyncio requests, all of this loop.
+    """
     for req in requests:
         fut = req.future
         if fut is None or fut.done():
@@ -119,9 +146,19 @@ def resolve_futures(requests: Sequence[Request]) -> None:
 def resolve_on_loop(
     requests: Sequence[Request], values: Sequence[Any], loop: asyncio.AbstractEventLoop
 ) -> list[Request]:
-    """On ``loop``: resolve the futures of the requests awaiting there with ``values``
-    (a cancelled caller's is left alone); return the others (thread callers, or
-    admitted from another loop), their values stored, for :func:`deliver`."""
+    """On `loop`: resolve the futures of the requests awaiting there with `values`.
+
+    A cancelled caller's future is left alone.
+
+    Args:
+        requests: A batch's requests, every one succeeded.
+        values: Their results, in the same order.
+        loop: The running loop, this call's own.
+
+    Returns:
+        The other requests (thread callers, streams, or callers from another loop),
+        their values stored, for `deliver`.
+    """
     others = []
     for req, value in zip(requests, values):
         future = req.future
@@ -135,8 +172,15 @@ def resolve_on_loop(
 
 
 def deliver(requests: Sequence[Request]) -> None:
-    """Wake thread callers now; resolve asyncio futures on their own loops (one hop per
-    loop; a closed loop has nobody left to answer)."""
+    """Hand each settled request's outcome to its caller.
+
+    Thread callers are woken now; a stream's channel ends (with the request's error,
+    if any); asyncio futures are resolved on their own loops (one hop per loop; a
+    closed loop has nobody left to answer).
+
+    Args:
+        requests: Requests whose outcome (value or error) is stored.
+    """
     by_loop: dict[asyncio.AbstractEventLoop, list[Request]] = {}
     for req in requests:
         if req.channel is not None:

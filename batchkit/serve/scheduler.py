@@ -20,22 +20,34 @@ PROBE_AFTER = 32  # successful batches at a learned cap before trying a larger o
 
 @dataclass(slots=True)
 class FormedBatch:
-    """Requests chosen to run together, and why they left."""
+    """Requests chosen to run together, and why they left.
+
+    Attributes:
+        requests: The batch's requests, in the order the function sees them.
+        reason: Why the batch left the queue.
+        padded_size: The size the function is called with (strict sizes pad up).
+        dispatched_at: When it left the queue (the scheduler's clock, seconds).
+        answered: A timed-out close already answered its requests.
+    """
 
     requests: list[Request]
     reason: DispatchReason
     padded_size: int
     dispatched_at: float
-    answered: bool = False  # a timed-out close already answered its requests
+    answered: bool = False
 
 
 class Bucket:
     """One bucket's waiting requests, FIFO per priority; dead entries removed lazily.
 
-    ``live`` counts the waiting requests; the deques may also hold requests that
+    `live` counts the waiting requests; the deques may also hold requests that
     left (dropped, or taken by a selection that was not a prefix) until they reach
-    the front. When a single deque holds exactly ``live`` entries it *is* the
+    the front. When a single deque holds exactly `live` entries it *is* the
     service order, and the hot paths use it directly.
+
+    Args:
+        track_max_key: Keep `max_key` (an upper bound of the waiting keys) up to
+            date: needed only under a token budget (`max_tokens`).
     """
 
     __slots__ = ("queues", "live", "max_key", "track_max_key")
@@ -78,7 +90,11 @@ class Bucket:
         return min(queue[0].enqueued_at for _, queue in self._fronts())
 
     def candidates(self, limit: int | None) -> list[Request]:
-        """Waiting requests in service order (the first ``limit`` of them)."""
+        """Waiting requests in service order.
+
+        Args:
+            limit: How many at most; None for all of them.
+        """
         queue = self.clean_queue()
         if queue is not None:
             return list(queue if limit is None else itertools.islice(queue, limit))
@@ -92,10 +108,13 @@ class Bucket:
         return out
 
     def taken(self, count: int, *, front: bool = False) -> None:
-        """Bookkeeping after ``count`` requests left: compact, refresh the key maximum.
+        """Bookkeeping after `count` requests left: compact, refresh the key maximum.
 
-        ``front``: they were the first ``count`` entries of the one deque, which are
-        then popped without checking them one by one.
+        Args:
+            count: How many waiting requests left (taken into a batch, or dropped);
+                their state is already no longer waiting.
+            front: They were the first `count` entries of the one deque, which are
+                then popped without checking them one by one.
         """
         self.live -= count
         if front:
@@ -122,6 +141,9 @@ class Bucket:
         cost's upper bound from the count and the largest key (the padded area, itself
         exact for `"padded"`) answers most polls at once; the exact cost of every
         waiting request is computed only when the bound says the budget may be reached.
+
+        Args:
+            policy: The policy whose `max_tokens` and `cost` apply.
         """
         budget = policy.max_tokens
         if budget is None:
@@ -135,7 +157,24 @@ class Bucket:
 class Scheduler:
     """Waiting requests grouped in buckets; decides which batch leaves, and when.
 
-    Not thread-safe: the runtimes call it under their own lock (or on their loop).
+    The pure core behind `@batched` and [`simulate`][batchkit.simulate]: no threads,
+    no sleeping; time is passed in (`poll(now)`), so its behaviour is tested with a
+    fake clock. Requests are placed in buckets by the policy (`bucket_of` of their
+    key), FIFO per priority. `poll` forms the next batch; `finish` frees its slot.
+    It learns a per-bucket size cap after out-of-memory (`learn_cap`) and probes it
+    upward again (`note_success`).
+
+    Not thread-safe: the serving core calls it under its lock. Only `arrivals` is
+    appended to without it, by an event loop's own callers while that loop's thread
+    alone runs the scheduler.
+
+    Args:
+        policy: The batching policy: its hooks (`key_of`, `bucket_of`, `select`,
+            `padded_size`, ...) and its timing (`max_wait_s`,
+            `dispatch_when_idle`).
+        max_queue_size: How many requests may wait; None (the default) is no bound.
+        max_concurrent_batches: How many formed batches may be running at once (not
+            yet finished); default 1.
     """
 
     def __init__(
@@ -152,7 +191,7 @@ class Scheduler:
         self.buckets: dict[Hashable, Bucket] = {}
         # Admitted requests not yet placed: only those of a keyless policy's default lane
         # (key 0.0, bucket None, priority 0) may be appended here, while the queue is
-        # unbounded. The runtimes' hot path does so, one C-level call per request
+        # unbounded. The admission hot path does so, one C-level call per request
         # instead of add(); the next scheduling step places them all (see ingest()).
         self.arrivals: deque[Request] = deque()
         self._placed = 0  # waiting requests already in a bucket
@@ -167,8 +206,11 @@ class Scheduler:
         self.stats = StatsRecorder()
 
     def set_max_queue_size(self, limit: int) -> None:
-        """Bound the queue at ``limit`` waiting requests from now on (those already
-        waiting stay, even past it)."""
+        """Bound the queue from now on (requests already waiting stay, even past it).
+
+        Args:
+            limit: How many requests may wait.
+        """
         self.max_queue_size = limit
         self._queue_limit = limit
 
@@ -179,7 +221,15 @@ class Scheduler:
         return self._placed + len(self.arrivals)
 
     def add(self, req: Request) -> None:
-        """Enqueue a request, or raise ``QueueFull`` (counted) without enqueuing it."""
+        """Enqueue a request (it gets the next arrival number, `seq`).
+
+        Args:
+            req: A waiting request, its key, bucket and priority set.
+
+        Raises:
+            QueueFull: `max_queue_size` requests already wait; the request is not
+                enqueued (and counted as rejected).
+        """
         if self.arrivals:
             self.ingest()  # keep arrival order: earlier arrivals get earlier seqs
         if self._placed >= self._queue_limit:
@@ -192,10 +242,11 @@ class Scheduler:
         self._placed += 1
 
     def ingest(self) -> None:
-        """Place the requests in :attr:`arrivals` at once (one C-level ``extend``).
+        """Place the requests in `arrivals` in their bucket, all in one step.
 
-        They are all in the default lane of a keyless policy, whose one bucket makes
-        ``seq`` moot: it only orders the heads of different buckets.
+        They are all in the default lane of a keyless policy (bucket None, priority
+        0), whose one bucket makes `seq` moot: it only orders the heads of different
+        buckets. They are counted as requests here.
         """
         arrivals = self.arrivals
         if not arrivals:
@@ -203,7 +254,7 @@ class Scheduler:
         count = len(arrivals)
         self.stats.requests += count
         bucket, queue = self._lane(None, 0)
-        # Exactly ``count`` popped: an append racing this step, from a loop that lost
+        # Exactly `count` popped: an append racing this step, from a loop that lost
         # the batcher in a rebind race, is kept for the next step (a copy and a clear
         # could drop it between them).
         for _ in range(count):
@@ -212,7 +263,7 @@ class Scheduler:
         self._placed += count
 
     def _lane(self, name: Hashable, priority: int) -> tuple[Bucket, deque[Request]]:
-        """The bucket ``name`` and its deque for ``priority``, created if needed."""
+        """The bucket `name` and its deque for `priority`, created if needed."""
         bucket = self.buckets.get(name)
         if bucket is None:
             bucket = self.buckets[name] = Bucket(self.policy.max_tokens is not None)
@@ -222,7 +273,7 @@ class Scheduler:
         return bucket, queue
 
     def _place(self, req: Request) -> None:
-        """Append ``req`` to its bucket's deque for its priority."""
+        """Append `req` to its bucket's deque for its priority."""
         bucket, queue = self._lane(req.bucket, req.priority)
         queue.append(req)
         bucket.live += 1
@@ -230,7 +281,15 @@ class Scheduler:
             bucket.max_key = req.key
 
     def drop(self, req: Request) -> bool:
-        """Withdraw a request that has not started; False if it already runs or ended."""
+        """Withdraw a request that has not started.
+
+        Args:
+            req: A request added before.
+
+        Returns:
+            True if it was waiting (it is now dropped); False if it already runs or
+            ended (nothing changed).
+        """
         if req.state is not State.WAITING:
             return False
         self.ingest()
@@ -259,12 +318,27 @@ class Scheduler:
 
     # -- learned limits ------------------------------------------------------
     def learn_cap(self, bucket: Hashable, size: int) -> None:
-        """A batch of this bucket ran out of memory; ``size`` items fit."""
+        """A batch of this bucket ran out of memory: cap the bucket's batches.
+
+        Args:
+            bucket: The bucket (as `bucket_of` named it).
+            size: The largest batch (padded size) known to fit; the cap becomes the
+                smaller of it and the cap so far.
+        """
         self.caps[bucket] = min(size, self.caps.get(bucket, self.policy.max_batch_size))
         self._cap_successes[bucket] = 0
 
     def note_success(self, bucket: Hashable, size: int) -> None:
-        """A batch ran without running out of memory: probe upward after enough of them."""
+        """A batch ran without running out of memory: probe upward after enough of them.
+
+        After 32 successful batches at a bucket's learned cap, the cap is raised by a
+        quarter (at least to the next size the policy allows), and dropped once it
+        reaches the policy's `max_batch_size`.
+
+        Args:
+            bucket: The batch's bucket.
+            size: The batch's padded size; a batch below the cap does not count.
+        """
         cap = self.caps.get(bucket)
         if cap is None or size < cap:
             return
@@ -301,8 +375,21 @@ class Scheduler:
     def poll(self, now: float) -> tuple[FormedBatch | None, float | None]:
         """The next batch to run now (if any), and when to poll again if nothing changes.
 
-        The returned wake-up time is None when only an event (an arrival, a batch
-        finishing, close) can make a batch ready.
+        A bucket's batch is ready when it is full (`max_batch_size` requests, or the
+        cost budget reached), when closing, when nothing runs (for a policy that
+        dispatches when idle), or once its oldest request has waited `max_wait_s`.
+        Of the ready buckets, the one whose next request has the best priority, then
+        the earliest arrival, goes first. A formed batch holds a slot until
+        `finish`.
+
+        Args:
+            now: The current time, in seconds on the caller's clock.
+
+        Returns:
+            `(batch, None)` when a batch leaves now; else `(None, wake_at)`, the
+            time of the next max-wait expiry, or None when only an event (an
+            arrival, a batch finishing, close) can make a batch ready. With every
+            slot busy: `(None, None)`.
         """
         if self.in_flight >= self.max_concurrent_batches:
             return None, None
@@ -361,7 +448,12 @@ class Scheduler:
         return batch
 
     def finish(self, batch: FormedBatch, now: float) -> None:
-        """A batch ended (whatever its outcome): its slot is free again."""
+        """A batch ended (whatever its outcome): its slot is free again.
+
+        Args:
+            batch: A batch `poll` returned, not finished before.
+            now: The current time, in seconds (its latency is counted to it).
+        """
         self.in_flight -= 1
         del self.running[id(batch)]
         self.stats.batch_latency.append(now - batch.dispatched_at)
@@ -373,5 +465,5 @@ class Scheduler:
 
 
 def _is_prefix(chosen: Sequence[Request], queue: deque[Request]) -> bool:
-    """Whether ``chosen`` is exactly the first ``len(chosen)`` requests of ``queue``."""
+    """Whether `chosen` is exactly the first `len(chosen)` requests of `queue`."""
     return len(chosen) <= len(queue) and all(a is b for a, b in zip(chosen, queue))

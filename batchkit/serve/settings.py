@@ -1,4 +1,4 @@
-"""Live settings: what ``f.configure()`` reads and changes while a function serves.
+"""Live settings: what `f.configure()` reads and changes while a function serves.
 
 A change is validated whole before anything moves (a bad value changes nothing), and
 applies to batches formed from then on. The policy is never changed in place (it may
@@ -17,12 +17,14 @@ from batchkit.batchers.base import Batcher, check_positive_int
 
 @dataclass(frozen=True)
 class Settings:
-    """The settings in force for one batched function (see ``f.configure()``).
+    """The settings in force for one batched function (see
+    [`configure`][batchkit.BatchedFunction.configure]).
 
     Attributes:
         max_batch_size: The largest batch the policy forms.
         max_wait_ms: How long a batch may wait to fill, in milliseconds; None for a
-            policy without one (``StaticBatcher`` waits until full).
+            policy without one ([`StaticBatcher`][batchkit.StaticBatcher] waits until
+            full).
         max_concurrent_batches: Batches that may run at once.
         max_queue_size: Requests that may wait; None for no bound.
     """
@@ -36,7 +38,13 @@ class Settings:
 def read_settings(
     policy: Batcher, max_concurrent_batches: int, max_queue_size: int | None
 ) -> Settings:
-    """The settings of ``policy`` and the queue, as [`Settings`][batchkit.Settings]."""
+    """The settings of `policy` and the queue, as [`Settings`][batchkit.Settings].
+
+    Args:
+        policy: The policy in force.
+        max_concurrent_batches: Batches that may run at once.
+        max_queue_size: Requests that may wait; None for no bound.
+    """
     wait = policy.max_wait_s
     return Settings(
         max_batch_size=policy.max_batch_size,
@@ -52,7 +60,14 @@ def check_settings(
     max_concurrent_batches: int | None,
     max_queue_size: int | None,
 ) -> None:
-    """Raise ValueError, naming the setting, for a value no policy could take."""
+    """Raise ValueError, naming the setting, for a value no policy could take.
+
+    Args:
+        max_batch_size: A positive int, or None (not changed).
+        max_wait_ms: A finite number of milliseconds >= 0, or None.
+        max_concurrent_batches: A positive int, or None.
+        max_queue_size: A positive int, or None.
+    """
     check_positive_int("max_batch_size", max_batch_size, allow_none=True)
     check_positive_int("max_concurrent_batches", max_concurrent_batches, allow_none=True)
     check_positive_int("max_queue_size", max_queue_size, allow_none=True)
@@ -65,8 +80,17 @@ def check_settings(
 
 
 def reconfigured(policy: Batcher, max_batch_size: int | None, max_wait_ms: float | None) -> Batcher:
-    """A copy of ``policy`` with the given settings (the same object if none is given);
-    ValueError when the policy has no such setting or cannot take the value."""
+    """A copy of `policy` with the given settings (the same object if none is given).
+
+    Args:
+        policy: The policy in force (never changed in place: it may be shared).
+        max_batch_size: Its new largest batch; None leaves it.
+        max_wait_ms: Its new longest wait, in milliseconds; None leaves it.
+
+    Raises:
+        ValueError: The policy has no `max_wait_ms` (it waits until full), or
+            `max_batch_size` exceeds its largest preferred batch size.
+    """
     if max_batch_size is None and max_wait_ms is None:
         return policy
     kind = type(policy).__name__

@@ -1,4 +1,4 @@
-"""Counters and latency samples, and the immutable snapshot ``f.stats()`` returns."""
+"""Counters and latency samples, and the immutable snapshot `f.stats()` returns."""
 
 from __future__ import annotations
 
@@ -15,41 +15,95 @@ if TYPE_CHECKING:
 
 
 class DispatchReason(str, Enum):
-    """Why a batch left the queue."""
+    """Why a batch left the queue (the keys of `Stats.dispatch_reasons`).
+
+    Attributes:
+        FULL: Its bucket held a full batch: `max_batch_size` requests, or waiting
+            requests whose cost reaches `max_tokens`.
+        MAX_WAIT: Its oldest request had waited `max_wait_ms`.
+        IDLE: No batch was running, so waiting requests went at once.
+        CLOSING: The function is closing: waiting requests go without waiting.
+    """
 
     FULL = "full"
     MAX_WAIT = "max_wait"
-    IDLE = "idle"  # no batch was running: waiting requests go at once
+    IDLE = "idle"
     CLOSING = "closing"
 
 
 @dataclass(frozen=True)
 class Stats:
-    """A snapshot of one batcher's activity since it was created."""
+    """A snapshot of one batched function's activity since it was made.
+
+    Returned by [`stats`][batchkit.BatchedFunction.stats]. Counts are of requests
+    (items) unless they say batches or calls; times are seconds on the function's
+    clock; percentiles cover the most recent 4096 samples.
+
+    Attributes:
+        requests: Requests admitted to the queue (those refused with `QueueFull`
+            are not counted).
+        batches: Batches that left the queue.
+        calls: Calls of the function: more than `batches` when batches were split
+            and retried.
+        items_run: Real items in the batches that left (padding not counted).
+        padded_slots: Filler items added to batches to reach a policy's strict
+            batch size.
+        rejected: Requests refused with [`QueueFull`][batchkit.QueueFull].
+        timeouts: Requests whose `timeout` passed before they started (waiting in
+            the queue, or for room in it).
+        cancelled: Requests withdrawn before they started because their caller
+            left (a cancelled task, a stream closed early).
+        closed: Waiting requests answered with
+            [`BatcherClosed`][batchkit.BatcherClosed] when a close timed out.
+        failed: Requests whose batch started and that ended with an error (their
+            own, the batch's, a `BatchTimeout`, or a close that timed out).
+        oom_splits: Parts of batches split in halves after running out of memory.
+        isolated: Items that failed alone after their batch was split (by
+            `isolate_errors`, a failing `collate`, or out of memory).
+        effective_max_batch_size: Per bucket (`"default"` for a policy with one),
+            the largest batch learned to fit after running out of memory; a
+            bucket is absent while its policy's maximum applies.
+        queue_depth: Requests waiting now.
+        in_flight: Batches running now.
+        batch_sizes: Batch size (real items) -> number of batches of that size,
+            by size.
+        dispatch_reasons: [`DispatchReason`][batchkit.serve.DispatchReason] value
+            (`"full"`, `"max_wait"`, `"idle"`, `"closing"`) -> number of batches.
+        queue_wait: Seconds from a request's admission until its batch left the
+            queue.
+        batch_latency: Seconds from a batch leaving the queue until its results
+            (until its last chunk, for a streaming function).
+        time_to_first_chunk: Seconds from a streaming batch leaving the queue until
+            its first yield (empty for other functions).
+        batch_timeouts: Calls of the function given up after `batch_timeout`.
+        abandoned_workers: Sync worker threads still stuck in a timed-out call.
+        healthy: False once more than `max_concurrent_batches` worker threads are
+            stuck in timed-out calls: no more are replaced until one returns.
+    """
 
     requests: int
     batches: int
-    calls: int  # function calls: more than batches when batches were split and retried
+    calls: int
     items_run: int
     padded_slots: int
     rejected: int
     timeouts: int
     cancelled: int
-    closed: int  # waiting requests answered with BatcherClosed when a close timed out
+    closed: int
     failed: int
-    oom_splits: int  # parts split in halves after running out of memory
-    isolated: int  # items that failed alone after their batch was split
-    effective_max_batch_size: dict[str, int]  # per bucket, learned after out-of-memory
+    oom_splits: int
+    isolated: int
+    effective_max_batch_size: dict[str, int]
     queue_depth: int
     in_flight: int
     batch_sizes: dict[int, int]
     dispatch_reasons: dict[str, int]
     queue_wait: Percentiles
-    batch_latency: Percentiles  # to the last chunk, for a streaming function
-    time_to_first_chunk: Percentiles = field(default_factory=Percentiles.empty)  # streams only
-    batch_timeouts: int = 0  # calls of the function given up after batch_timeout
-    abandoned_workers: int = 0  # sync worker threads still stuck in a timed-out call
-    healthy: bool = True  # False once stuck threads pass the bound and are not replaced
+    batch_latency: Percentiles
+    time_to_first_chunk: Percentiles = field(default_factory=Percentiles.empty)
+    batch_timeouts: int = 0
+    abandoned_workers: int = 0
+    healthy: bool = True
 
     @property
     def mean_batch_size(self) -> float:
@@ -59,7 +113,13 @@ class Stats:
 
 @dataclass
 class StatsRecorder:
-    """Mutable counters; updated under the runtime's lock."""
+    """Mutable counters; updated under the serving core's lock.
+
+    The fields are those of [`Stats`][batchkit.Stats] they feed (`reasons` by
+    [`DispatchReason`][batchkit.serve.DispatchReason]; `queue_wait`,
+    `batch_latency` and `first_chunk` are windows of the most recent samples, in
+    seconds); all start empty.
+    """
 
     requests: int = 0
     batches: int = 0
@@ -83,7 +143,14 @@ class StatsRecorder:
     def record_batch(
         self, requests: list[Request], reason: DispatchReason, padded: int, now: float
     ) -> None:
-        """A batch of ``requests`` left the queue at ``now`` (called once per batch)."""
+        """A batch left the queue (called once per batch).
+
+        Args:
+            requests: Its requests (their waits are counted to `now`).
+            reason: Why it left.
+            padded: The size the function is called with.
+            now: When it left, on the scheduler's clock.
+        """
         size = len(requests)
         self.batches += 1
         self.items_run += size
@@ -103,7 +170,16 @@ class StatsRecorder:
         abandoned_workers: int = 0,
         healthy: bool = True,
     ) -> Stats:
-        """Freeze the current values (``unplaced``: admitted requests not yet counted)."""
+        """Freeze the current values, with what only the caller knows.
+
+        Args:
+            queue_depth: Requests waiting now.
+            in_flight: Batches running now.
+            caps: Learned batch-size caps, by bucket name.
+            unplaced: Admitted requests not yet counted (bulk arrivals not placed).
+            abandoned_workers: Worker threads stuck in a timed-out call.
+            healthy: Whether stuck threads are still replaced.
+        """
         return Stats(
             requests=self.requests + unplaced,
             batches=self.batches,

@@ -1,16 +1,17 @@
 """Running one streaming batch: the recipe for a batch function that is a generator
-(or an async generator), beside :mod:`batchkit.serve.execute` for plain ones.
+(or an async generator), beside `batchkit.serve.execute` for plain ones.
 
-Each ``yield`` is a sequence with one entry per item of the batch, in batch order: a
-chunk for that item's caller, :data:`~batchkit.serve.channels.END` to end its stream,
-or an ``Exception`` instance to fail its stream alone. The generator returning ends
+Each `yield` is a sequence with one entry per item of the batch, in batch order: a
+chunk for that item's caller, [`END`][batchkit.END] to end its stream, or an
+`Exception` instance to fail its stream alone. The generator returning ends
 every stream still open; raising fails them with its exception; a yield of the wrong
 length fails them with an error stating both lengths. Once every caller has left (or
-been answered), the generator is closed at its current ``yield``.
+been answered), the generator is closed at its current `yield`.
 
 Streams are not split and retried (chunks already delivered cannot be taken back),
-but a ``collate`` that fails still costs only the malformed items: each item is then
-collated alone to find them, and the rest run together.
+but a `collate` that fails still costs only the malformed items: each item is then
+collated alone to find them, and the rest run together. Nor is `batch_timeout`
+applied to them.
 """
 
 from __future__ import annotations
@@ -28,7 +29,13 @@ log = logging.getLogger("batchkit")
 
 
 class StreamBatch:
-    """The streams of one batch: which are open, and where each entry goes."""
+    """The streams of one batch: which are open, and where each entry goes.
+
+    Args:
+        requests: The batch's requests, each with its channel.
+        options: The function's options (policy, `collate`).
+        name: The function's name, for error messages.
+    """
 
     def __init__(self, requests: Sequence[Request], options: Options, name: str) -> None:
         self.run: BatchRun = start_run(requests, options)
@@ -42,7 +49,15 @@ class StreamBatch:
         return [self.run.requests[i].channel for i in self.positions]  # type: ignore[misc]
 
     def prepare(self, options: Options) -> bool:
-        """Collate the batch (the malformed items fail alone); False if nothing is left."""
+        """Collate the batch (the malformed items fail alone).
+
+        Args:
+            options: The function's options (`collate`, and the policy's padded size).
+
+        Returns:
+            True when there is an argument to call the generator function with;
+            False if no item is left to run.
+        """
         requests = self.run.requests
         self.positions = list(range(len(requests)))
         if options.collate is not None:
@@ -77,7 +92,16 @@ class StreamBatch:
         return True
 
     def dispatch(self, entries: Any) -> None:
-        """Hand one yield's entries to their streams."""
+        """Hand one yield's entries to their streams.
+
+        Args:
+            entries: What the generator yielded: one entry per item (padding
+                included), each a chunk, `END` or an exception instance.
+
+        Raises:
+            TypeError: `entries` has no `len()`.
+            ValueError: It does not hold one entry per item.
+        """
         try:
             count = len(entries)
         except TypeError:
@@ -113,7 +137,15 @@ class StreamBatch:
                 self.run.errors[position] = error
 
     def ended(self, error: BaseException | None) -> BatchRun:
-        """The generator returned (``error`` None) or raised: settle every stream."""
+        """The generator ended: settle every stream still open.
+
+        Args:
+            error: What it raised (every open stream fails with it); None when it
+                returned.
+
+        Returns:
+            The batch's run, its outcomes settled.
+        """
         if error is not None:
             self._fail_open(error)
         return self.run
@@ -126,7 +158,18 @@ def run_stream_sync(
     name: str,
     clock: Clock,
 ) -> BatchRun:
-    """Iterate a generator batch function on this thread; never raises."""
+    """Iterate a generator batch function on this thread; never raises.
+
+    Args:
+        fn: The generator function.
+        requests: The batch's requests.
+        options: The function's options.
+        name: The function's name, for error messages.
+        clock: The clock the first chunk's time is read on.
+
+    Returns:
+        The settled run.
+    """
     stream = StreamBatch(requests, options, name)
     if not stream.prepare(options):
         return stream.run
@@ -155,7 +198,18 @@ async def run_stream_async(
     name: str,
     clock: Clock,
 ) -> BatchRun:
-    """Iterate an async generator batch function; raises only a cancellation."""
+    """Iterate an async generator batch function; raises only a cancellation.
+
+    Args:
+        fn: The async generator function.
+        requests: The batch's requests.
+        options: The function's options.
+        name: The function's name, for error messages.
+        clock: The clock the first chunk's time is read on.
+
+    Returns:
+        The settled run.
+    """
     stream = StreamBatch(requests, options, name)
     if not stream.prepare(options):
         return stream.run

@@ -1,4 +1,4 @@
-"""The driver for sync functions: ``max_concurrent_batches`` worker threads.
+"""The driver for sync functions: `max_concurrent_batches` worker threads.
 
 Each idle worker sleeps on one condition variable until an arrival, a finished
 batch or the oldest request's max-wait expiry; there is no polling loop. Batches
@@ -27,7 +27,15 @@ from batchkit.serve.watchdog import Watchdog
 
 
 def call_sync(fn: Callable[[Any], Any], argument: Any) -> Outcome:
-    """Call ``fn(argument)``; its output or what it raised (the worker survives anything)."""
+    """Call `fn(argument)`; its output or what it raised (the worker survives anything).
+
+    Args:
+        fn: The batch function.
+        argument: The batch, as collated.
+
+    Returns:
+        `(True, output)`, or `(False, exception)`.
+    """
     try:
         return True, fn(argument)
     except BaseException as exc:  # noqa: BLE001 - the worker must survive anything
@@ -48,11 +56,17 @@ class Worker:
 class ThreadDriver:
     """Runs a sync batch function on worker threads (started on first use).
 
-    With ``batch_timeout``, a call that runs past it has its batch given up (its
-    callers get ``BatchTimeout``, its slot is freed) and its stuck thread abandoned
-    and replaced, while at most ``max_concurrent_batches`` threads are stuck at once;
-    past that bound nothing more is spawned and the function reports itself unhealthy
-    (``stats().healthy``) until a stuck call returns (its thread then serves again).
+    One worker per concurrent batch (`max_concurrent_batches`). With
+    `batch_timeout`, a call that runs past it has its batch given up (its callers
+    get `BatchTimeout`, its slot is freed) and its stuck thread abandoned and
+    replaced, while at most `max_concurrent_batches` threads are stuck at once;
+    past that bound nothing more is spawned and the function reports itself
+    unhealthy (`stats().healthy`) until a stuck call returns (its thread then
+    serves again).
+
+    Args:
+        fn: The sync batch function (or generator function).
+        core: The function's serving core; the driver installs its callbacks there.
     """
 
     def __init__(self, fn: Callable[[Any], Any], core: ServingCore) -> None:
@@ -116,7 +130,7 @@ class ThreadDriver:
     def _serve(
         self, worker: Worker, batch: FormedBatch
     ) -> tuple[FormedBatch | None, float | None]:
-        """With the lock held: run ``batch`` outside it, settle it, answer its callers;
+        """With the lock held: run `batch` outside it, settle it, answer its callers;
         the next batch, if one is ready. (A method of its own so that nothing of a
         finished batch, its outputs included, stays referenced while the worker idles.)"""
         cond, sched = self.cond, self.core.sched
@@ -144,7 +158,7 @@ class ThreadDriver:
 
     # -- the watchdog (batch_timeout) ----------------------------------------------
     def _expired(self, call: Any) -> None:
-        """Watchdog callback, under the lock: ``call`` (a worker) ran past the timeout."""
+        """Watchdog callback, under the lock: `call` (a worker) ran past the timeout."""
         worker: Worker = call
         batch, core = worker.batch, self.core
         if batch is None or worker.abandoned:
@@ -171,7 +185,7 @@ class ThreadDriver:
         return True
 
     def _run(self, batch: FormedBatch, worker: Worker) -> BatchRun:
-        """Call the function as :func:`run_steps` asks (parts too, if split); never raises.
+        """Call the function as `run_steps` asks (parts too, if split); never raises.
 
         A worker abandoned by the watchdog stops after its late call returns."""
         core = self.core
@@ -195,7 +209,7 @@ class ThreadDriver:
             return run
 
     def _call(self, worker: Worker, argument: Any) -> Outcome:
-        """One call of the function, watched when there is a ``batch_timeout``."""
+        """One call of the function, watched when there is a `batch_timeout`."""
         watchdog = self.watchdog
         if watchdog is None:
             return call_sync(self.fn, argument)
@@ -209,7 +223,16 @@ class ThreadDriver:
 
     # -- callers -----------------------------------------------------------
     def call(self, item: Any, *, priority: int = 0, timeout: float | None = None) -> Any:
-        """One item from a thread: block until its result (or error)."""
+        """One item from a thread: block until its result (or error).
+
+        Warns (`RuntimeWarning`, once) when this thread runs an event loop.
+
+        Args:
+            item: The item.
+            priority: Lower values are served first.
+            timeout: Seconds the item may wait before its batch starts; None for no
+                bound.
+        """
         if not self._warned_on_loop and asyncio._get_running_loop() is not None:
             self._warn_blocking_on_loop()
         return callers.call(self.core, item, priority, timeout)
@@ -228,30 +251,65 @@ class ThreadDriver:
     def call_many(
         self, items: Iterable[Any], *, priority: int = 0, timeout: float | None = None
     ) -> list[Any]:
-        """Many items from a thread (see :func:`batchkit.serve.callers.call_many`)."""
+        """Many items from a thread (see `batchkit.serve.callers.call_many`).
+
+        Args:
+            items: The items.
+            priority: Every item's priority.
+            timeout: Seconds, from this call, within which each item must start;
+                None for no bound.
+        """
         return callers.call_many(self.core, items, priority, timeout)
 
     def stream(
         self, item: Any, *, priority: int = 0, timeout: float | None = None
     ) -> callers.ThreadStream:
-        """One item's stream, read from a thread."""
+        """One item's stream, read from a thread.
+
+        Args:
+            item: The item.
+            priority: Lower values are served first.
+            timeout: Seconds the item may wait before its batch starts; None for no
+                bound.
+        """
         return callers.ThreadStream(self.core, item, priority, timeout)
 
     def astream(
         self, item: Any, *, priority: int = 0, timeout: float | None = None
     ) -> callers.LoopStream:
-        """One item's stream, read from asyncio (the generator runs on a worker thread)."""
+        """One item's stream, read from asyncio (the generator runs on a worker thread).
+
+        Args:
+            item: The item.
+            priority: Lower values are served first.
+            timeout: Seconds the item may wait before its batch starts; None for no
+                bound.
+        """
         return callers.LoopStream(self.core, item, priority, timeout)
 
     async def amap(
         self, items: Iterable[Any], *, priority: int = 0, timeout: float | None = None
     ) -> list[Any]:
-        """Many items from asyncio."""
+        """Many items from asyncio.
+
+        Args:
+            items: The items.
+            priority: Every item's priority.
+            timeout: Seconds, from this call, within which each item must start;
+                None for no bound.
+        """
         return await callers.amap(self.core, items, priority, timeout)
 
     # -- shutdown ------------------------------------------------------------
     def close(self, timeout: float | None = None) -> None:
-        """Stop accepting, serve what is queued and running; after ``timeout``, fail the rest."""
+        """Stop accepting, serve what is queued and running; after `timeout`, fail the rest.
+
+        Waits for the worker threads to exit when everything was served.
+
+        Args:
+            timeout: Seconds to wait; then whatever is unanswered fails with
+                `BatcherClosed`. None waits for everything.
+        """
         core = self.core
         with self.cond:
             core.close_locked()
@@ -270,5 +328,10 @@ class ThreadDriver:
             self.watchdog.join()
 
     async def aclose(self, timeout: float | None = None) -> None:
-        """:meth:`close` without blocking the event loop."""
+        """`close` without blocking the event loop (it runs in the loop's executor).
+
+        Args:
+            timeout: Seconds to wait; then whatever is unanswered fails with
+                `BatcherClosed`. None waits for everything.
+        """
         await asyncio.get_running_loop().run_in_executor(None, self.close, timeout)

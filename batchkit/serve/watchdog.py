@@ -1,9 +1,9 @@
-"""A bound on how long one call of a sync batch function may run (``batch_timeout``).
+"""A bound on how long one call of a sync batch function may run (`batch_timeout`).
 
 A call cannot be interrupted from outside its thread, so the watchdog does not try: a
-call past its deadline is reported (``expired``, under the lock), and the driver gives
+call past its deadline is reported (`expired`, under the lock), and the driver gives
 its batch up and replaces the stuck thread. One watchdog thread serves every worker of
-a function; it sleeps until the earliest deadline, and exits on ``stop``.
+a function; it sleeps until the earliest deadline, and exits on `stop_locked`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,19 @@ from batchkit.serve.options import Clock
 
 
 class Watchdog:
-    """Deadlines of the calls running now, and a thread that reports the late ones."""
+    """Deadlines of the calls running now, and a thread that reports the late ones.
+
+    The thread starts with the first watched call.
+
+    Args:
+        lock: The serving core's lock; every method named `..._locked` is called
+            under it, and so is `expired`.
+        clock: The batcher's clock, in seconds.
+        timeout: Seconds one call may run (`batch_timeout`).
+        expired: Called under the lock with a call that ran past its deadline (once;
+            it is then no longer watched).
+        name: The function's name, for the thread's name.
+    """
 
     def __init__(
         self,
@@ -35,7 +47,11 @@ class Watchdog:
         self._stopped = False
 
     def call_started_locked(self, call: Hashable) -> None:
-        """Under the lock: ``call`` starts now and must end within the timeout."""
+        """Under the lock: `call` starts now and must end within the timeout.
+
+        Args:
+            call: What identifies the call (the worker running it).
+        """
         self._deadlines[call] = self.clock() + self.timeout
         if self._thread is None:
             self._thread = threading.Thread(
@@ -45,7 +61,11 @@ class Watchdog:
         self.cond.notify()
 
     def call_ended_locked(self, call: Hashable) -> None:
-        """Under the lock: ``call`` returned (in time or not)."""
+        """Under the lock: `call` returned (in time or not).
+
+        Args:
+            call: What `call_started_locked` was given.
+        """
         self._deadlines.pop(call, None)
 
     def stop_locked(self) -> None:
@@ -54,7 +74,7 @@ class Watchdog:
         self.cond.notify()
 
     def join(self) -> None:
-        """Wait for the watchdog thread to exit (after ``stop_locked``)."""
+        """Wait for the watchdog thread to exit (after `stop_locked`)."""
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
 
