@@ -84,6 +84,9 @@ METRIC_NAMES: dict[str, str] = {
     "inference_padding_items_total": "counter: filler items added to reach a strict size",
     "inference_queue_depth": "gauge (read at scrape): requests waiting",
     "inference_in_flight_batches": "gauge (read at scrape): batches running",
+    "inference_batch_timeouts_total": "counter (read at scrape): calls past batch_timeout",
+    "inference_abandoned_workers": "gauge (read at scrape): sync workers stuck in a timed-out call",
+    "inference_healthy": "gauge (read at scrape): 1, or 0 once stuck workers pass the bound",
     # continuous batchers (ContinuousBatcher)
     "generation_time_to_first_token_seconds": "histogram: per request, submit to first token",
     "generation_inter_token_latency_seconds": "histogram: per later token, since the previous one",
@@ -447,7 +450,8 @@ class _Pruner:
 
 
 class _ScrapeTimeGauges:
-    """A custom collector: queue depth and in-flight batches, read when scraped.
+    """A custom collector: queue depth, in-flight batches and the watchdog's figures
+    (batch timeouts, stuck workers, health), read when scraped.
 
     A gauge set on every event would be stale between events and cost a lock per
     arrival; reading the runtime's load at scrape time is exact and costs nothing
@@ -459,6 +463,9 @@ class _ScrapeTimeGauges:
         ns = f"{owner.namespace}_" if owner.namespace else ""
         self.depth_name = f"{ns}inference_queue_depth"
         self.in_flight_name = f"{ns}inference_in_flight_batches"
+        self.timeouts_name = f"{ns}inference_batch_timeouts"
+        self.abandoned_name = f"{ns}inference_abandoned_workers"
+        self.healthy_name = f"{ns}inference_healthy"
 
     def describe(self) -> Iterable[Metric]:
         """Names for the registry's duplicate check (no samples)."""
@@ -475,11 +482,30 @@ class _ScrapeTimeGauges:
         in_flight = GaugeMetricFamily(
             self.in_flight_name, "Batches running now.", labels=["batcher"]
         )
+        timeouts = CounterMetricFamily(
+            self.timeouts_name,
+            "Calls of the batch function given up after batch_timeout.",
+            labels=["batcher"],
+        )
+        abandoned = GaugeMetricFamily(
+            self.abandoned_name,
+            "Sync worker threads still stuck in a timed-out call.",
+            labels=["batcher"],
+        )
+        healthy = GaugeMetricFamily(
+            self.healthy_name,
+            "1 while stuck workers are replaced; 0 once past the bound (none spawned).",
+            labels=["batcher"],
+        )
         for name, f in tracked.items():
             waiting, running = f.load()
             depth.add_metric([name], waiting)
             in_flight.add_metric([name], running)
-        return [depth, in_flight]
+            stuck, gave_up, ok = f.runtime.core.health()
+            timeouts.add_metric([name], gave_up)
+            abandoned.add_metric([name], stuck)
+            healthy.add_metric([name], 1.0 if ok else 0.0)
+        return [depth, in_flight, timeouts, abandoned, healthy]
 
 
 class _GenerationScrapeTime:

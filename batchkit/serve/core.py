@@ -458,6 +458,12 @@ class ServingCore:
         with self.lock:
             return self.sched.num_waiting, self.sched.in_flight
 
+    def health(self) -> tuple[int, int, bool]:
+        """`(abandoned workers, batch timeouts, healthy)` now, cheaply (what a metrics
+        scrape reads, without `stats()`'s percentiles)."""
+        with self.lock:
+            return self.abandoned_workers, self.sched.stats.batch_timeouts, self.healthy
+
     def stats(self) -> Stats:
         """A snapshot of the counters."""
         with self.lock:

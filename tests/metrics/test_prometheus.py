@@ -19,6 +19,7 @@ import batchkit  # noqa: E402
 from batchkit import DynamicBatcher, QueueFull, RequestTimeout, StaticBatcher  # noqa: E402
 from batchkit.metrics import METRIC_NAMES, PrometheusMetrics  # noqa: E402
 from tests.metrics._samples import value  # noqa: E402
+from tests.serve._wait import wait_until  # noqa: E402
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 
@@ -58,6 +59,32 @@ def test_static_workload_exact_counts(registry: Any, exporter: PrometheusMetrics
         assert value(registry, "inference_dropped_requests_total", reason=reason, **lb) == 0
     assert value(registry, "inference_queue_depth", **lb) == 0
     assert value(registry, "inference_in_flight_batches", **lb) == 0
+    f.close()
+
+
+def test_the_watchdog_is_exported_at_scrape_time(
+    registry: Any, exporter: PrometheusMetrics
+) -> None:
+    release = threading.Event()
+
+    def model(xs: list[int]) -> list[int]:
+        if -1 in xs:
+            release.wait(10)
+        return xs
+
+    f = batchkit.batched(max_batch_size=1, max_wait_ms=0, batch_timeout=0.05)(model)
+    exporter.track(f, name="hangs")
+    lb = {"batcher": "hangs"}
+    assert value(registry, "inference_healthy", **lb) == 1
+    for _ in range(2):  # one stuck thread is replaced; the second passes the bound
+        with pytest.raises(batchkit.BatchTimeout):
+            f(-1)
+    assert value(registry, "inference_batch_timeouts_total", **lb) == 2
+    assert value(registry, "inference_abandoned_workers", **lb) == 2
+    assert value(registry, "inference_healthy", **lb) == 0
+    release.set()
+    wait_until(lambda: value(registry, "inference_abandoned_workers", **lb) == 0)
+    assert value(registry, "inference_healthy", **lb) == 1
     f.close()
 
 
