@@ -76,6 +76,7 @@ METRIC_NAMES: dict[str, str] = {
     "inference_batch_size": "histogram: real items per batch",
     "inference_queue_wait_seconds": "histogram: per request, enqueue to dispatch",
     "inference_batch_latency_seconds": "histogram: per batch, dispatch to results",
+    "inference_time_to_first_chunk_seconds": "histogram: per streaming batch, to its first chunk",
     "inference_batches_total": "counter, label reason: batches by dispatch reason",
     "inference_requests_total": "counter, label outcome: requests that ran (ok, error)",
     "inference_dropped_requests_total": "counter, label reason: requests that never ran",

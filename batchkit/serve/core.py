@@ -439,6 +439,9 @@ class ServingCore:
             ),
             tokens=float(sum(keys)),
             padded_tokens=float(batch.padded_size * max(keys, default=0.0)),
+            first_chunk=(
+                None if run.first_output_at is None else run.first_output_at - batch.dispatched_at
+            ),
         )
         notify(self.listeners, "on_batch", event)
 

@@ -35,6 +35,8 @@ class BatchEvent:
             policy has no key.
         padded_tokens: `padded_size` times the largest key: the area a padded batch
             occupies.
+        first_chunk: For a streaming function, seconds from the batch leaving the
+            queue to its first chunk (`latency` runs to its last); None otherwise.
     """
 
     name: str
@@ -46,6 +48,7 @@ class BatchEvent:
     failed: int
     tokens: float
     padded_tokens: float
+    first_chunk: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -54,6 +54,12 @@ METRICS: tuple[MetricSpec, ...] = (
         buckets="latency",
     ),
     MetricSpec(
+        "inference_time_to_first_chunk_seconds",
+        "histogram",
+        "Seconds from a streaming batch's dispatch to its first chunk.",
+        buckets="latency",
+    ),
+    MetricSpec(
         "inference_batches", "counter", "Batches run, by why they left the queue.", "reason"
     ),
     MetricSpec(
@@ -104,6 +110,8 @@ def batch_observations(event: BatchEvent) -> list[Observation]:
     out: list[Observation] = [("inference_batch_size", None, event.size)]
     out += [("inference_queue_wait_seconds", None, wait) for wait in event.queue_waits]
     out.append(("inference_batch_latency_seconds", None, event.latency))
+    if event.first_chunk is not None:
+        out.append(("inference_time_to_first_chunk_seconds", None, event.first_chunk))
     out.append(("inference_batches", event.reason, 1))
     if event.size > event.failed:
         out.append(("inference_requests", "ok", event.size - event.failed))

@@ -62,6 +62,22 @@ def test_static_workload_exact_counts(registry: Any, exporter: PrometheusMetrics
     f.close()
 
 
+def test_a_streaming_function_exports_its_time_to_first_chunk(
+    registry: Any, exporter: PrometheusMetrics
+) -> None:
+    @batchkit.batched(batcher=StaticBatcher(2))
+    def spell(words: list[str]) -> Any:
+        for step in range(max(map(len, words))):
+            yield [w[step] if step < len(w) else batchkit.END for w in words]
+
+    lb = {"batcher": exporter.track(spell)}
+    streams = [spell.stream(w) for w in ("ab", "cde", "f", "gh")]
+    assert ["".join(s) for s in streams] == ["ab", "cde", "f", "gh"]
+    assert value(registry, "inference_time_to_first_chunk_seconds_count", **lb) == 2
+    assert value(registry, "inference_batch_latency_seconds_count", **lb) == 2
+    spell.close()
+
+
 def test_the_watchdog_is_exported_at_scrape_time(
     registry: Any, exporter: PrometheusMetrics
 ) -> None:
