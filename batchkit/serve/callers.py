@@ -9,6 +9,7 @@ clock.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -324,7 +325,10 @@ class ThreadStream(Iterator[Any]):
             self._core.leave(self._req)
 
     def __del__(self) -> None:
-        self.close()
+        # A dropped iterator leaves its stream. (Guarded: finalizers also run at
+        # interpreter exit, when the batcher may be half torn down.)
+        with contextlib.suppress(Exception):
+            self.close()
 
 
 class LoopStream(AsyncIterator[Any]):
@@ -409,4 +413,5 @@ class LoopStream(AsyncIterator[Any]):
                 self._core.leave(self._req)
 
     def __del__(self) -> None:
-        self._leave()
+        with contextlib.suppress(Exception):  # (see ThreadStream.__del__)
+            self._leave()
