@@ -91,6 +91,22 @@ class StreamBatch:
             return False
         return True
 
+    def take(self, entries: Any, clock: Clock) -> bool:
+        """One yield of the generator: note the first chunk's time, hand the entries
+        to their streams; whether nobody reads any more (the generator may stop).
+
+        Args:
+            entries: What the generator yielded (see `dispatch`).
+            clock: The clock the first chunk's time is read on.
+
+        Returns:
+            True once every stream has ended or been left.
+        """
+        if self.run.first_output_at is None:
+            self.run.first_output_at = clock()
+        self.dispatch(entries)
+        return self.finished
+
     def dispatch(self, entries: Any) -> None:
         """Hand one yield's entries to their streams.
 
@@ -179,10 +195,7 @@ def run_stream_sync(
     try:
         generator = fn(stream.argument)
         for entries in generator:
-            if stream.run.first_output_at is None:
-                stream.run.first_output_at = clock()
-            stream.dispatch(entries)
-            if stream.finished:
+            if stream.take(entries, clock):
                 break
     except BaseException as exc:  # noqa: BLE001 - the worker must survive anything
         error = exc
@@ -219,10 +232,7 @@ async def run_stream_async(
     try:
         generator = fn(stream.argument)
         async for entries in generator:
-            if stream.run.first_output_at is None:
-                stream.run.first_output_at = clock()
-            stream.dispatch(entries)
-            if stream.finished:
+            if stream.take(entries, clock):
                 break
     except Exception as exc:  # noqa: BLE001 - a failing batch must not kill the loop
         error = exc
