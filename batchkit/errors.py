@@ -26,3 +26,27 @@ class BatchTimeout(BatchkitError, TimeoutError):
     request has no result. Not a [`RequestTimeout`][batchkit.RequestTimeout]: the
     request did start."""
 
+
+
+class Overloaded(QueueFull):
+    """The request would miss its latency target (`max_latency_ms`): refused at once,
+    or dropped while it waited, before it ran.
+
+    A [`QueueFull`][batchkit.QueueFull]: both mean "busy now, retry later or
+    elsewhere", so `except QueueFull` catches both (a service answers both with 503).
+    The message gives the predicted and the target times.
+
+    Args:
+        message: What was predicted, against which target.
+        predicted_s: The predicted seconds from admission to its result.
+        target_s: The target, `max_latency_ms` in seconds.
+
+    Attributes:
+        predicted_s: The predicted seconds from admission to its result.
+        target_s: The target, `max_latency_ms` in seconds.
+    """
+
+    def __init__(self, message: str, *, predicted_s: float, target_s: float) -> None:
+        super().__init__(message)
+        self.predicted_s = predicted_s
+        self.target_s = target_s

@@ -1,11 +1,19 @@
 """Serving: `@batched`, and what runs it (a pure scheduler, a serving core, a driver for
 threads or an event loop); its errors, statistics and events."""
 
-from batchkit.errors import BatcherClosed, BatchkitError, BatchTimeout, QueueFull, RequestTimeout
+from batchkit.errors import (
+    BatcherClosed,
+    BatchkitError,
+    BatchTimeout,
+    Overloaded,
+    QueueFull,
+    RequestTimeout,
+)
 from batchkit.percentiles import Percentiles
 from batchkit.serve.batched import BatchedFunction, batched
 from batchkit.serve.channels import END
 from batchkit.serve.events import BatchEvent, DropEvent, Listener
+from batchkit.serve.latency import LearnedLatency
 from batchkit.serve.scheduler import Scheduler
 from batchkit.serve.settings import Settings
 from batchkit.serve.stats import DispatchReason, Stats
@@ -19,7 +27,9 @@ __all__ = [
     "BatchkitError",
     "DispatchReason",
     "DropEvent",
+    "LearnedLatency",
     "Listener",
+    "Overloaded",
     "Percentiles",
     "QueueFull",
     "RequestTimeout",

@@ -569,6 +569,7 @@ def _check_serving_options(
     max_concurrent_batches: int,
     when_full: str,
     batch_timeout: float | None,
+    max_latency_ms: float | None = None,
 ) -> None:
     """Raise ValueError naming the first option of `@batched` that is not valid.
 
@@ -577,6 +578,7 @@ def _check_serving_options(
         max_concurrent_batches: A positive int.
         when_full: `"reject"` or `"block"` (which needs a `max_queue_size`).
         batch_timeout: A finite number of seconds above 0, or None.
+        max_latency_ms: A finite number of milliseconds above 0, or None.
     """
     check_positive_int("max_queue_size", max_queue_size, allow_none=True)
     check_positive_int("max_concurrent_batches", max_concurrent_batches)
@@ -584,12 +586,21 @@ def _check_serving_options(
         raise ValueError(f'when_full must be "reject" or "block", got {when_full!r}')
     if when_full == "block" and max_queue_size is None:
         raise ValueError('when_full="block" needs a max_queue_size')
-    if batch_timeout is not None and (
-        isinstance(batch_timeout, bool)
-        or not isinstance(batch_timeout, (int, float))
-        or not 0 < batch_timeout < float("inf")
-    ):
+    if batch_timeout is not None and not _positive_finite(batch_timeout):
         raise ValueError(f"batch_timeout must be a number of seconds > 0, got {batch_timeout!r}")
+    if max_latency_ms is not None and not _positive_finite(max_latency_ms):
+        raise ValueError(
+            f"max_latency_ms must be a finite number of milliseconds > 0, got {max_latency_ms!r}"
+        )
+
+
+def _positive_finite(value: object) -> bool:
+    """Whether `value` is a real number (not a bool) in (0, inf)."""
+    return (
+        not isinstance(value, bool)
+        and isinstance(value, (int, float))
+        and 0 < value < float("inf")
+    )
 
 
 @overload
@@ -609,6 +620,7 @@ def batched(
     on_oom: OnOom | Literal[False] | None = ...,
     isolate_errors: bool = ...,
     batch_timeout: float | None = ...,
+    max_latency_ms: float | None = ...,
     clock: Clock | None = ...,
 ) -> Callable[[Callable[[Any], R]], BatchedFunction[R]]: ...
 
@@ -629,6 +641,7 @@ def batched(
     on_oom: OnOom | Literal[False] | None = None,
     isolate_errors: bool = False,
     batch_timeout: float | None = None,
+    max_latency_ms: float | None = None,
     clock: Clock | None = None,
 ) -> Any:
     """Decorate a batch function (list of items -> sequence of results).
@@ -712,6 +725,19 @@ def batched(
             `max_concurrent_batches` stuck threads (past that, none is replaced and
             `stats().healthy` is False until one returns). A timed-out batch is not
             retried. Not applied to generator (streaming) functions.
+        max_latency_ms: Each request's latency target, in milliseconds from its
+            admission to its result (to its last chunk, for a stream); None (the
+            default) for none. The function then learns how long its batches take
+            (a robust fit of `a + b * size + c * cost` to the recent batches, in
+            [`stats`][batchkit.BatchedFunction.stats] as `latency_model`) and, once
+            it has seen 8 batches: refuses at once, with
+            [`Overloaded`][batchkit.Overloaded], a call it predicts would be late
+            given the work ahead of it; drops, with the same error and before they
+            run, waiting requests that could no longer be in time even alone; sends
+            a batch off before its max wait when waiting longer would make its
+            oldest request late; and forms no batch so large that its most urgent
+            request would be late. `Overloaded` is a
+            [`QueueFull`][batchkit.QueueFull]: one `except QueueFull` handles both.
         clock: A monotonic clock in seconds, read for max waits, caller timeouts and
             the latencies in [`stats`][batchkit.BatchedFunction.stats]; None (the
             default) is `time.monotonic`. Tests inject a fake one.
@@ -724,8 +750,8 @@ def batched(
         ValueError: An option is not valid (the message names it): `max_batch_size`
             or `max_wait_ms` beside a `batcher`, a `max_queue_size` or
             `max_concurrent_batches` below 1, an unknown `when_full`,
-            `when_full="block"` without a `max_queue_size`, or a `batch_timeout` that
-            is not a finite number of seconds above 0.
+            `when_full="block"` without a `max_queue_size`, or a `batch_timeout` or
+            `max_latency_ms` that is not a finite number above 0.
         TypeError: `batcher` is not a [`Batcher`][batchkit.Batcher]; `fn`,
             `collate`, `split` or `on_oom` is not callable; or `oom_errors` holds
             something that is not an exception type.
@@ -739,7 +765,9 @@ def batched(
         )
     elif not isinstance(batcher, Batcher):
         raise TypeError(f"batcher must be a batchkit Batcher, got {type(batcher).__name__}")
-    _check_serving_options(max_queue_size, max_concurrent_batches, when_full, batch_timeout)
+    _check_serving_options(
+        max_queue_size, max_concurrent_batches, when_full, batch_timeout, max_latency_ms
+    )
     for name, cb in (("collate", collate), ("split", split)):
         if cb is not None and not callable(cb):
             raise TypeError(f"{name} must be callable, got {type(cb).__name__}")
@@ -752,6 +780,7 @@ def batched(
         clock=clock or time.monotonic,
         oom=_oom_recovery(oom_errors, on_oom),
         batch_timeout=None if batch_timeout is None else float(batch_timeout),
+        max_latency_s=None if max_latency_ms is None else max_latency_ms / 1e3,
         isolate_errors=bool(isolate_errors),
         when_full=when_full,
     )

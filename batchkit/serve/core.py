@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from batchkit.errors import BatcherClosed, BatchTimeout, QueueFull, RequestTimeout
+from batchkit.errors import BatcherClosed, BatchTimeout, Overloaded, QueueFull, RequestTimeout
 from batchkit.serve.admission import BlockingAdmission
 from batchkit.serve.channels import Channel
 from batchkit.serve.events import BatchEvent, DropEvent, DropReason, Listener, notify
@@ -52,6 +52,7 @@ class ServingCore:
             options.policy,
             max_queue_size=options.max_queue_size,
             max_concurrent_batches=options.max_concurrent_batches,
+            max_latency_s=options.max_latency_s,
         )
         # Re-entrant: listeners run under it and may call f.stats() or remove themselves.
         self.lock = threading.RLock()
@@ -60,8 +61,11 @@ class ServingCore:
         self.keyless = options.policy.key is None  # one bucket, no key to compute
         # A keyless policy's default-priority requests skip Scheduler.add: they are
         # appended to its arrivals and placed in bulk at the next scheduling step. Not
-        # with a bounded queue, which must refuse at once (QueueFull).
-        self.bulk_arrivals = self.keyless and options.max_queue_size is None
+        # with a bounded queue or a latency target, which must refuse at once
+        # (QueueFull, Overloaded).
+        self.bulk_arrivals = (
+            self.keyless and options.max_queue_size is None and options.max_latency_s is None
+        )
         # Set by the driver. wake(): under the lock, something changed: make sure a
         # batch leaves if one is ready. check_loop(loop): under the lock, before an
         # enqueue, refuse (raise) a caller's loop the driver cannot serve.
@@ -79,6 +83,7 @@ class ServingCore:
                 self.lock, self._admit_if_room_locked, self._gave_up_waiting_locked, self.clock
             )
             self.sched.on_room = self._room_freed_locked
+        self.sched.on_shed = self._shed_locked
 
     # -- admission -----------------------------------------------------------
     def make_request(
@@ -137,8 +142,8 @@ class ServingCore:
         else:
             try:
                 self.sched.add(req)
-            except QueueFull:
-                self.dropped("rejected", 1)
+            except QueueFull as refused:
+                self.dropped(_refusal_reason(refused), 1)
                 raise
         self.wake()
 
@@ -151,6 +156,7 @@ class ServingCore:
         Raises:
             BatcherClosed: The function is closed.
             QueueFull: They do not all fit under `max_queue_size`.
+            Overloaded: The last of them is predicted to miss `max_latency_ms`.
         """
         with self.lock:
             if self.closed:
@@ -159,18 +165,14 @@ class ServingCore:
                 return
             if self.check_loop is not None:
                 self.check_loop(reqs[0].loop)  # one call's requests share a loop
-            limit = self.sched.max_queue_size
-            if limit is not None and self.sched.num_waiting + len(reqs) > limit:
-                self.sched.stats.rejected += len(reqs)
-                self.dropped("rejected", len(reqs))
-                raise QueueFull(
-                    f"{len(reqs)} items do not fit: {self.sched.num_waiting} requests are "
-                    f"waiting (max_queue_size={limit})"
-                )
             now = self.clock()
             for req in reqs:
                 req.enqueued_at = now
-                self.sched.add(req)
+            try:
+                self.sched.add_all(reqs)
+            except QueueFull as refused:
+                self.dropped(_refusal_reason(refused), len(reqs))
+                raise
             self.wake()
 
     def _admit_if_room_locked(self, req: Request) -> bool:
@@ -184,6 +186,11 @@ class ServingCore:
         limit = self.sched.max_queue_size
         if self.admission is not None:
             self.admission.room_freed(None if limit is None else limit - self.sched.num_waiting)
+
+    def _shed_locked(self, shed: list[Request]) -> None:
+        """The scheduler dropped these waiting requests as too late (their error set)."""
+        self.dropped("overloaded", len(shed))
+        deliver(shed)
 
     def _gave_up_waiting_locked(self, timeout: float) -> RequestTimeout:
         self.sched.stats.timeouts += 1
@@ -262,7 +269,8 @@ class ServingCore:
             The settled requests, for the caller to `deliver` (outside the lock).
         """
         now = self.clock()
-        self.sched.finish(batch, now)
+        clean = run.calls == 1 and not run.errors and not batch.answered
+        self.sched.finish(batch, now, clean=clean)
         self._learn_from_locked(batch, run)
         if self.listeners:
             self._report_batch(batch, run, now)
@@ -316,7 +324,7 @@ class ServingCore:
         """
         abandoned = self._answer_running_locked(batch, error)
         now = self.clock()
-        self.sched.finish(batch, now)
+        self.sched.finish(batch, now, clean=False)
         if self.listeners:  # every request failed (answered here or by a close before)
             self._report_batch(batch, start_run(batch.requests, self.options), now)
         return abandoned
@@ -391,7 +399,7 @@ class ServingCore:
         with self.lock:
             policy = reconfigured(self.sched.policy, max_batch_size, max_wait_ms)
             self.options = dataclasses.replace(self.options, policy=policy)
-            self.sched.policy = policy
+            self.sched.set_policy(policy)
             if max_concurrent_batches is not None:
                 self.sched.max_concurrent_batches = max_concurrent_batches
             if max_queue_size is not None:
@@ -481,6 +489,7 @@ class ServingCore:
                 },
                 abandoned_workers=self.abandoned_workers,
                 healthy=self.healthy,
+                latency_model=None if self.sched.target is None else self.sched.target.model(),
             )
 
     def batch_timeout_error(self) -> BatchTimeout:
@@ -489,3 +498,8 @@ class ServingCore:
             f"{self.name}: the batch function ran longer than "
             f"batch_timeout={self.options.batch_timeout}s on this request's batch"
         )
+
+
+def _refusal_reason(refused: QueueFull) -> DropReason:
+    """The drop reason of a request refused at admission."""
+    return "overloaded" if isinstance(refused, Overloaded) else "rejected"

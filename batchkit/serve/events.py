@@ -12,7 +12,7 @@ from typing import Literal, Protocol
 
 log = logging.getLogger("batchkit")
 
-DropReason = Literal["rejected", "timeout", "cancelled", "closed"]
+DropReason = Literal["rejected", "timeout", "cancelled", "closed", "overloaded"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,9 +59,11 @@ class DropEvent:
     Attributes:
         name: The batched function's qualified name.
         reason: Why: `"rejected"` (the queue was full: `QueueFull`), `"timeout"`
-            (their `timeout` passed first), `"cancelled"` (their caller left), or
+            (their `timeout` passed first), `"cancelled"` (their caller left),
             `"closed"` (the function closed before they ran: a close timed out, or
-            its event loop was gone).
+            its event loop was gone), or `"overloaded"` (they would have missed
+            `max_latency_ms`: refused at once, or dropped while waiting, with
+            `Overloaded`).
         count: How many requests, all with this reason (default 1).
     """
 

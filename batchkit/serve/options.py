@@ -77,6 +77,8 @@ class Options:
         when_full: What a call does on a full queue: `"reject"` or `"block"`.
         streaming: The function is a generator (or async generator) function.
         batch_timeout: Seconds one call of the function may run; None for no bound.
+        max_latency_s: Each request's latency target, from admission to result, in
+            seconds (`max_latency_ms` / 1000); None for none.
     """
 
     policy: Batcher
@@ -90,3 +92,4 @@ class Options:
     when_full: Literal["reject", "block"] = "reject"
     streaming: bool = False
     batch_timeout: float | None = None
+    max_latency_s: float | None = None

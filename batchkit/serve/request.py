@@ -39,6 +39,9 @@ class Request:
         enqueued_at: When it was admitted, on the core's clock; set again at
             admission.
         channel: Where a streaming caller reads its chunks; None for a plain call.
+
+    Under a latency target (`max_latency_ms`) it also gets a `deadline` at admission
+    (its admission time plus the target); it is not set otherwise.
     """
 
     __slots__ = (
@@ -54,8 +57,11 @@ class Request:
         "future",
         "loop",
         "channel",
+        "deadline",
         "_done",
     )
+
+    deadline: float  # admission time + target; set only under a latency target
 
     def __init__(
         self,

@@ -11,9 +11,10 @@ from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 
 from batchkit.batchers.base import Batcher
-from batchkit.errors import QueueFull
+from batchkit.errors import Overloaded, QueueFull
 from batchkit.serve.request import Request, State
 from batchkit.serve.stats import DispatchReason, StatsRecorder
+from batchkit.serve.targets import LatencyTarget
 
 PROBE_AFTER = 32  # successful batches at a learned cap before trying a larger one
 
@@ -28,6 +29,8 @@ class FormedBatch:
         padded_size: The size the function is called with (strict sizes pad up).
         dispatched_at: When it left the queue (the scheduler's clock, seconds).
         answered: A timed-out close already answered its requests.
+        expected_end: When it is predicted to end, under a latency target whose model
+            is ready; None otherwise.
     """
 
     requests: list[Request]
@@ -35,6 +38,7 @@ class FormedBatch:
     padded_size: int
     dispatched_at: float
     answered: bool = False
+    expected_end: float | None = None
 
 
 class Bucket:
@@ -134,6 +138,40 @@ class Bucket:
         elif count and self.track_max_key:
             self.max_key = max(r.key for r in self.candidates(None))
 
+    def shed_fronts(self, hopeless: Callable[[Request], bool]) -> list[Request]:
+        """Drop, from the front of each priority's deque, the requests `hopeless` picks.
+
+        Each deque is served front first and its deadlines grow towards the back, so
+        the scan of a deque stops at its first request that is not hopeless.
+
+        Args:
+            hopeless: Whether a waiting request can no longer be answered in time.
+
+        Returns:
+            The dropped requests (now `DROPPED`), already counted out of `live`.
+        """
+        shed: list[Request] = []
+        for _, queue in list(self._fronts()):
+            while queue and (queue[0].state is not State.WAITING or hopeless(queue[0])):
+                req = queue.popleft()
+                if req.state is State.WAITING:
+                    req.state = State.DROPPED
+                    shed.append(req)
+        if shed:
+            self.taken(len(shed))
+        return shed
+
+    def drop_waiting(self, reqs: Sequence[Request]) -> None:
+        """Drop these waiting requests (they become `DROPPED`; the deques let go of
+        them lazily).
+
+        Args:
+            reqs: Requests of this bucket that are waiting.
+        """
+        for req in reqs:
+            req.state = State.DROPPED
+        self.taken(len(reqs))
+
     def reaches_budget(self, policy: Batcher) -> bool:
         """Whether the waiting requests' cost, by the policy's `cost`, reaches `max_tokens`.
 
@@ -175,6 +213,13 @@ class Scheduler:
         max_queue_size: How many requests may wait; None (the default) is no bound.
         max_concurrent_batches: How many formed batches may be running at once (not
             yet finished); default 1.
+        max_latency_s: Each request's latency target, from admission to result, in
+            seconds; None (the default) for none. With one, the scheduler learns how
+            long batches take (from `finish`), refuses at admission what it predicts
+            would be late ([`Overloaded`][batchkit.Overloaded]), drops waiting
+            requests that can no longer be in time (they go to `on_shed`), sends a
+            batch off early rather than let its oldest member be late, and forms no
+            batch so large that its most urgent member would be late.
     """
 
     def __init__(
@@ -183,8 +228,10 @@ class Scheduler:
         *,
         max_queue_size: int | None = None,
         max_concurrent_batches: int = 1,
+        max_latency_s: float | None = None,
     ) -> None:
         self.policy = policy
+        self.target = None if max_latency_s is None else LatencyTarget(max_latency_s, policy)
         self.max_queue_size = max_queue_size
         self._queue_limit = float("inf") if max_queue_size is None else max_queue_size
         self.max_concurrent_batches = max_concurrent_batches
@@ -202,8 +249,21 @@ class Scheduler:
         # again by a quarter after PROBE_AFTER successful batches at the cap.
         self.caps: dict[Hashable, int] = {}
         self.on_room: Callable[[], None] | None = None  # called when requests leave the queue
+        # Called with the waiting requests dropped as too late to answer in time, their
+        # error (Overloaded) set: the serving core answers them.
+        self.on_shed: Callable[[list[Request]], None] | None = None
         self._cap_successes: dict[Hashable, int] = {}
         self.stats = StatsRecorder()
+
+    def set_policy(self, policy: Batcher) -> None:
+        """Use `policy` for the batches formed from now on (a live settings change).
+
+        Args:
+            policy: The new policy (same key and buckets as the old one).
+        """
+        self.policy = policy
+        if self.target is not None:
+            self.target.policy = policy
 
     def set_max_queue_size(self, limit: int) -> None:
         """Bound the queue from now on (requests already waiting stay, even past it).
@@ -229,6 +289,8 @@ class Scheduler:
         Raises:
             QueueFull: `max_queue_size` requests already wait; the request is not
                 enqueued (and counted as rejected).
+            Overloaded: Under a latency target, it is predicted to be answered too
+                late; it is not enqueued (and counted as overloaded).
         """
         if self.arrivals:
             self.ingest()  # keep arrival order: earlier arrivals get earlier seqs
@@ -237,9 +299,60 @@ class Scheduler:
             raise QueueFull(
                 f"{self._placed} requests are waiting (max_queue_size={self.max_queue_size})"
             )
+        if self.target is not None:
+            self._check_latency([req], req.enqueued_at)
+        self._enqueue(req)
+
+    def add_all(self, reqs: Sequence[Request]) -> None:
+        """Enqueue several requests of one caller (one priority): all of them, or none.
+
+        Args:
+            reqs: Waiting requests, their key, bucket, priority and admission time set.
+
+        Raises:
+            QueueFull: They do not all fit under `max_queue_size` (counted as
+                rejected).
+            Overloaded: Under a latency target, the last of them is predicted to be
+                answered too late (counted as overloaded).
+        """
+        if self.arrivals:
+            self.ingest()
+        limit = self.max_queue_size
+        if limit is not None and self._placed + len(reqs) > limit:
+            self.stats.rejected += len(reqs)
+            raise QueueFull(
+                f"{len(reqs)} items do not fit: {self._placed} requests are "
+                f"waiting (max_queue_size={limit})"
+            )
+        if self.target is not None and reqs:
+            self._check_latency(reqs, reqs[0].enqueued_at)
+        for req in reqs:
+            self._enqueue(req)
+
+    def _enqueue(self, req: Request) -> None:
         self.stats.requests = req.seq = self.stats.requests + 1  # seq: arrival order
         self._place(req)
         self._placed += 1
+        if self.target is not None:
+            self.target.entered(req)
+
+    def _check_latency(self, reqs: Sequence[Request], now: float) -> None:
+        """Refuse requests predicted to be answered past the latency target."""
+        assert self.target is not None
+        try:
+            self.target.check_admission(
+                reqs, now, self._slots_free_at(now), self.policy.max_batch_size
+            )
+        except Overloaded:
+            self.stats.overloaded += len(reqs)
+            raise
+
+    def _slots_free_at(self, now: float) -> list[float]:
+        """When each batch slot frees up: a running batch's predicted end (now when
+        unknown or past), now for a free slot."""
+        ends = [now if b.expected_end is None else b.expected_end for b in self.running.values()]
+        free = max(self.max_concurrent_batches - len(ends), 0)
+        return (ends + [now] * free)[: max(self.max_concurrent_batches, 1)] or [now]
 
     def ingest(self) -> None:
         """Place the requests in `arrivals` in their bucket, all in one step.
@@ -297,6 +410,8 @@ class Scheduler:
         bucket = self.buckets[req.bucket]
         bucket.taken(1)
         self._placed -= 1
+        if self.target is not None:
+            self.target.left([req])
         if self.on_room is not None:
             self.on_room()
         return True
@@ -312,6 +427,8 @@ class Scheduler:
             bucket.queues.clear()
             bucket.live = 0
         self._placed = 0
+        if self.target is not None:
+            self.target.left(dropped)
         if self.on_room is not None:
             self.on_room()
         return dropped
@@ -357,20 +474,30 @@ class Scheduler:
         return min(self.caps.get(name, self.policy.max_batch_size), self.policy.max_batch_size)
 
     # -- dispatch ----------------------------------------------------------
-    def _reason(self, name: Hashable, bucket: Bucket, now: float) -> DispatchReason | None:
+    def _reason(
+        self, name: Hashable, bucket: Bucket, now: float
+    ) -> tuple[DispatchReason | None, float | None]:
+        """Why the bucket's batch leaves now; else None and when time alone makes it
+        leave (its max-wait expiry, or the latest start its latency target allows)."""
         policy = self.policy
         if bucket.live >= self._limit(name) or (
             policy.max_tokens is not None and bucket.reaches_budget(policy)
         ):
-            return DispatchReason.FULL
+            return DispatchReason.FULL, None
         if self.closing:
-            return DispatchReason.CLOSING
+            return DispatchReason.CLOSING, None
         if policy.dispatch_when_idle and self.in_flight == 0:
-            return DispatchReason.IDLE
+            return DispatchReason.IDLE, None
         wait = policy.max_wait_s
         if wait is not None and now - bucket.oldest_enqueued_at() >= wait:
-            return DispatchReason.MAX_WAIT
-        return None
+            return DispatchReason.MAX_WAIT, None
+        due = None if wait is None else bucket.oldest_enqueued_at() + wait
+        if self.target is not None and self.target.ready:
+            latest = self.target.latest_start(bucket.candidates(self._limit(name)))
+            if now >= latest:
+                return DispatchReason.DEADLINE, None
+            due = latest if due is None else min(due, latest)
+        return None, due
 
     def poll(self, now: float) -> tuple[FormedBatch | None, float | None]:
         """The next batch to run now (if any), and when to poll again if nothing changes.
@@ -391,6 +518,8 @@ class Scheduler:
             arrival, a batch finishing, close) can make a batch ready. With every
             slot busy: `(None, None)`.
         """
+        if self.target is not None and self._placed and self.target.ready:
+            self._shed_hopeless(now)  # also while every slot is busy: answer them early
         if self.in_flight >= self.max_concurrent_batches:
             return None, None
         if self.arrivals:
@@ -403,10 +532,9 @@ class Scheduler:
         for name, bucket in self.buckets.items():
             if bucket.live == 0:
                 continue
-            reason = self._reason(name, bucket, now)
+            reason, due = self._reason(name, bucket, now)
             if reason is None:
-                if self.policy.max_wait_s is not None:
-                    due = bucket.oldest_enqueued_at() + self.policy.max_wait_s
+                if due is not None:
                     wake_at = due if wake_at is None or due < wake_at else wake_at
                 continue
             if len(self.buckets) == 1:
@@ -419,9 +547,51 @@ class Scheduler:
             return None, wake_at
         return self._take(*chosen, now), None
 
+    def _shed_hopeless(self, now: float) -> None:
+        """Drop the waiting requests that would be late even alone in the next batch."""
+        target = self.target
+        assert target is not None
+        start = min(self._slots_free_at(now))
+        shed: list[Request] = []
+        for bucket in self.buckets.values():
+            if bucket.live:
+                shed += bucket.shed_fronts(lambda req: target.hopeless(req, start))
+        self._shed(shed, start)
+
+    def _shed_overdue_front(self, name: Hashable, bucket: Bucket, now: float) -> None:
+        """Drop the oldest requests whose deadline a full batch leaving now would miss,
+        when a full batch waits behind them (see `LatencyTarget.overdue_front`)."""
+        target = self.target
+        assert target is not None
+        limit = self._limit(name)
+        waiting = bucket.candidates(4 * limit)  # (at most three batches' worth dropped)
+        overdue = waiting[: target.overdue_front(waiting, now, limit)]
+        if overdue:
+            bucket.drop_waiting(overdue)
+            self._shed(overdue, now)
+
+    def _shed(self, shed: list[Request], start: float) -> None:
+        """Answer dropped waiting requests with `Overloaded` (through `on_shed`)."""
+        if not shed:
+            return
+        target = self.target
+        assert target is not None
+        for req in shed:
+            req.error = target.overloaded_error(req, start)
+        self._placed -= len(shed)
+        self.stats.shed += len(shed)
+        target.left(shed)
+        if self.on_shed is not None:
+            self.on_shed(shed)
+        if self.on_room is not None:
+            self.on_room()
+
     def _take(
         self, name: Hashable, bucket: Bucket, reason: DispatchReason, now: float
     ) -> FormedBatch:
+        target = self.target
+        if target is not None and target.ready:
+            self._shed_overdue_front(name, bucket, now)
         queue = bucket.clean_queue()
         candidates = bucket.candidates(self.policy.candidate_limit)
         chosen = self.policy.select(candidates)
@@ -430,6 +600,8 @@ class Scheduler:
             del chosen[cap:]
             while len(chosen) > 1 and self.policy.padded_size(len(chosen)) > cap:
                 chosen.pop()
+        if target is not None:
+            target.trim(chosen, now)
         running = State.RUNNING  # (read once: an Enum member is a descriptor on 3.11)
         for req in chosen:
             req.state = running
@@ -444,19 +616,28 @@ class Scheduler:
         padded = self.policy.padded_size(len(chosen))
         self.stats.record_batch(chosen, reason, padded, now)
         batch = FormedBatch(chosen, reason, padded, now)
+        if target is not None:
+            target.left(chosen)
+            if target.ready:
+                batch.expected_end = now + target.batch_seconds(chosen)
         self.running[id(batch)] = batch
         return batch
 
-    def finish(self, batch: FormedBatch, now: float) -> None:
+    def finish(self, batch: FormedBatch, now: float, *, clean: bool = True) -> None:
         """A batch ended (whatever its outcome): its slot is free again.
 
         Args:
             batch: A batch `poll` returned, not finished before.
             now: The current time, in seconds (its latency is counted to it).
+            clean: It ran as one call that completed (not split, retried, timed out
+                or abandoned), so its time teaches a latency target's model.
         """
         self.in_flight -= 1
         del self.running[id(batch)]
-        self.stats.batch_latency.append(now - batch.dispatched_at)
+        elapsed = now - batch.dispatched_at
+        self.stats.batch_latency.append(elapsed)
+        if clean and self.target is not None:
+            self.target.observe(batch.requests, batch.padded_size, elapsed)
 
     @property
     def drained(self) -> bool:

@@ -8,6 +8,7 @@ from enum import Enum
 from typing import TYPE_CHECKING
 
 from batchkit.percentiles import SAMPLE_WINDOW, Percentiles
+from batchkit.serve.latency import LearnedLatency
 
 if TYPE_CHECKING:
     from batchkit.serve.request import Request
@@ -23,12 +24,15 @@ class DispatchReason(str, Enum):
         MAX_WAIT: Its oldest request had waited `max_wait_ms`.
         IDLE: No batch was running, so waiting requests went at once.
         CLOSING: The function is closing: waiting requests go without waiting.
+        DEADLINE: Under a latency target (`max_latency_ms`), waiting longer would
+            make its most urgent request late.
     """
 
     FULL = "full"
     MAX_WAIT = "max_wait"
     IDLE = "idle"
     CLOSING = "closing"
+    DEADLINE = "deadline"
 
 
 @dataclass(frozen=True)
@@ -41,7 +45,7 @@ class Stats:
 
     Attributes:
         requests: Requests admitted to the queue (those refused with `QueueFull`
-            are not counted).
+            or `Overloaded` are not counted).
         batches: Batches that left the queue.
         calls: Calls of the function: more than `batches` when batches were split
             and retried.
@@ -79,6 +83,13 @@ class Stats:
         abandoned_workers: Sync worker threads still stuck in a timed-out call.
         healthy: False once more than `max_concurrent_batches` worker threads are
             stuck in timed-out calls: no more are replaced until one returns.
+        overloaded: Requests refused at admission with
+            [`Overloaded`][batchkit.Overloaded]: predicted to miss `max_latency_ms`
+            (not counted in `requests`).
+        shed: Admitted requests dropped with `Overloaded` before they ran: they
+            could no longer be answered within `max_latency_ms`.
+        latency_model: Under `max_latency_ms`, the learned batch-time model; None
+            without a target, or until enough batches have run.
     """
 
     requests: int
@@ -104,6 +115,9 @@ class Stats:
     batch_timeouts: int = 0
     abandoned_workers: int = 0
     healthy: bool = True
+    overloaded: int = 0
+    shed: int = 0
+    latency_model: LearnedLatency | None = None
 
     @property
     def mean_batch_size(self) -> float:
@@ -139,6 +153,8 @@ class StatsRecorder:
     batch_latency: deque[float] = field(default_factory=lambda: deque(maxlen=SAMPLE_WINDOW))
     first_chunk: deque[float] = field(default_factory=lambda: deque(maxlen=SAMPLE_WINDOW))
     batch_timeouts: int = 0
+    overloaded: int = 0
+    shed: int = 0
 
     def record_batch(
         self, requests: list[Request], reason: DispatchReason, padded: int, now: float
@@ -169,6 +185,7 @@ class StatsRecorder:
         unplaced: int = 0,
         abandoned_workers: int = 0,
         healthy: bool = True,
+        latency_model: LearnedLatency | None = None,
     ) -> Stats:
         """Freeze the current values, with what only the caller knows.
 
@@ -179,6 +196,7 @@ class StatsRecorder:
             unplaced: Admitted requests not yet counted (bulk arrivals not placed).
             abandoned_workers: Worker threads stuck in a timed-out call.
             healthy: Whether stuck threads are still replaced.
+            latency_model: The learned batch-time model, if any.
         """
         return Stats(
             requests=self.requests + unplaced,
@@ -204,4 +222,7 @@ class StatsRecorder:
             batch_timeouts=self.batch_timeouts,
             abandoned_workers=abandoned_workers,
             healthy=healthy,
+            overloaded=self.overloaded,
+            shed=self.shed,
+            latency_model=latency_model,
         )

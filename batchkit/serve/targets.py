@@ -1,0 +1,258 @@
+"""Latency targets (`max_latency_ms`): which requests can still be answered in time.
+
+Every admitted request gets a deadline, its admission time plus the target. With a
+model of how long a batch takes (`batchkit.serve.latency`, learned from the batches
+that ran), the scheduler asks this object three questions:
+
+- at admission, when would this request be answered, given the work ahead of it
+  (waiting requests served before it, and the batches running now)? Past its
+  deadline, it is refused at once with [`Overloaded`][batchkit.Overloaded];
+- while it waits, can it still be answered in time if its batch left now, alone?
+  If not, it is dropped (the same error) before it costs the device anything;
+- how large may the next batch be so that its most urgent member is answered in
+  time, and when must the batch leave at the latest?
+
+Until the model has seen enough batches, everything is admitted and nothing is
+dropped: a prediction needs evidence.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from batchkit.batchers.base import Batcher
+from batchkit.errors import Overloaded
+from batchkit.serve.latency import BatchTimeLearner, LearnedLatency
+from batchkit.serve.request import Request
+
+# The share of the target kept for what follows a batch's end and the model does not
+# see: resolving the caller's future, and its task or thread waking up.
+ANSWER_RESERVE = 0.02
+
+
+class LatencyTarget:
+    """The deadline arithmetic of one batched function's `max_latency_ms`.
+
+    Not thread-safe: the scheduler calls it under the serving core's lock.
+
+    Args:
+        target_s: Each request's target, from admission to result, in seconds.
+        policy: The batching policy (its cost, budget and sizes shape the prediction).
+    """
+
+    def __init__(self, target_s: float, policy: Batcher) -> None:
+        self.target_s = target_s
+        # Deadlines are planned this much after admission, within the target.
+        self.plan_s = target_s * (1 - ANSWER_RESERVE)
+        self.policy = policy
+        self.learner = BatchTimeLearner()
+        # Waiting requests per priority: [count, sum of each request's own cost], for
+        # "how much work is ahead of a new request" without walking the queue.
+        self._waiting: dict[int, list[float]] = {}
+
+    @property
+    def ready(self) -> bool:
+        """Whether the batch-time model has seen enough batches to predict."""
+        return self.learner.ready
+
+    def model(self) -> LearnedLatency | None:
+        """The learned model in milliseconds; None until it has seen enough batches."""
+        return self.learner.snapshot()
+
+    # -- what a batch costs and takes ----------------------------------------------
+    def batch_cost(self, keys: Sequence[float]) -> float:
+        """The policy's cost of a batch with these keys (0 for a keyless policy).
+
+        Args:
+            keys: The batch's keys.
+        """
+        return 0.0 if self.policy.key is None else float(self.policy.cost.of(keys))
+
+    def batch_seconds(self, requests: Sequence[Request]) -> float:
+        """The predicted time of a batch of these requests (call only when `ready`).
+
+        Args:
+            requests: The batch's requests.
+        """
+        padded = self.policy.padded_size(len(requests))
+        return self.learner.predict(padded, self.batch_cost([r.key for r in requests]))
+
+    def observe(self, requests: Sequence[Request], padded_size: int, seconds: float) -> None:
+        """A batch ran cleanly (no split, no retry): learn from its time.
+
+        Args:
+            requests: Its requests.
+            padded_size: The size the function was called with.
+            seconds: From leaving the queue to its results.
+        """
+        self.learner.observe(padded_size, self.batch_cost([r.key for r in requests]), seconds)
+
+    # -- the work ahead ----------------------------------------------------------------
+    def entered(self, req: Request) -> None:
+        """`req` now waits (its deadline set from its admission time).
+
+        Args:
+            req: An admitted request, its `enqueued_at` set.
+        """
+        req.deadline = req.enqueued_at + self.plan_s
+        counts = self._waiting.get(req.priority)
+        if counts is None:
+            counts = self._waiting[req.priority] = [0, 0.0]
+        counts[0] += 1
+        counts[1] += self.batch_cost([req.key])
+
+    def left(self, requests: Sequence[Request]) -> None:
+        """These requests no longer wait (taken into a batch, or dropped).
+
+        Args:
+            requests: Requests that were waiting.
+        """
+        for req in requests:
+            counts = self._waiting[req.priority]
+            counts[0] -= 1
+            counts[1] -= self.batch_cost([req.key])
+            if counts[0] == 0:
+                del self._waiting[req.priority]
+
+    def check_admission(
+        self,
+        reqs: Sequence[Request],
+        now: float,
+        slots_free_at: Sequence[float],
+        max_batch_size: int,
+    ) -> None:
+        """Refuse `reqs` (one caller's, one priority) if the last of them would be late.
+
+        The work ahead is every waiting request of the same or a more urgent
+        priority, in batches of `max_batch_size` (fewer, smaller ones under a cost
+        budget), each taking the model's time, on the slots as they free up.
+
+        Args:
+            reqs: The new requests (not yet waiting).
+            now: The current time.
+            slots_free_at: When each of the `max_concurrent_batches` slots is free
+                (`now` for a free one, the predicted end of the batch running there).
+            max_batch_size: The largest batch.
+
+        Raises:
+            Overloaded: The predicted answer of the last request is past the target.
+        """
+        if not self.ready or not reqs:
+            return
+        priority = reqs[0].priority
+        ahead = cost = 0.0
+        for p, (count, total) in self._waiting.items():
+            if p <= priority:
+                ahead += count
+                cost += total
+        items = ahead + len(reqs)
+        cost += sum(self.batch_cost([r.key]) for r in reqs)
+        finish = self._finish_time(items, cost, now, slots_free_at, max_batch_size)
+        predicted = finish - now
+        if predicted > self.plan_s:
+            raise Overloaded(
+                f"predicted {predicted * 1e3:.1f} ms to answer this request "
+                f"({int(ahead)} requests ahead of it), over the target "
+                f"max_latency_ms={self.target_s * 1e3:g}",
+                predicted_s=predicted,
+                target_s=self.target_s,
+            )
+
+    def _finish_time(
+        self,
+        items: float,
+        cost: float,
+        now: float,
+        slots_free_at: Sequence[float],
+        max_batch_size: int,
+    ) -> float:
+        """When the last of `items` waiting requests (total cost `cost`) is answered."""
+        budget = self.policy.max_tokens
+        batches = math.ceil(items / max_batch_size)
+        if budget is not None and cost > budget:
+            batches = max(batches, math.ceil(cost / budget))
+        size = self.policy.padded_size(math.ceil(items / batches))
+        seconds = self.learner.predict(size, cost / batches)
+        # Equal batches, each to the slot that frees first: batch j runs on the
+        # (j mod slots)-th slot to free up, as its (j div slots + 1)-th batch.
+        free = sorted(max(t, now) for t in slots_free_at)
+        last = batches - 1
+        return free[last % len(free)] + (last // len(free) + 1) * seconds
+
+    # -- while requests wait -----------------------------------------------------------
+    def hopeless(self, req: Request, start: float) -> bool:
+        """Whether `req` would be late even in a batch of its own leaving at `start`.
+
+        Args:
+            req: A waiting request.
+            start: The earliest time its batch could leave.
+        """
+        return start + self.batch_seconds([req]) > req.deadline
+
+    def overloaded_error(self, req: Request, start: float) -> Overloaded:
+        """The error of a waiting request dropped as `hopeless`.
+
+        Args:
+            req: The request.
+            start: The earliest time its batch could have left.
+        """
+        waited = start - req.enqueued_at
+        run = self.batch_seconds([req])
+        return Overloaded(
+            f"dropped before it ran: waited {waited * 1e3:.1f} ms, its batch would take "
+            f"{run * 1e3:.1f} ms more, over the target max_latency_ms={self.target_s * 1e3:g}",
+            predicted_s=waited + run,
+            target_s=self.target_s,
+        )
+
+    def overdue_front(self, waiting: Sequence[Request], now: float, max_batch_size: int) -> int:
+        """How many of the first waiting requests to drop so that a full batch is in time.
+
+        When a full batch of the first requests would end past its most urgent
+        member's deadline, and at least a full batch waits behind them, the device
+        is the bottleneck: shrinking the batch to save the oldest would make every
+        request behind them later still. Then the oldest are dropped instead, as
+        few as make the next full batch in time. With fewer waiting, or when no
+        full batch would be in time, nothing is dropped here (`trim` shrinks the
+        batch instead).
+
+        Args:
+            waiting: Waiting requests in service order.
+            now: When the batch leaves.
+            max_batch_size: The largest batch.
+
+        Returns:
+            How many requests, from the front of `waiting`, to drop.
+        """
+        if not self.ready:
+            return 0
+        for first in range(len(waiting) - max_batch_size + 1):
+            batch = waiting[first : first + max_batch_size]
+            if now + self.batch_seconds(batch) <= min(r.deadline for r in batch):
+                return first
+        return 0
+
+    def trim(self, chosen: list[Request], now: float) -> None:
+        """Shorten a batch about to leave until its most urgent member is answered in time.
+
+        Args:
+            chosen: The batch, in order; its last members are removed (they stay
+                waiting) while it has more than one and would end past the earliest
+                deadline among them.
+            now: When it leaves.
+        """
+        if not self.ready:
+            return
+        deadline = min(r.deadline for r in chosen)
+        while len(chosen) > 1 and now + self.batch_seconds(chosen) > deadline:
+            chosen.pop()
+
+    def latest_start(self, batch: Sequence[Request]) -> float:
+        """When `batch` must leave at the latest for its most urgent member to be in time.
+
+        Args:
+            batch: The batch that would leave now (non-empty; call when `ready`).
+        """
+        return min(r.deadline for r in batch) - self.batch_seconds(batch)
+
