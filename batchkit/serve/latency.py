@@ -2,20 +2,25 @@
 
 A batch's time is modelled as `a + b * size + c * cost` (size: the padded batch size;
 cost: the policy's cost of its keys, 0 for a keyless policy), fitted to the most
-recent batches. Two things make it usable for admission decisions on a noisy machine:
+recent batches. What makes it usable for admission decisions on a noisy machine:
 
-- recent batches weigh more (the weight halves every `half_life` batches), so the
-  model follows a change of regime (a slower device, heavier inputs) within a few
-  dozen batches;
-- the fit is robust (iteratively reweighted least squares with Huber weights): one
-  stalled batch (a garbage collection, a page fault) hardly moves it; and a
-  prediction adds a *margin*, the recency-weighted 90th percentile of the
-  residuals, so it is an upper estimate, and it widens within a few batches of a
-  change, before the fit itself has moved.
+- the fit is robust (iteratively reweighted least squares with Huber weights), and
+  recent batches weigh more (the weight halves every `HALF_LIFE` batches): one
+  stalled batch (a garbage collection, a page fault) hardly moves it, a change of
+  regime (a slower device, heavier inputs) moves it within a few dozen batches;
+- a prediction adds a *margin*: the spread of the residuals (their 98th percentile
+  over the window, which a few outliers do not reach), plus the *shift*, the median
+  residual of the last 5 batches against the fit: a sudden slowdown shows there
+  after 3 batches, long before the fit has moved, while one outlier never does.
+
+The fit itself is recomputed every `REFIT_EVERY` batches (a few small numpy
+operations); the shift follows every batch.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import statistics
 from collections import deque
 from dataclasses import dataclass
 
@@ -23,8 +28,10 @@ import numpy as np
 
 MIN_SAMPLES = 8  # batches observed before a prediction is made
 WINDOW = 128  # batches kept
-HALF_LIFE = 16  # batches after which a sample weighs half as much
-MARGIN_QUANTILE = 0.95
+HALF_LIFE = 16  # batches after which a sample weighs half as much in the fit
+REFIT_EVERY = 8  # batches between two fits
+SPREAD_QUANTILE = 0.98
+SHIFT_WINDOW = 5  # the newest batches whose median residual is the shift
 _HUBER_K = 2.0  # residuals beyond this many robust standard deviations are down-weighted
 
 
@@ -33,16 +40,21 @@ class LearnedLatency:
     """The learned batch-time model, as [`Stats.latency_model`][batchkit.Stats] reports it.
 
     A batch's predicted time is `fixed_ms + per_item_ms * size + per_cost_ms * cost
-    + margin_ms`.
+    + margin_ms` within the sizes and costs seen. Beyond them it is never
+    extrapolated downward: the time at the largest seen is scaled up in proportion
+    (a term that never varied, e.g. every batch of one size, counts as fixed time).
 
     Attributes:
         fixed_ms: A batch's fixed time, in milliseconds.
         per_item_ms: Milliseconds per item (of the padded batch size).
         per_cost_ms: Milliseconds per unit of the policy's batch cost (tokens, for
             the default `"padded"` cost); 0 for a keyless policy.
-        margin_ms: What a prediction adds to the fit: the recent residuals' 90th
-            percentile.
+        margin_ms: What a prediction adds to the fit: the residuals' spread (their
+            98th percentile) plus the recent shift (the median residual of the last
+            5 batches, when positive).
         samples: Batches the model was fitted to (the most recent ones).
+        largest_size: The largest padded batch size among them.
+        largest_cost: The largest batch cost among them.
     """
 
     fixed_ms: float
@@ -50,32 +62,45 @@ class LearnedLatency:
     per_cost_ms: float
     margin_ms: float
     samples: int
+    largest_size: float
+    largest_cost: float
 
-    def predict_ms(self, size: int, cost: float = 0.0) -> float:
+    def predict_ms(self, size: float, cost: float = 0.0) -> float:
         """The predicted time of a batch, in milliseconds (margin included).
 
         Args:
             size: The batch's padded size.
             cost: The policy's cost of the batch's keys.
         """
-        return (
-            self.fixed_ms + self.per_item_ms * size + self.per_cost_ms * cost + self.margin_ms
-        )
+        return self.fit_ms(size, cost) + self.margin_ms
+
+    def fit_ms(self, size: float, cost: float = 0.0) -> float:
+        """The fitted time of a batch, in milliseconds, without the margin.
+
+        Args:
+            size: The batch's padded size.
+            cost: The policy's cost of the batch's keys.
+        """
+        scale = 1.0
+        if self.largest_size > 0 and size > self.largest_size:
+            scale, size = size / self.largest_size, self.largest_size
+        if self.largest_cost > 0 and cost > self.largest_cost:
+            scale, cost = max(scale, cost / self.largest_cost), self.largest_cost
+        return (self.fixed_ms + self.per_item_ms * size + self.per_cost_ms * cost) * scale
 
 
 class BatchTimeLearner:
     """Learns `a + b * size + c * cost` seconds from observed batches; predicts with a margin.
 
-    Not thread-safe: the serving core uses it under its lock. A refit runs at the first
-    prediction after new observations (a few small numpy operations on at most
-    `WINDOW` samples), so observing is cheap.
+    Not thread-safe: the serving core uses it under its lock.
     """
 
     def __init__(self) -> None:
         self._samples: deque[tuple[float, float, float]] = deque(maxlen=WINDOW)
-        self._coef = np.zeros(3)
-        self._margin = 0.0
-        self._stale = False
+        self._fit: LearnedLatency | None = None  # its margin: the spread alone
+        self._since_fit = 0
+        self._recent: deque[float] = deque(maxlen=SHIFT_WINDOW)  # residuals, ms
+        self._model: LearnedLatency | None = None  # the fit with the whole margin
 
     @property
     def ready(self) -> bool:
@@ -91,7 +116,10 @@ class BatchTimeLearner:
             seconds: How long it took, from leaving the queue to its results.
         """
         self._samples.append((float(size), float(cost), float(seconds)))
-        self._stale = True
+        self._model = None
+        if self._fit is not None:
+            self._since_fit += 1
+            self._recent.append(seconds * 1e3 - self._fit.fit_ms(size, cost))
 
     def predict(self, size: float, cost: float = 0.0) -> float:
         """The predicted seconds of a batch, margin included (call only when `ready`).
@@ -100,31 +128,40 @@ class BatchTimeLearner:
             size: The batch's padded size.
             cost: The policy's cost of its keys.
         """
-        if self._stale:
-            self._refit()
-        a, b, c = self._coef
-        return max(a + b * size + c * cost, 0.0) + self._margin
+        model = self.snapshot()
+        assert model is not None, "predict() before the model is ready"
+        return model.predict_ms(size, cost) / 1e3
 
     def snapshot(self) -> LearnedLatency | None:
         """The model now, in milliseconds; None until `ready`."""
         if not self.ready:
             return None
-        if self._stale:
+        if self._fit is None or self._since_fit >= REFIT_EVERY:
             self._refit()
-        a, b, c = (float(x) * 1e3 for x in self._coef)
-        return LearnedLatency(a, b, c, self._margin * 1e3, len(self._samples))
+        if self._model is None:
+            assert self._fit is not None
+            shift = max(statistics.median(self._recent), 0.0) if self._recent else 0.0
+            self._model = dataclasses.replace(self._fit, margin_ms=self._fit.margin_ms + shift)
+        return self._model
 
     def _refit(self) -> None:
         data = np.array(self._samples)
         design = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]])
         seconds = data[:, 2]
         ages = np.arange(len(data) - 1, -1, -1, dtype=float)
-        recency = 0.5 ** (ages / HALF_LIFE)
-        coef = _robust_fit(design, seconds, recency)
-        residuals = seconds - design @ coef
-        self._coef = coef
-        self._margin = max(_weighted_quantile(residuals, recency, MARGIN_QUANTILE), 0.0)
-        self._stale = False
+        coef = _robust_fit(design, seconds, 0.5 ** (ages / HALF_LIFE))
+        residuals = (seconds - design @ coef) * 1e3
+        spread = max(float(np.quantile(residuals, SPREAD_QUANTILE)), 0.0)
+        a, b, c = (float(x) * 1e3 for x in coef)
+        largest_size, largest_cost = (float(x) for x in data[:, :2].max(axis=0))
+        self._fit = LearnedLatency(a, b, c, spread, len(data), largest_size, largest_cost)
+        fit = self._fit
+        self._recent = deque(
+            (ms * 1e3 - fit.fit_ms(n, cost) for n, cost, ms in list(self._samples)[-SHIFT_WINDOW:]),
+            maxlen=SHIFT_WINDOW,
+        )
+        self._since_fit = 0
+        self._model = None
 
 
 def _robust_fit(design: np.ndarray, y: np.ndarray, recency: np.ndarray) -> np.ndarray:
@@ -143,9 +180,12 @@ def _robust_fit(design: np.ndarray, y: np.ndarray, recency: np.ndarray) -> np.nd
 
 def _nonnegative_fit(design: np.ndarray, y: np.ndarray, weights: np.ndarray) -> np.ndarray:
     """Weighted least squares with every coefficient >= 0: a column whose coefficient
-    comes out negative is dropped and the rest refitted (three columns at most)."""
+    comes out negative is dropped and the rest refitted (three columns at most). The
+    first column is the intercept (all ones)."""
     scales = np.abs(design).max(axis=0)  # conditioning: sizes ~10, costs ~10^4
-    active = [j for j in range(design.shape[1]) if scales[j] > 0]
+    # A term that never varied (every batch of one size) cannot be told apart from the
+    # fixed time: it goes there, which over-predicts smaller batches, never under.
+    active = [0] + [j for j in range(1, design.shape[1]) if np.ptp(design[:, j]) > 0]
     scaled = design[:, active] / scales[active]
     gram = scaled.T @ (scaled * weights[:, None])
     moment = scaled.T @ (y * weights)

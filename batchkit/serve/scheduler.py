@@ -350,9 +350,11 @@ class Scheduler:
     def _slots_free_at(self, now: float) -> list[float]:
         """When each batch slot frees up: a running batch's predicted end (now when
         unknown or past), now for a free slot."""
-        ends = [now if b.expected_end is None else b.expected_end for b in self.running.values()]
-        free = max(self.max_concurrent_batches - len(ends), 0)
-        return (ends + [now] * free)[: max(self.max_concurrent_batches, 1)] or [now]
+        ends = [
+            now if b.expected_end is None else max(b.expected_end, now)
+            for b in self.running.values()
+        ]
+        return ends + [now] * max(self.max_concurrent_batches - len(ends), 0)
 
     def ingest(self) -> None:
         """Place the requests in `arrivals` in their bucket, all in one step.
@@ -489,9 +491,11 @@ class Scheduler:
         if policy.dispatch_when_idle and self.in_flight == 0:
             return DispatchReason.IDLE, None
         wait = policy.max_wait_s
-        if wait is not None and now - bucket.oldest_enqueued_at() >= wait:
-            return DispatchReason.MAX_WAIT, None
+        # (The expiry is computed as the wake-up time is, so that a poll at the time
+        # it named surely finds the batch ready.)
         due = None if wait is None else bucket.oldest_enqueued_at() + wait
+        if due is not None and now >= due:
+            return DispatchReason.MAX_WAIT, None
         if self.target is not None and self.target.ready:
             latest = self.target.latest_start(bucket.candidates(self._limit(name)))
             if now >= latest:

@@ -43,8 +43,9 @@ class LatencyTarget:
 
     def __init__(self, target_s: float, policy: Batcher) -> None:
         self.target_s = target_s
-        # Deadlines are planned this much after admission, within the target.
-        self.plan_s = target_s * (1 - ANSWER_RESERVE)
+        # Batches are planned to end this much before the target, to leave time for
+        # answering the caller; predicted answer times include it.
+        self.reserve_s = target_s * ANSWER_RESERVE
         self.policy = policy
         self.learner = BatchTimeLearner()
         # Waiting requests per priority: [count, sum of each request's own cost], for
@@ -95,7 +96,7 @@ class LatencyTarget:
         Args:
             req: An admitted request, its `enqueued_at` set.
         """
-        req.deadline = req.enqueued_at + self.plan_s
+        req.deadline = req.enqueued_at + self.target_s - self.reserve_s
         counts = self._waiting.get(req.priority)
         if counts is None:
             counts = self._waiting[req.priority] = [0, 0.0]
@@ -149,8 +150,8 @@ class LatencyTarget:
         items = ahead + len(reqs)
         cost += sum(self.batch_cost([r.key]) for r in reqs)
         finish = self._finish_time(items, cost, now, slots_free_at, max_batch_size)
-        predicted = finish - now
-        if predicted > self.plan_s:
+        predicted = finish - now + self.reserve_s
+        if predicted > self.target_s:
             raise Overloaded(
                 f"predicted {predicted * 1e3:.1f} ms to answer this request "
                 f"({int(ahead)} requests ahead of it), over the target "
@@ -167,18 +168,21 @@ class LatencyTarget:
         slots_free_at: Sequence[float],
         max_batch_size: int,
     ) -> float:
-        """When the last of `items` waiting requests (total cost `cost`) is answered."""
+        """When the last of `items` waiting requests (total cost `cost`) is answered:
+        full batches first, the last one with what is left over."""
+        per_item = cost / items
+        full = max_batch_size
         budget = self.policy.max_tokens
-        batches = math.ceil(items / max_batch_size)
-        if budget is not None and cost > budget:
-            batches = max(batches, math.ceil(cost / budget))
-        size = self.policy.padded_size(math.ceil(items / batches))
-        seconds = self.learner.predict(size, cost / batches)
-        # Equal batches, each to the slot that frees first: batch j runs on the
-        # (j mod slots)-th slot to free up, as its (j div slots + 1)-th batch.
-        free = sorted(max(t, now) for t in slots_free_at)
-        last = batches - 1
-        return free[last % len(free)] + (last // len(free) + 1) * seconds
+        if budget is not None and per_item > 0:
+            full = max(1, min(full, int(budget // per_item)))
+        before = math.ceil(items / full) - 1  # full batches ahead of the last one
+        last = items - before * full
+        full_s = self.learner.predict(self.policy.padded_size(full), full * per_item)
+        last_s = self.learner.predict(self.policy.padded_size(math.ceil(last)), last * per_item)
+        # Each batch to the slot that frees first: the last one runs on the
+        # (before mod slots)-th slot to free up, after `before div slots` batches there.
+        free = sorted(slots_free_at)
+        return free[before % len(free)] + (before // len(free)) * full_s + last_s
 
     # -- while requests wait -----------------------------------------------------------
     def hopeless(self, req: Request, start: float) -> bool:
@@ -200,9 +204,10 @@ class LatencyTarget:
         waited = start - req.enqueued_at
         run = self.batch_seconds([req])
         return Overloaded(
-            f"dropped before it ran: waited {waited * 1e3:.1f} ms, its batch would take "
-            f"{run * 1e3:.1f} ms more, over the target max_latency_ms={self.target_s * 1e3:g}",
-            predicted_s=waited + run,
+            f"dropped before it ran: waited {waited * 1e3:.1f} ms, and its batch would "
+            f"take {run * 1e3:.1f} ms more, over the target "
+            f"max_latency_ms={self.target_s * 1e3:g}",
+            predicted_s=waited + run + self.reserve_s,
             target_s=self.target_s,
         )
 

@@ -1,0 +1,91 @@
+"""The learned batch-time model: what it predicts from the batches it has seen."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from batchkit.serve.latency import MIN_SAMPLES, BatchTimeLearner
+
+
+def device(size: int, cost: float = 0.0, per_item: float = 0.001) -> float:
+    return 0.010 + per_item * size + 0.00001 * cost
+
+
+def learned(samples: list[tuple[int, float, float]]) -> BatchTimeLearner:
+    learner = BatchTimeLearner()
+    for size, cost, seconds in samples:
+        learner.observe(size, cost, seconds)
+    return learner
+
+
+def test_it_predicts_nothing_until_it_has_seen_enough_batches() -> None:
+    learner = learned([(4, 0.0, device(4))] * (MIN_SAMPLES - 1))
+    assert not learner.ready and learner.snapshot() is None
+    learner.observe(4, 0.0, device(4))
+    assert learner.ready and learner.snapshot() is not None
+
+
+def test_exact_times_are_fitted_exactly() -> None:
+    learner = learned([(n, 0.0, device(n)) for n in (1, 4, 9, 16) * 4])
+    model = learner.snapshot()
+    assert model is not None
+    assert model.fixed_ms == pytest.approx(10.0, abs=1e-6)
+    assert model.per_item_ms == pytest.approx(1.0, abs=1e-6)
+    assert model.margin_ms == pytest.approx(0.0, abs=1e-6)
+    assert learner.predict(8) == pytest.approx(device(8))
+
+
+def test_the_cost_term_is_learned_beside_the_size() -> None:
+    rng = random.Random(0)
+    samples = []
+    for _ in range(64):
+        size = rng.randint(1, 16)
+        cost = size * rng.randint(10, 500)
+        samples.append((size, float(cost), device(size, cost)))
+    model = learned(samples).snapshot()
+    assert model is not None
+    assert model.per_cost_ms == pytest.approx(0.01, rel=1e-3)
+    assert model.per_item_ms == pytest.approx(1.0, rel=1e-3)
+
+
+def test_one_stalled_batch_hardly_moves_the_prediction() -> None:
+    rng = random.Random(1)
+    samples = [(n, 0.0, device(n) + rng.uniform(0, 0.0005)) for n in [1, 8, 16] * 30]
+    learner = learned(samples)
+    before = learner.predict(16)
+    learner.observe(16, 0.0, 0.300)  # a garbage collection, ten times the usual
+    assert learner.predict(16) - before < 0.002
+
+
+def test_a_slower_device_is_followed_within_a_few_batches() -> None:
+    learner = learned([(n, 0.0, device(n)) for n in [4, 8, 16] * 40])
+    for _ in range(3):
+        learner.observe(16, 0.0, device(16, per_item=0.002))
+    assert learner.predict(16) >= device(16, per_item=0.002) - 1e-6
+
+
+def test_a_prediction_is_an_upper_estimate_of_noisy_times() -> None:
+    rng = random.Random(2)
+    samples = [(n, 0.0, device(n) + rng.uniform(0, 0.002)) for n in [2, 8, 16] * 40]
+    learner = learned(samples)
+    late = sum(1 for n, _, seconds in samples[-40:] if seconds > learner.predict(n))
+    assert late <= 4  # the margin is the residuals' 95th percentile
+
+
+def test_sizes_never_seen_are_not_predicted_faster_than_proportional() -> None:
+    learner = learned([(2, 0.0, device(2))] * MIN_SAMPLES)
+    # Only batches of 2 so far: a batch of 1 is not assumed faster, one of 16 takes
+    # at least 8 times as long (the fixed time may scale too, as far as it knows).
+    assert learner.predict(1) == pytest.approx(device(2))
+    assert learner.predict(16) == pytest.approx(8 * device(2))
+    assert learner.predict(16) >= device(16)
+
+
+def test_negative_slopes_are_never_fitted() -> None:
+    # Noise that makes larger batches look faster must not make them predicted faster.
+    samples = [(16, 0.0, 0.020), (1, 0.0, 0.021)] * 8
+    model = learned(samples).snapshot()
+    assert model is not None
+    assert model.per_item_ms >= 0 and model.fixed_ms >= 0

@@ -1,0 +1,343 @@
+"""Latency targets (`max_latency_ms`): refused at admission, dropped while waiting,
+batches cut and sent off so that what is served is served in time. The scheduler is
+driven with explicit times and an exact emulated device (10 ms + 1 ms per item)."""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import math
+import threading
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import batchkit
+from batchkit import DynamicBatcher, Overloaded, QueueFull
+from batchkit.serve.events import DropEvent
+from batchkit.serve.request import Request, State
+from batchkit.serve.scheduler import FormedBatch, Scheduler
+from batchkit.serve.stats import DispatchReason
+
+TARGET = 0.105
+RESERVE = 0.0021  # 2% of the target kept for answering the caller
+PLANNED = TARGET - RESERVE  # when batches are planned to end at the latest
+SIZES = (1, 4, 8, 16, 2, 12, 6, 10)  # batches the models are taught with
+
+
+def device(n: int) -> float:
+    return 0.010 + 0.001 * n
+
+
+def add(sched: Scheduler, now: float, priority: int = 0) -> Request:
+    req = Request(len(sched.running), 0.0, None, priority)
+    req.enqueued_at = now
+    sched.add(req)
+    return req
+
+
+def taught(
+    max_wait_ms: float = 5.0, max_concurrent_batches: int = 1
+) -> tuple[Scheduler, float]:
+    """A scheduler whose model has seen batches of several sizes; and the time after."""
+    sched = Scheduler(
+        DynamicBatcher(16, max_wait_ms=max_wait_ms),
+        max_concurrent_batches=max_concurrent_batches,
+        max_latency_s=TARGET,
+    )
+    now = 0.0
+    for n in SIZES:
+        reqs = [add(sched, now) for _ in range(n)]
+        batch, _ = sched.poll(now)
+        assert batch is not None and batch.requests == reqs
+        now += device(n)
+        sched.finish(batch, now)
+    assert sched.target is not None and sched.target.ready
+    return sched, now + 1.0
+
+
+def test_everything_is_admitted_until_the_model_has_seen_enough_batches() -> None:
+    sched = Scheduler(DynamicBatcher(16), max_latency_s=TARGET)
+    for _ in range(1000):
+        add(sched, 0.0)
+    assert sched.num_waiting == 1000 and sched.stats.overloaded == 0
+
+
+def test_a_request_predicted_to_be_late_is_refused_with_overloaded() -> None:
+    sched, now = taught()
+    # Three full batches (26 ms each), then a batch of 14 ending at 102 ms: in time.
+    for _ in range(48 + 14):
+        add(sched, now)
+    with pytest.raises(Overloaded) as refused:  # in a batch of 15: 103 ms
+        add(sched, now)
+    assert refused.value.predicted_s == pytest.approx(3 * device(16) + device(15) + RESERVE)
+    assert refused.value.target_s == TARGET
+    assert "105.1 ms" in str(refused.value) and "max_latency_ms=105" in str(refused.value)
+    assert isinstance(refused.value, QueueFull)  # one `except QueueFull` for both
+    assert sched.stats.overloaded == 1 and sched.num_waiting == 62
+
+
+def test_the_work_ahead_counts_only_as_urgent_or_more_urgent_requests() -> None:
+    sched, now = taught()
+    for _ in range(62):
+        add(sched, now, priority=1)
+    with pytest.raises(Overloaded):
+        add(sched, now, priority=1)
+    add(sched, now, priority=0)  # served before all 62: admitted
+    assert sched.num_waiting == 63
+
+
+def test_concurrent_batches_let_more_requests_in() -> None:
+    sched, now = taught(max_concurrent_batches=2)
+    # Six full batches, three on each slot (78 ms), then a seventh of 14 (102 ms).
+    for _ in range(96 + 14):
+        add(sched, now)
+    with pytest.raises(Overloaded):
+        add(sched, now)
+
+
+def test_a_running_batch_delays_the_predicted_answer() -> None:
+    sched, now = taught()
+    for _ in range(16):
+        add(sched, now)
+    running, _ = sched.poll(now)
+    assert running is not None and running.expected_end == pytest.approx(now + device(16))
+    # 26 ms until the slot frees, two full batches (78 ms), then a batch of 14.
+    for _ in range(32 + 14):
+        add(sched, now)
+    with pytest.raises(Overloaded):
+        add(sched, now)
+
+
+def test_a_waiting_request_that_can_no_longer_be_in_time_is_dropped() -> None:
+    sched, now = taught(max_wait_ms=1000)
+    shed: list[Request] = []
+    sched.on_shed = shed.extend
+    for _ in range(16):
+        add(sched, now)
+    stuck, _ = sched.poll(now)  # runs far longer than predicted
+    assert stuck is not None
+    waiting = add(sched, now)
+    assert sched.poll(now + 0.090) == (None, None)  # 90 + 11 ms: still in time
+    assert not shed
+    assert sched.poll(now + 0.093) == (None, None)  # 93 + 11 ms alone: too late
+    assert shed == [waiting] and waiting.state is State.DROPPED
+    assert isinstance(waiting.error, Overloaded)
+    assert "waited 93.0 ms" in str(waiting.error)
+    assert sched.stats.shed == 1 and sched.num_waiting == 0
+
+
+def test_a_batch_leaves_before_its_max_wait_when_waiting_would_make_it_late() -> None:
+    sched, now = taught(max_wait_ms=1000, max_concurrent_batches=2)
+    for _ in range(16):
+        add(sched, now)
+    assert sched.poll(now)[0] is not None  # one slot busy: no idle dispatch
+    add(sched, now)
+    add(sched, now)
+    batch, wake_at = sched.poll(now)
+    assert batch is None and wake_at == pytest.approx(now + PLANNED - device(2))
+    batch, _ = sched.poll(wake_at)
+    assert batch is not None and batch.reason is DispatchReason.DEADLINE
+    assert len(batch.requests) == 2
+
+
+def test_a_batch_is_cut_so_that_its_oldest_member_is_in_time() -> None:
+    sched, now = taught(max_wait_ms=1000)
+    for _ in range(16):
+        add(sched, now - 0.03)
+    busy, _ = sched.poll(now - 0.03)
+    assert busy is not None
+    reqs = [add(sched, now) for _ in range(10)]
+    sched.finish(busy, now + 0.085)
+    batch, _ = sched.poll(now + 0.085)
+    # 85 ms waited; a batch of 7 ends at 102 ms, a batch of 8 at 103.
+    assert batch is not None and batch.requests == reqs[:7]
+    assert sched.num_waiting == 3
+
+
+def test_with_a_full_batch_behind_them_the_oldest_are_dropped_not_the_batch_cut() -> None:
+    sched, now = taught(max_wait_ms=1000)
+    shed: list[Request] = []
+    sched.on_shed = shed.extend
+    for _ in range(16):
+        add(sched, now - 0.03)
+    busy, _ = sched.poll(now - 0.03)
+    assert busy is not None
+    old = [add(sched, now) for _ in range(8)]
+    new = [add(sched, now + 0.050) for _ in range(16)]
+    sched.finish(busy, now + 0.085)
+    batch, _ = sched.poll(now + 0.085)
+    # 7 of the 8 old ones could go in a batch of 7 (102 ms); but 16 newer ones wait
+    # behind them: a full batch of those is in time, a batch cut for the old is not.
+    assert batch is not None and batch.requests == new
+    assert shed == old and all(isinstance(r.error, Overloaded) for r in old)
+
+
+def test_the_learned_model_is_in_the_stats() -> None:
+    sched, _ = taught()
+    assert sched.target is not None
+    model = sched.target.model()
+    assert model is not None and model.samples == 8
+    assert model.fixed_ms == pytest.approx(10.0, abs=1e-6)
+    assert model.per_item_ms == pytest.approx(1.0, abs=1e-6)
+
+
+# -- under random load: nothing lost, nothing twice, what is served is in time -------
+
+
+def replay(
+    gaps: list[float], priorities: list[int], slots: int, max_wait_ms: float
+) -> tuple[dict[int, str], list[tuple[FormedBatch, float]], dict[int, float]]:
+    """Event-driven run of the scheduler on the exact device: each request's outcome,
+    every batch with its end, and each served request's latency."""
+    sched = Scheduler(
+        DynamicBatcher(16, max_wait_ms=max_wait_ms),
+        max_concurrent_batches=slots,
+        max_latency_s=TARGET,
+    )
+    outcome: dict[int, str] = {}
+    latency: dict[int, float] = {}
+
+    def settle(reqs: list[Request], how: str, now: float = 0.0) -> None:
+        for req in reqs:
+            assert req.item not in outcome, f"request {req.item} answered twice"
+            outcome[req.item] = how
+            if how == "served":
+                latency[req.item] = now - req.enqueued_at
+
+    sched.on_shed = lambda reqs: settle(reqs, "shed")
+    arrivals = list(itertools.accumulate(gaps))
+    ends: list[tuple[float, int, FormedBatch]] = []
+    batches: list[tuple[FormedBatch, float]] = []
+    wake_at: float | None = None
+    i = 0
+    while i < len(arrivals) or ends or sched.num_waiting:
+        candidates = [t for t in (arrivals[i] if i < len(arrivals) else None,
+                                  ends[0][0] if ends else None, wake_at) if t is not None]
+        now = min(candidates)
+        if ends and ends[0][0] == now:
+            _, _, done = heapq.heappop(ends)
+            sched.finish(done, now)
+            settle(done.requests, "served", now)
+        elif i < len(arrivals) and arrivals[i] == now:
+            req = Request(i, 0.0, None, priorities[i % len(priorities)])
+            req.enqueued_at = now
+            i += 1
+            try:
+                sched.add(req)
+            except Overloaded:
+                settle([req], "refused")
+        while True:
+            batch, wake_at = sched.poll(now)
+            if batch is None:
+                break
+            end = now + device(len(batch.requests))
+            heapq.heappush(ends, (end, id(batch), batch))
+            batches.append((batch, end))
+    return outcome, batches, latency
+
+
+@settings(deadline=None)
+@given(
+    gaps=st.lists(st.floats(0.0, 0.004), min_size=1, max_size=600),
+    priorities=st.lists(st.integers(0, 2), min_size=1, max_size=5),
+    slots=st.integers(1, 3),
+    max_wait_ms=st.sampled_from([1.0, 5.0, 1000.0]),
+)
+def test_under_random_load_each_request_ends_once_and_served_ones_are_in_time(
+    gaps: list[float], priorities: list[int], slots: int, max_wait_ms: float
+) -> None:
+    outcome, batches, latency = replay(gaps, priorities, slots, max_wait_ms)
+    assert sorted(outcome) == list(range(len(gaps)))  # nothing lost
+    served = [r.item for batch, _ in batches for r in batch.requests]
+    assert len(served) == len(set(served))  # nothing run twice
+    assert {k for k, v in outcome.items() if v == "served"} == set(served)
+    for batch, end in batches:
+        assert len(batch.requests) <= 16
+        if batch.expected_end is not None:  # formed with a ready model
+            assert end <= min(r.deadline for r in batch.requests) + 1e-9
+    assert all(math.isfinite(x) for x in latency.values())
+
+
+# -- through @batched: the callers' side -------------------------------------------
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.lock = threading.Lock()
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        with self.lock:
+            self.now += seconds
+
+
+class Drops:
+    def __init__(self) -> None:
+        self.events: list[DropEvent] = []
+
+    def on_batch(self, event: object) -> None:
+        pass
+
+    def on_drop(self, event: DropEvent) -> None:
+        self.events.append(event)
+
+
+def test_a_sync_function_refuses_what_it_predicts_would_be_late() -> None:
+    clock = FakeClock()
+
+    def model(xs: list[int]) -> list[int]:
+        clock.advance(device(len(xs)))
+        return [x * 2 for x in xs]
+
+    f = batchkit.batched(max_batch_size=16, max_latency_ms=105, clock=clock)(model)
+    drops = Drops()
+    f.add_listener(drops)
+    assert f(1) == 2 and f.stats().latency_model is None
+    for n in SIZES:  # one batch each: nothing else is waiting
+        assert f.map(range(n)) == [2 * i for i in range(n)]
+    stats = f.stats()
+    assert stats.latency_model is not None
+    assert stats.latency_model.fixed_ms == pytest.approx(10.0, abs=1e-6)
+    with pytest.raises(Overloaded, match="over the target max_latency_ms=105"):
+        f.map(range(200))  # all of them, or none
+    assert f(5) == 10
+    stats = f.stats()
+    assert stats.overloaded == 200 and stats.requests == sum(SIZES) + 2
+    assert [(e.reason, e.count) for e in drops.events] == [("overloaded", 200)]
+    f.close()
+
+
+def test_an_async_function_refuses_what_it_predicts_would_be_late() -> None:
+    clock = FakeClock()
+
+    async def model(xs: list[int]) -> list[int]:
+        clock.advance(device(len(xs)))
+        return [x + 1 for x in xs]
+
+    f = batchkit.batched(max_batch_size=16, max_latency_ms=105, clock=clock)(model)
+
+    async def main() -> None:
+        for n in SIZES:
+            assert await f.amap(range(n)) == [i + 1 for i in range(n)]
+        with pytest.raises(Overloaded):
+            await f.amap(range(200))
+        # 70 at once: the first 62 fit (three full batches and one of 14).
+        results = await asyncio.gather(*(f.acall(i) for i in range(70)), return_exceptions=True)
+        refused = [r for r in results if isinstance(r, Overloaded)]
+        assert results[:62] == [i + 1 for i in range(62)] and len(refused) == 8
+        await f.aclose()
+
+    asyncio.run(main())
+    assert f.stats().overloaded == 208
+
+
+@pytest.mark.parametrize("bad", [0, -5, float("inf"), float("nan"), True, "100"])
+def test_a_latency_target_must_be_a_positive_finite_number(bad: object) -> None:
+    with pytest.raises(ValueError, match="max_latency_ms"):
+        batchkit.batched(max_latency_ms=bad)  # type: ignore[arg-type]
