@@ -1,0 +1,738 @@
+"""Goodput under overload: answers within a 100 ms target, batchkit against its peers.
+
+A service with a latency target is judged by its *goodput*: the answers that arrive in
+time, per second. Past capacity, a batcher that queues everything answers everything
+late (goodput falls to zero); one that refuses what it cannot serve in time keeps the
+device busy on requests that still make it. This benchmark offers open-loop Poisson
+load below, at and above capacity and counts what comes back within the target.
+
+Emulated device: one device (one batch at a time: an ``asyncio.Lock``), a batch of n
+items takes ``await asyncio.sleep(10 ms + the sum of its items' costs)``; max batch 16,
+target 100 ms from the call to its answer, max wait 5 ms for every system. Two phases:
+
+- light: every item costs 1 ms, a full batch 26 ms, capacity C = 16 / 26 ms ≈ 615
+  items/s;
+- heavy: items twice as heavy, 2 ms each (a full batch 42 ms, C = 16 / 42 ms ≈ 381
+  items/s), and *no system is told*: same settings, same target.
+
+Rows (a fresh instance per load point):
+
+- ``batchkit max_latency_ms``  ``@batchkit.batched(max_latency_ms=100)``: learns how
+  long batches take, refuses at admission (``Overloaded``) what it predicts would miss,
+  drops waiting requests that no longer can make it, and never forms a batch so large
+  that its oldest member misses. "n/a (feature missing)" where batchkit has no such
+  option;
+- ``batchkit fixed``           the same ``@batched`` without a target or queue bound;
+- ``batchkit queue bound``     ``@batched(max_queue_size=Q)``, Q hand-tuned for the
+  light phase: the queue a full-batch pipeline drains within the target,
+  Q = floor((100 ms / 26 ms - 1) * 16) = 45 (printed); ``QueueFull`` past it;
+- ``ray-serve``                Ray Serve's ``@serve.batch`` (no cluster, ``_peers.py``);
+- ``mixedbread``               mixedbread's ``batched.aio.dynamically``;
+- ``minimal``                  the blog-post asyncio batcher (``_peers.MinimalBatcher``);
+- ``device (ref)``             no batcher: the device called back to back on full
+  batches for a segment's length per phase, in the same run (sleep overshoot and loop
+  wake-ups included), as items/s / C. A column's bound is the lesser of that and the
+  offered load (a segment's last requests may be answered just after it ends, so over
+  short segments a row can edge past it).
+
+Command-line names of the rows (``--systems``): ``target``, ``fixed``, ``queue-bound``,
+``ray-serve``, ``mixedbread``, ``minimal``.
+
+Load points: Poisson arrivals at 0.5x, 1x, 1.5x and 2x capacity, seeded (every system
+sees the same arrivals). Each load point is one instance serving one arrival stream,
+the phases *back to back*: a warm-up (0.5 s, light, not counted), the light segment
+(3 s at the load times the light C), then at once the heavy segment (3 s at the load
+times the heavy C, heavy items); ``--quick``: 0.2 s, 0.8 s, 0.8 s. A learned model has
+to notice the change on its own; items queued at the switch keep their own cost. A
+request belongs to the segment its scheduled arrival falls in; its latency runs from
+its call (the moment the driver called the system) to its answer. After the last
+arrival the stream gets a grace period (0.3 s; ``--quick`` 0.15 s; always more than
+the target); requests unanswered by then are cancelled and counted as late.
+Every offered request is counted exactly once:
+
+- in time: answered within 100 ms of its call;
+- late: answered later, or not at all by the end of the grace period;
+- refused: failed with an error (batchkit's ``QueueFull`` / ``Overloaded``, or a
+  peer's error; the types are printed). A wrong answer stops the benchmark.
+
+Reported per system, per segment and load: goodput = in-time answers per second /
+that phase's C; the fraction of offered requests answered in time; the served p99
+latency (answered requests only, in time or late; refused and unanswered ones have
+none); refused and late counts; mean items per batch. With ``--repeats N`` each cell
+is the median over repeats (default 1: each cell is already thousands of requests).
+
+Goals (PASS/MISS lines; exit status 1 on a MISS): ``batchkit max_latency_ms`` at every
+load >= 1x in both phases, goodput >= 0.85 with its served p99 <= 100 ms; at 0.5x,
+answered in time >= 0.98 of offered (both phases). Each line gives the bound from
+``device (ref)`` and the best other row beside it.
+
+Usage::
+
+    python benchmarks/slo.py               # ~3 min on 2 cores
+    python benchmarks/slo.py --quick       # ~1 min: 0.8 s segments, noisier
+    python benchmarks/slo.py --systems target,fixed,minimal --json slo.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import gc
+import json
+import math
+import random
+import statistics
+import sys
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _load import issue, poisson_arrivals  # noqa: E402
+from _peers import MinimalBatcher, MxbaiAsync, RayServeBatcher  # noqa: E402
+
+import batchkit  # noqa: E402
+
+MAX_BATCH = 16
+MAX_WAIT_S = 0.005
+TARGET_S = 0.100
+BATCH_FIXED_S = 0.010  # every batch's own cost, whatever its size
+ITEM_COST_S = {"light": 0.001, "heavy": 0.002}  # what each item adds, per phase
+PHASES = tuple(ITEM_COST_S)
+LOADS = (0.5, 1.0, 1.5, 2.0)
+
+
+def full_batch_s(phase: str) -> float:
+    """Seconds the device takes for a full batch of the phase's items."""
+    return BATCH_FIXED_S + MAX_BATCH * ITEM_COST_S[phase]
+
+
+def capacity(phase: str) -> float:
+    """Items per second with full batches back to back (the phase's C)."""
+    return MAX_BATCH / full_batch_s(phase)
+
+
+# The queue a full-batch pipeline drains within the target, in the light phase: a
+# request behind Q others waits Q / 16 full batches, then runs in its own.
+QUEUE_BOUND = math.floor((TARGET_S / full_batch_s("light") - 1) * MAX_BATCH)
+
+SYSTEMS = {  # command-line name: row label
+    "target": "batchkit max_latency_ms",
+    "fixed": "batchkit fixed",
+    "queue-bound": "batchkit queue bound",
+    "ray-serve": "ray-serve",
+    "mixedbread": "mixedbread",
+    "minimal": "minimal",
+}
+TARGET_ROW = "target"
+REFERENCE = "device (ref)"
+
+Item = tuple[int, float]  # (index, seconds it adds to its batch)
+
+# --------------------------------------------------------------------------- the device
+
+
+class Device:
+    """One emulated device: one batch at a time, each ``BATCH_FIXED_S`` plus the sum
+    of its items' costs (an ``asyncio.sleep``, so the loop runs meanwhile)."""
+
+    def __init__(self) -> None:
+        self._lock = asyncio.Lock()
+        self.batches: list[tuple[float, int]] = []  # (loop time it started, items)
+
+    async def run(self, items: list[Item]) -> list[int]:
+        async with self._lock:
+            self.batches.append((asyncio.get_running_loop().time(), len(items)))
+            await asyncio.sleep(BATCH_FIXED_S + sum(cost for _, cost in items))
+        return [i for i, _ in items]
+
+
+async def device_back_to_back(phase: str, seconds: float) -> float:
+    """The device run on full batches of ``phase`` items for ``seconds``, no batcher:
+    items/s as a fraction of the phase's capacity."""
+    loop = asyncio.get_running_loop()
+    device = Device()
+    full = [(i, ITEM_COST_S[phase]) for i in range(MAX_BATCH)]
+    batches = 0
+    t0 = loop.time()
+    while batches < 10 or loop.time() - t0 < seconds:
+        await device.run(full)
+        batches += 1
+    return batches * MAX_BATCH / (loop.time() - t0) / capacity(phase)
+
+
+# --------------------------------------------------------------------------- systems
+
+
+class System(Protocol):
+    """A batcher under test: ``await call(item)`` is the item's answer."""
+
+    @property
+    def call(self) -> Callable[[Item], Awaitable[Any]]: ...
+
+    async def close(self) -> None: ...
+
+
+class FeatureMissing(Exception):
+    """This batchkit has no ``max_latency_ms`` option."""
+
+
+class BatchkitRow:
+    """``@batchkit.batched`` on the device's async batch function, awaited with ``acall``."""
+
+    def __init__(self, fn: Callable[[list[Item]], Awaitable[list[int]]], **options: Any) -> None:
+        self.f = batchkit.batched(
+            max_batch_size=MAX_BATCH, max_wait_ms=MAX_WAIT_S * 1e3, **options
+        )(fn)
+        self.call = self.f.acall
+
+    async def close(self) -> None:
+        # Its callers are answered or cancelled (withdrawn) by now: nothing should wait.
+        await self.f.aclose(timeout=1.0)
+
+
+def make_system(name: str, device: Device) -> System:
+    """A fresh instance of system ``name`` serving ``device`` (inside the running loop).
+
+    Raises:
+        FeatureMissing: ``name`` is the target row and ``batched()`` refuses
+            ``max_latency_ms``.
+    """
+    fn = device.run
+    if name == "target":
+        try:
+            return BatchkitRow(fn, max_latency_ms=TARGET_S * 1e3)
+        except TypeError as exc:
+            if "max_latency_ms" in str(exc):
+                raise FeatureMissing(str(exc)) from None
+            raise
+    if name == "fixed":
+        return BatchkitRow(fn)
+    if name == "queue-bound":
+        return BatchkitRow(fn, max_queue_size=QUEUE_BOUND)
+    if name == "ray-serve":
+        return RayServeBatcher(fn, MAX_BATCH, MAX_WAIT_S)
+    if name == "mixedbread":
+        return MxbaiAsync(fn, MAX_BATCH, MAX_WAIT_S)
+    if name == "minimal":
+        minimal = MinimalBatcher(fn, MAX_BATCH, MAX_WAIT_S)
+        minimal.call = minimal  # type: ignore[attr-defined]
+        return minimal  # type: ignore[return-value]
+    raise ValueError(name)
+
+
+async def feature_missing(name: str) -> str | None:
+    """Why system ``name`` cannot be built here (None when it can)."""
+    try:
+        system = make_system(name, Device())
+    except FeatureMissing as exc:
+        return str(exc)
+    await system.close()
+    return None
+
+
+# --------------------------------------------------------------------------- one load point
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """One run's shape.
+
+    Attributes:
+        systems: Command-line names of the systems to run, in table order.
+        loads: Offered loads, as fractions of each phase's capacity.
+        warm_s: Seconds of light load before the light segment, not counted.
+        segment_s: Seconds of each measured segment (light, then heavy).
+        grace_s: Seconds after the last arrival before unanswered requests are
+            cancelled (and counted as late); more than the target.
+        repeats: Runs of every load point; cells are medians over them.
+        seed: Seeds the arrivals (each repeat and load its own stream).
+    """
+
+    systems: tuple[str, ...] = tuple(SYSTEMS)
+    loads: tuple[float, ...] = LOADS
+    warm_s: float = 0.5
+    segment_s: float = 3.0
+    grace_s: float = 0.3
+    repeats: int = 1
+    seed: int = 1234
+
+    def __post_init__(self) -> None:
+        if self.grace_s <= TARGET_S:
+            raise ValueError(f"grace_s must exceed the target ({TARGET_S} s): {self.grace_s}")
+        if self.segment_s <= 0 or self.warm_s < 0 or self.repeats < 1:
+            raise ValueError(f"bad config: {self}")
+
+    def segments(self) -> list[tuple[str, str, float, float]]:
+        """(segment, phase, start, end) in seconds after the stream starts."""
+        w, d = self.warm_s, self.segment_s
+        return [
+            ("warm-up", "light", 0.0, w),
+            ("light", "light", w, w + d),
+            ("heavy", "heavy", w + d, w + 2 * d),
+        ]
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """One load point's arrival stream: when each request comes, what it is, and which
+    segment it counts in."""
+
+    arrivals: list[float]  # seconds after the stream starts
+    items: list[Item]
+    segment: list[str]
+
+    def offered(self, segment: str) -> int:
+        return self.segment.count(segment)
+
+
+def make_schedule(config: Config, load: float, rng: random.Random) -> Schedule:
+    arrivals: list[float] = []
+    segment: list[str] = []
+    items: list[Item] = []
+    for name, phase, start, end in config.segments():
+        times = poisson_arrivals(rng, load * capacity(phase), start, end)
+        items += [(len(arrivals) + k, ITEM_COST_S[phase]) for k in range(len(times))]
+        arrivals += times
+        segment += [name] * len(times)
+    return Schedule(arrivals, items, segment)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    """What one system did with one segment of one load point.
+
+    Attributes:
+        offered: Requests whose arrival fell in the segment.
+        in_time: Of those, answered within the target of the call.
+        late: Answered after the target, or not at all by the end of the grace period.
+        unanswered: Of ``late``, not answered at all (cancelled at the end).
+        refused: Failed with an error (refused at admission, or dropped).
+        refusals: ``refused`` by exception type name.
+        goodput: In-time answers per second of the segment, over the phase's capacity.
+        p99_ms: Served p99 latency, of answered requests (NaN when none was).
+        mean_batch: Mean items per batch the device started during the segment.
+        call_lateness_p99_ms: How late the driver made the calls, p99.
+    """
+
+    offered: int
+    in_time: int
+    late: int
+    unanswered: int
+    refused: int
+    refusals: dict[str, int]
+    goodput: float
+    p99_ms: float
+    mean_batch: float
+    call_lateness_p99_ms: float
+
+
+class WrongResult(AssertionError):
+    """A system answered a request with another request's result."""
+
+
+async def run_point(name: str, config: Config, schedule: Schedule) -> dict[str, Cell]:
+    """One instance of system ``name`` serves the whole arrival stream; per measured
+    segment, its cell."""
+    loop = asyncio.get_running_loop()
+    n = len(schedule.items)
+    latency: list[float | None] = [None] * n
+    error: list[str | None] = [None] * n
+    lateness = [0.0] * n
+    wrong: list[int] = []
+    device = Device()
+    system = make_system(name, device)
+
+    async def one(i: int, scheduled: float) -> None:
+        called = loop.time()
+        lateness[i] = called - scheduled
+        try:
+            answer = await system.call(schedule.items[i])
+        except Exception as exc:  # noqa: BLE001 - a refusal, counted by type
+            error[i] = type(exc).__name__
+            return
+        latency[i] = loop.time() - called
+        if answer != i:
+            wrong.append(i)
+
+    try:
+        t0 = loop.time() + 0.005
+        running = await issue(schedule.arrivals, one, t0)
+        deadline = t0 + config.segments()[-1][3] + config.grace_s
+        if running:
+            await asyncio.wait(list(running), timeout=max(deadline - loop.time(), 0.0))
+        left = list(running)
+        for task in left:
+            task.cancel()
+        await asyncio.gather(*left, return_exceptions=True)
+    finally:
+        await system.close()
+        await settle()
+    if wrong:
+        i = wrong[0]
+        raise WrongResult(f"{SYSTEMS[name]}: request {i} got another's result ({len(wrong)} so)")
+
+    cells: dict[str, Cell] = {}
+    for seg, phase, start, end in config.segments()[1:]:
+        ids = [i for i in range(n) if schedule.segment[i] == seg]
+        served = [t for i in ids if (t := latency[i]) is not None]
+        refusals = Counter(e for i in ids if (e := error[i]) is not None)
+        in_time = sum(t <= TARGET_S for t in served)
+        refused = sum(refusals.values())
+        batches = [size for at, size in device.batches if t0 + start <= at < t0 + end]
+        cells[seg] = Cell(
+            offered=len(ids),
+            in_time=in_time,
+            late=len(ids) - in_time - refused,
+            unanswered=len(ids) - len(served) - refused,
+            refused=refused,
+            refusals=dict(refusals),
+            goodput=in_time / (end - start) / capacity(phase),
+            p99_ms=percentile(served, 0.99) * 1e3,
+            mean_batch=statistics.fmean(batches) if batches else math.nan,
+            call_lateness_p99_ms=percentile([lateness[i] for i in ids], 0.99) * 1e3,
+        )
+    return cells
+
+
+async def settle(limit_s: float = 1.0) -> None:
+    """Wait (up to ``limit_s``) until no task but this one is left on the loop: what a
+    closed system left behind (a peer's batch tasks, now with only cancelled callers)
+    finishes before the next system is measured."""
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + limit_s
+    while len(asyncio.all_tasks()) > 1 and loop.time() < give_up:
+        await asyncio.sleep(0.005)
+
+
+def percentile(xs: list[float], q: float) -> float:
+    if not xs:
+        return math.nan
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+# --------------------------------------------------------------------------- the run
+
+
+def column(segment: str, load: float) -> str:
+    return f"{segment} {load:g}x"
+
+
+@dataclasses.dataclass
+class Results:
+    """Everything one run measured.
+
+    Attributes:
+        cells: System name -> column (``"light 1x"``) -> one cell per repeat.
+        missing: System name -> why it did not run.
+        offered: Column -> offered requests, per repeat (the same for every system).
+        device: Phase -> ``device (ref)``: full batches back to back, items/s over the
+            phase's capacity, per repeat.
+    """
+
+    cells: dict[str, dict[str, list[Cell]]]
+    missing: dict[str, str]
+    offered: dict[str, list[int]]
+    device: dict[str, list[float]]
+
+
+def rotated(names: list[str], k: int) -> list[str]:
+    if not names:
+        return names
+    k %= len(names)
+    return names[k:] + names[:k]
+
+
+async def run(config: Config) -> Results:
+    """Every load point of every repeat: the device reference, then each system (order
+    rotated per load point) on the same arrivals."""
+    missing = {name: why for name in config.systems if (why := await feature_missing(name))}
+    runnable = [name for name in config.systems if name not in missing]
+    columns = [column(seg, load) for seg in ("light", "heavy") for load in config.loads]
+    res = Results(
+        cells={name: {c: [] for c in columns} for name in runnable},
+        missing=missing,
+        offered={c: [] for c in columns},
+        device={phase: [] for phase in PHASES},
+    )
+    for r in range(config.repeats):
+        for phase in PHASES:
+            res.device[phase].append(await device_back_to_back(phase, config.segment_s))
+        for k, load in enumerate(config.loads):
+            rng = random.Random(f"{config.seed}/{r}/{load}")
+            schedule = make_schedule(config, load, rng)
+            for seg in ("light", "heavy"):
+                res.offered[column(seg, load)].append(schedule.offered(seg))
+            for name in rotated(runnable, r + k):
+                gc.collect()
+                for seg, cell in (await run_point(name, config, schedule)).items():
+                    res.cells[name][column(seg, load)].append(cell)
+    return res
+
+
+# --------------------------------------------------------------------------- report
+
+
+def med(xs: list[float]) -> float:
+    xs = [x for x in xs if not math.isnan(x)]
+    return statistics.median(xs) if xs else math.nan
+
+
+def median_of(res: Results, name: str, col: str, field: str) -> float:
+    return med([getattr(cell, field) for cell in res.cells[name][col]])
+
+
+def offered_rate(res: Results, config: Config, segment: str, load: float) -> float:
+    """Offered requests per second in a column (median over repeats)."""
+    return med([float(n) for n in res.offered[column(segment, load)]]) / config.segment_s
+
+
+def bound_goodput(res: Results, config: Config, segment: str, load: float) -> float:
+    """``device (ref)``'s goodput for a column: the offered load, or what the device
+    sustains back to back, whichever is less (medians over repeats)."""
+    phase = segment  # the measured segments are named for their phase
+    return min(offered_rate(res, config, segment, load) / capacity(phase), med(res.device[phase]))
+
+
+def bound_in_time(res: Results, config: Config, segment: str, load: float) -> float:
+    """``device (ref)``'s fraction answered in time for a column: all, or what the
+    device sustains back to back over the offered rate, whichever is less."""
+    sustained = med(res.device[segment]) * capacity(segment)
+    return min(1.0, sustained / offered_rate(res, config, segment, load))
+
+
+Reference = tuple[str, Callable[[str, float], str]]  # a last row: label, cell(segment, load)
+
+
+def print_table(
+    title: str,
+    res: Results,
+    config: Config,
+    cell: Callable[[str, str], str],
+    last_row: Reference | None = None,
+) -> None:
+    """One table: rows systems, columns segment x load; ``cell(name, column)`` formats
+    a system's cell, and ``last_row`` adds a row that is not a system's."""
+    n = len(config.loads)
+    print(f"\n{title}")
+    print(f"{'system':<24} " + " ".join(f"{seg:-^{7 * n}}" for seg in ("light", "heavy")))
+    loads = "".join(f"{load:>6g}x" for load in config.loads)
+    print(f"{'':<24} {loads} {loads}")
+
+    def row(label: str, cells: list[str]) -> None:
+        light, heavy = "".join(f"{c:>7}" for c in cells[:n]), "".join(f"{c:>7}" for c in cells[n:])
+        print(f"{label:<24} {light} {heavy}")
+
+    for name in config.systems:
+        if name in res.missing:
+            print(f"{SYSTEMS[name]:<24} n/a (feature missing)")
+        else:
+            row(
+                SYSTEMS[name],
+                [cell(name, column(s, load)) for s in ("light", "heavy") for load in config.loads],
+            )
+    if last_row is not None:
+        label, ref = last_row
+        row(label, [ref(s, load) for s in ("light", "heavy") for load in config.loads])
+
+
+def number(x: float, spec: str) -> str:
+    return "-" if math.isnan(x) else format(x, spec)
+
+
+def check(label: str, ok: bool, detail: str) -> bool:
+    print(f"{'PASS' if ok else 'MISS'}  {label}: {detail}")
+    return ok
+
+
+def report(res: Results, config: Config) -> bool:
+    """Print the tables, the notes and the goals; True when no goal is missed."""
+
+    def fmt(field: str, spec: str) -> Callable[[str, str], str]:
+        return lambda name, col: number(median_of(res, name, col, field), spec)
+
+    def fraction(field: str) -> Callable[[str, str], str]:
+        def cell(name: str, col: str) -> str:
+            return number(
+                med([getattr(c, field) / max(c.offered, 1) for c in res.cells[name][col]]), ".3f"
+            )
+
+        return cell
+
+    offered: Reference = (
+        "(offered)",
+        lambda seg, load: format(med([float(n) for n in res.offered[column(seg, load)]]), ".0f"),
+    )
+    print_table(
+        "goodput: answers within 100 ms per second / capacity",
+        res,
+        config,
+        fmt("goodput", ".3f"),
+        (REFERENCE, lambda seg, load: number(bound_goodput(res, config, seg, load), ".3f")),
+    )
+    print_table(
+        "answered in time / offered",
+        res,
+        config,
+        fraction("in_time"),
+        (REFERENCE, lambda seg, load: number(bound_in_time(res, config, seg, load), ".3f")),
+    )
+    print_table("served p99 latency, ms (answered requests)", res, config, fmt("p99_ms", ".0f"))
+    print_table("refused or dropped (requests)", res, config, fmt("refused", ".0f"), offered)
+    print_table(
+        "late: answered after 100 ms, or never (requests)", res, config, fmt("late", ".0f"), offered
+    )
+    print_table("mean items per batch", res, config, fmt("mean_batch", ".1f"))
+
+    print(
+        "\nnote  device (ref): full batches back to back ran at "
+        + ", ".join(f"{med(res.device[p]):.3f} of C ({p})" for p in PHASES)
+        + "; a column's bound is that, or the offered load if less"
+    )
+    for name in res.cells:
+        total: Counter[str] = Counter()
+        for cells in res.cells[name].values():
+            for cell in cells:
+                total.update(cell.refusals)
+                total["(never answered)"] += cell.unanswered
+        if +total:
+            print(f"note  {SYSTEMS[name]}: " + ", ".join(f"{k} {v}" for k, v in (+total).items()))
+    lateness = {
+        (name, col): med([c.call_lateness_p99_ms for c in cells])
+        for name, columns in res.cells.items()
+        for col, cells in columns.items()
+    }
+    if lateness:
+        name, col = max(lateness, key=lateness.__getitem__)
+        print(
+            f"note  the arrival driver made its calls late by {med(list(lateness.values())):.2f}"
+            f" ms at p99 (median over cells; worst {lateness[name, col]:.2f} ms, {SYSTEMS[name]}"
+            f" {col}: a system that holds the loop delays its own callers); latencies count"
+            " from the call"
+        )
+    return goals(res, config)
+
+
+def goals(res: Results, config: Config) -> bool:
+    if TARGET_ROW not in config.systems:
+        print(f"info  the goals are about {SYSTEMS[TARGET_ROW]}, which did not run")
+        return True
+    if TARGET_ROW in res.missing:
+        return check(
+            f"{SYSTEMS[TARGET_ROW]} goals",
+            False,
+            f"n/a (feature missing: {res.missing[TARGET_ROW]})",
+        )
+    others = [name for name in res.cells if name != TARGET_ROW]
+
+    def best_other(col: str, field: str) -> str:
+        if not others:
+            return "no other row ran"
+        values = {
+            name: med(
+                [
+                    getattr(c, field) / (max(c.offered, 1) if field == "in_time" else 1)
+                    for c in cells
+                ]
+            )
+            for name in others
+            for cells in [res.cells[name][col]]
+        }
+        name = max(values, key=lambda k: -math.inf if math.isnan(values[k]) else values[k])
+        return f"best other {SYSTEMS[name]} {values[name]:.3f}"
+
+    ok = True
+    for seg in ("light", "heavy"):
+        for load in config.loads:
+            col = column(seg, load)
+            cells = res.cells[TARGET_ROW][col]
+            bound = bound_goodput(res, config, seg, load)
+            if load >= 1.0:
+                good = median_of(res, TARGET_ROW, col, "goodput")
+                p99 = median_of(res, TARGET_ROW, col, "p99_ms")
+                ok &= check(
+                    f"{col}: goodput >= 0.85, served p99 <= 100 ms",
+                    good >= 0.85 and p99 <= TARGET_S * 1e3,
+                    f"{good:.3f}, p99 {p99:.0f} ms "
+                    f"(bound {bound:.3f}; {best_other(col, 'goodput')})",
+                )
+            elif load == 0.5:
+                frac = med([c.in_time / max(c.offered, 1) for c in cells])
+                ok &= check(
+                    f"{col}: answered in time >= 0.98 of offered",
+                    frac >= 0.98,
+                    f"{frac:.3f} (bound {bound_in_time(res, config, seg, load):.3f}; "
+                    f"{best_other(col, 'in_time')})",
+                )
+    return ok
+
+
+# --------------------------------------------------------------------------- main
+
+
+def without_nan(x: Any) -> Any:
+    """``x`` with every NaN replaced by None (JSON has no NaN)."""
+    if isinstance(x, float) and math.isnan(x):
+        return None
+    if isinstance(x, dict):
+        return {k: without_nan(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [without_nan(v) for v in x]
+    return x
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="0.8 s segments (~1 min), noisier")
+    p.add_argument("--repeats", type=int, default=1, help="runs of every load point (medians)")
+    p.add_argument(
+        "--systems",
+        default=",".join(SYSTEMS),
+        help=f"comma-separated rows to run, from {', '.join(SYSTEMS)} (the device "
+        "reference always runs)",
+    )
+    p.add_argument("--json", metavar="PATH", help="also write every cell to PATH")
+    args = p.parse_args()
+    chosen = set(args.systems.split(","))
+    unknown = chosen - set(SYSTEMS)
+    if unknown:
+        p.error(f"unknown systems: {sorted(unknown)} (choose from {', '.join(SYSTEMS)})")
+    if args.repeats < 1:
+        p.error("--repeats must be at least 1")
+    systems = tuple(s for s in SYSTEMS if s in chosen)
+    if args.quick:
+        config = Config(systems, warm_s=0.2, segment_s=0.8, grace_s=0.15, repeats=args.repeats)
+    else:
+        config = Config(systems, repeats=args.repeats)
+
+    t_start = time.perf_counter()
+    print(
+        f"# goodput under overload: max_batch_size={MAX_BATCH}, max_wait={MAX_WAIT_S * 1e3:g} ms, "
+        f"target {TARGET_S * 1e3:g} ms from call to answer; device {BATCH_FIXED_S * 1e3:g} ms "
+        f"+ {ITEM_COST_S['light'] * 1e3:g} ms/item (light, C = {capacity('light'):.0f}/s), "
+        f"then {ITEM_COST_S['heavy'] * 1e3:g} ms/item (heavy, C = {capacity('heavy'):.0f}/s)"
+    )
+    print(
+        f"# per load point, one instance: {config.warm_s:g} s warm-up, {config.segment_s:g} s "
+        f"light, {config.segment_s:g} s heavy back to back, {config.grace_s:g} s grace; "
+        f"Poisson arrivals (seed {config.seed}); {config.repeats} repeat(s), medians"
+    )
+    print(
+        f"# batchkit queue bound: max_queue_size={QUEUE_BOUND}, what full light batches "
+        f"drain within the target: floor(({TARGET_S * 1e3:g} / {full_batch_s('light') * 1e3:g}"
+        f" - 1) * {MAX_BATCH})"
+    )
+    res = asyncio.run(run(config))
+    ok = report(res, config)
+    if args.json:
+        Path(args.json).write_text(json.dumps(without_nan(dataclasses.asdict(res)), indent=1))
+    print(f"\n(total {time.perf_counter() - t_start:.0f} s)")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
