@@ -2,10 +2,12 @@
 
 Arrivals (Poisson, or a trace of times) are fed to the real scheduler behind
 `@batched` (`batchkit.serve.scheduler.Scheduler`) with simulated time; each batch it
-forms "runs" for `latency(batch_size)` seconds of simulated time. Nothing sleeps,
-so 100k requests take a second or two, and the same seed gives the same numbers.
-With `keys` (each request's length) a token budget cuts the batches as online, by
-the policy's `cost`.
+forms "runs" for the latency model's time of its padded size and the cost of its
+keys (`a + b * size + c * cost`). Nothing sleeps, so 100k requests take a second or
+two, and the same seed gives the same numbers. With `keys` (each request's length)
+a token budget cuts the batches as online, by the policy's `cost`; with
+`max_latency_ms` the scheduler refuses and sheds what would be late, as online, and
+the result counts them and the goodput.
 
 Each of the `max_concurrent_batches` slots is assumed to run its batch as if
 alone (replicas, or streams that do not slow each other down).
@@ -302,9 +304,9 @@ def read_trace(path: str | Path) -> np.ndarray:
 def read_trace_lengths(path: str | Path) -> tuple[np.ndarray, list[int]]:
     """Arrival times and request lengths from a CSV trace: `time,length` per line.
 
-    As [`read_trace`][batchkit.tools.simulate.read_trace] (comments, a header row,
-    sorted and shifted to start at 0), with each line's second column, an int >= 0,
-    as that request's length (its key), in the order of the returned times.
+    As `read_trace` (comments, a header row, sorted and shifted to start at 0), with
+    each line's second column, an int >= 0, as that request's length (its key), in
+    the order of the returned times.
 
     Args:
         path: the trace file.
