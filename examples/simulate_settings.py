@@ -1,10 +1,22 @@
-"""Choose max_batch_size / max_wait_ms / max_concurrent_batches before deploying.
+"""Choose batcher settings before deploying: latency, goodput under a target, policies.
 
-A model whose batch of n takes 4 ms + 0.5 ms x n, 1000 requests/s of Poisson
-traffic, and a p99 target of 20 ms: every candidate setting is replayed through
-batchkit's own scheduler in simulated time (about a second for all of them), and
-the fastest setting that meets the target is printed. Same as
-``batchkit simulate --rate 1000 --latency-ms 4 --per-item-ms 0.5 --max-batch-size 8,16,32 ...``.
+1. A model whose batch of n takes 4 ms + 0.5 ms x n, 1000 requests/s of Poisson
+   traffic, and a p99 target of 20 ms: every candidate max_batch_size / max_wait_ms /
+   max_concurrent_batches is replayed through batchkit's own scheduler in simulated
+   time, and the fastest setting that meets the target is printed. Same as
+   ``batchkit simulate --rate 1000 --latency-ms 4 --per-item-ms 0.5 --max-batch-size 8,16,32 ...``.
+2. Past capacity (a device of 10 ms + 1 ms x n in batches of 16: 615 requests/s),
+   with and without ``max_latency_ms=100``: without it every request is served ever
+   later; with it the excess is refused or shed (``Overloaded``) and the goodput,
+   answers within 100 ms, stays at capacity. Same as ``batchkit simulate --rate 1230
+   --latency-ms 10 --per-item-ms 1 --max-batch-size 16 --max-latency-ms 100``.
+3. A batch time that grows with its tokens (``per_cost_ms``, by the padded cost:
+   batch size x longest request), with long-tailed lengths: which policy gets the most
+   answers within a 200 ms target. (A static batch waits to be full, so its first
+   batches, before the target has learned their times, are late.) Same as
+   ``batchkit simulate --rate 150 --latency-ms 5 --per-item-ms 0.5 --per-cost-ms 0.02
+   --length-dist lognormal:128,0.8 --max-batch-size 16 --max-latency-ms 200 --policy
+   bucketed``.
 
     python examples/simulate_settings.py
 """
@@ -13,15 +25,13 @@ from __future__ import annotations
 
 import itertools
 
-from batchkit.tools.simulate import poisson_arrivals, simulate
+from batchkit.tools.simulate import POLICIES, poisson_arrivals, sample_lengths, simulate
 
 P99_TARGET_MS = 20.0
 
 
-def main() -> None:
-    arrivals = poisson_arrivals(
-        rate=1000, num_requests=10_000, seed=0
-    )  # the same for every setting
+def choose_settings() -> None:
+    arrivals = poisson_arrivals(rate=1000, num_requests=10_000, seed=0)  # the same for all
     header = ("max_batch", "wait ms", "slots", "req/s", "p50 ms", "p99 ms", "batch")
     print("".join(f"{h:>{w}}" for h, w in zip(header, (9, 8, 6, 8, 8, 8, 7))))
     candidates = []
@@ -48,6 +58,56 @@ def main() -> None:
         f"choose max_batch_size={size}, max_wait_ms={wait:g}, max_concurrent_batches={slots}: "
         f"p99 {p99:.1f} ms, mean batch {r.mean_batch_size:.1f}, device busy {r.utilization:.0%}"
     )
+
+
+def goodput_past_capacity() -> None:
+    capacity = 16 / 26e-3  # full batches of 16 take 10 + 16 ms
+    print(f"\n10 ms + 1 ms x batch size, batches of 16: capacity {capacity:.0f} req/s")
+    header = ("load", "target", "goodput", "good", "refused", "shed", "p99 ms")
+    print("".join(f"{h:>{w}}" for h, w in zip(header, (5, 8, 9, 6, 9, 7, 9))))
+    for load in (0.5, 1.0, 1.5, 2.0):
+        arrivals = poisson_arrivals(rate=load * capacity, num_requests=5000, seed=0)
+        for target in (None, 100.0):
+            r = simulate(
+                (10.0, 1.0),
+                arrivals=arrivals,
+                max_batch_size=16,
+                max_latency_ms=target,
+                goodput_ms=100.0,  # answers within 100 ms count, with a target or not
+            )
+            print(
+                f"{load:>4g}x{'none' if target is None else f'{target:g} ms':>8}"
+                f"{r.goodput:>9.0f}{r.goodput_fraction:>6.0%}{r.overloaded:>9}{r.shed:>7}"
+                f"{r.latency.p99:>9.1f}"
+            )
+
+
+def policies_with_a_cost_term() -> None:
+    count = 6000  # the first batches run before the target has learned their times
+    lengths = sample_lengths("lognormal:128,0.8", count, seed=0)
+    arrivals = poisson_arrivals(rate=150, num_requests=count, seed=0)
+    print("\n5 ms + 0.5 ms x batch size + 0.02 ms x padded tokens; lognormal lengths, 150 req/s")
+    header = ("policy", "goodput", "good", "refused", "shed", "p99 ms", "batch", "tokens")
+    print("".join(f"{h:>{w}}" for h, w in zip(header, (9, 9, 6, 9, 7, 9, 7, 8))))
+    for policy in POLICIES:
+        r = simulate(
+            (5.0, 0.5, 0.02),
+            arrivals=arrivals,
+            keys=lengths,
+            policy=policy,
+            max_batch_size=16,
+            max_latency_ms=200.0,
+        )
+        print(
+            f"{policy:>9}{r.goodput:>9.0f}{r.goodput_fraction:>6.0%}{r.overloaded:>9}"
+            f"{r.shed:>7}{r.latency.p99:>9.1f}{r.mean_batch_size:>7.1f}{r.mean_batch_cost:>8.0f}"
+        )
+
+
+def main() -> None:
+    choose_settings()
+    goodput_past_capacity()
+    policies_with_a_cost_term()
 
 
 if __name__ == "__main__":

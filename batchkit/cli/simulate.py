@@ -22,11 +22,14 @@ from batchkit.cli._args import (
 )
 from batchkit.tools.progress import Progress
 from batchkit.tools.simulate import (
+    POLICIES,
     LatencyModel,
     SimResult,
     poisson_arrivals,
     read_lengths,
     read_trace,
+    read_trace_lengths,
+    sample_lengths,
     simulate,
 )
 
@@ -42,9 +45,10 @@ def add_parser(commands: Any) -> None:
         help="replay Poisson or traced arrivals against batcher settings (simulated time)",
         description=(
             "Drive batchkit's own scheduler with simulated time: requests arrive (Poisson at "
-            "--rate, or the times in --trace), batches run for a + b x size ms (or as a "
-            "profile file says). Prints throughput, p50/p99/p99.9 latency and the batch-size "
-            "histogram. Comma-separated --max-batch-size/--max-wait-ms/--max-concurrent-"
+            "--rate, or the times in --trace), batches run for a + b x size + c x cost ms "
+            "(or as a profile file says). Prints throughput, p50/p99/p99.9 latency and the "
+            "batch-size histogram; with --max-latency-ms, the requests refused or shed and "
+            "the goodput. Comma-separated --max-batch-size/--max-wait-ms/--max-concurrent-"
             "batches values give one table row per combination."
         ),
     )
@@ -55,62 +59,123 @@ def add_parser(commands: Any) -> None:
     p.add_argument("--requests", type=positive_int, default=10_000,
                    help="Poisson arrivals to simulate (default 10000)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    p.add_argument("--policy", choices=("dynamic", "static"), default="dynamic",
-                   help="DynamicBatcher or StaticBatcher (default dynamic)")  # fmt: skip
+    p.add_argument("--policy", choices=POLICIES, default="dynamic",
+                   help="DynamicBatcher, StaticBatcher, BucketedBatcher or SortedBatcher "
+                        "(default dynamic; bucketed and sorted need request lengths)")  # fmt: skip
     p.add_argument("--max-batch-size", type=int_list, default=[32], help="default 32")
     p.add_argument("--max-wait-ms", type=float_list, default=[5.0], help="default 5")
     p.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True,
                    help="dynamic: an idle device takes a partial batch at once (default); "
                         "--no-eager waits for a full batch or --max-wait-ms even when idle, "
                         "as Triton and Ray Serve do")  # fmt: skip
+    p.add_argument("--buckets", type=positive_int,
+                   help="bucketed: this many buckets of equal tokens, cut from the lengths "
+                        "(default up to 4)")  # fmt: skip
     p.add_argument("--max-concurrent-batches", type=int_list, default=[1],
                    help="batches running at once, each as if alone (default 1)")  # fmt: skip
     p.add_argument("--max-queue-size", type=positive_int,
                    help="waiting requests beyond this are rejected (QueueFull)")  # fmt: skip
-    budget = p.add_argument_group("token budget (dynamic policy)")
-    budget.add_argument("--lengths", metavar="FILE",
-                        help="request lengths, one int per line: each request draws one "
-                             "at random (with --seed)")  # fmt: skip
+    target = p.add_argument_group("latency target")
+    target.add_argument("--max-latency-ms", type=positive_float,
+                        help="each request's target, as @batched(max_latency_ms=): requests "
+                             "predicted late are refused, waiting ones that can no longer be "
+                             "in time are shed (Overloaded)")  # fmt: skip
+    target.add_argument("--goodput-ms", type=positive_float,
+                        help="count answers within this many ms as goodput (default "
+                             "--max-latency-ms; give it alone to see an untargeted run's "
+                             "goodput)")  # fmt: skip
+    budget = p.add_argument_group("request lengths (token budget, buckets, cost term)")
+    lengths = budget.add_mutually_exclusive_group()
+    lengths.add_argument("--lengths", metavar="FILE",
+                         help="request lengths, one int per line: each request draws one "
+                              "at random (with --seed)")  # fmt: skip
+    lengths.add_argument("--length-dist", metavar="SPEC",
+                         help="lengths drawn from uniform:LO,HI or lognormal:MEDIAN,SIGMA "
+                              "(with --seed)")  # fmt: skip
+    lengths.add_argument("--trace-lengths", action="store_true",
+                         help="each request's length: the --trace CSV's second column")  # fmt: skip
     budget.add_argument("--max-tokens", type=positive_int,
-                        help="the most a batch may cost, by --cost (needs --lengths)")  # fmt: skip
+                        help="the most a batch may cost, by --cost (needs lengths)")  # fmt: skip
     budget.add_argument("--cost", choices=COST_NAMES, default=None,
-                        help="what --max-tokens bounds: padded = batch size x longest "
-                             "(default), sum = total tokens (packed, padding-free)")  # fmt: skip
+                        help="what --max-tokens bounds and --per-cost-ms counts: padded = "
+                             "batch size x longest (default), sum = total tokens (packed, "
+                             "padding-free)")  # fmt: skip
     model = p.add_argument_group("latency model (default 5 ms + 0.5 ms x batch size)")
     model.add_argument("--latency-ms", type=non_negative_float, help="a: fixed cost of a batch")
     model.add_argument("--per-item-ms", type=non_negative_float, help="b: cost per item")
+    model.add_argument("--per-cost-ms", type=non_negative_float,
+                       help="c: cost per unit of a batch's cost, by --cost (per token; "
+                            "needs lengths; default 0)")  # fmt: skip
     model.add_argument("--profile", metavar="FILE.json",
                        help="a 'batchkit profile --json' file instead of a + b x size")  # fmt: skip
     p.set_defaults(run=run)
 
 
+LENGTH_OPTIONS = "--lengths, --length-dist or --trace-lengths"
+
+
 def _latency_model(args: argparse.Namespace) -> LatencyModel:
     linear = args.latency_ms is not None or args.per_item_ms is not None
+    per_cost = 0.0 if args.per_cost_ms is None else args.per_cost_ms
     if args.profile is not None:
         if linear:
             raise CliError("give either --profile or --latency-ms/--per-item-ms, not both")
-        return LatencyModel.from_profile(args.profile)
+        return LatencyModel.from_profile(args.profile, per_cost_ms=per_cost)
     fixed = 5.0 if args.latency_ms is None else args.latency_ms
     per_item = 0.5 if args.per_item_ms is None else args.per_item_ms
-    return LatencyModel.linear(fixed, per_item)
+    return LatencyModel.linear(fixed, per_item, per_cost)
 
 
-def _keys(args: argparse.Namespace, count: int) -> list[float] | None:
-    """Each request's length, drawn from --lengths; None without a file."""
-    if args.cost is not None and args.max_tokens is None:
-        raise CliError("--cost says what --max-tokens bounds: give --max-tokens too")
-    if args.lengths is None:
+def _check_options(args: argparse.Namespace) -> None:
+    """Options that need another one, or a policy."""
+    has_lengths = args.lengths is not None or args.length_dist is not None or args.trace_lengths
+    if args.cost is not None and args.max_tokens is None and args.per_cost_ms is None:
+        raise CliError(
+            "--cost says what --max-tokens bounds and --per-cost-ms counts: give --max-tokens "
+            "too (or --per-cost-ms)"
+        )
+    if args.trace_lengths and args.trace is None:
+        raise CliError("--trace-lengths reads the lengths from --trace FILE: give --trace")
+    if not has_lengths:
         if args.max_tokens is not None:
-            raise CliError("--max-tokens needs --lengths (the requests' lengths)")
-        return None
-    if args.policy != "dynamic" and args.max_tokens is not None:
-        raise CliError("--max-tokens is for --policy dynamic (a static batch is a fixed size)")
+            raise CliError(f"--max-tokens needs --lengths (or {LENGTH_OPTIONS}: the lengths)")
+        if args.per_cost_ms:
+            raise CliError(
+                f"--per-cost-ms prices a batch's cost, from the requests' lengths: give "
+                f"{LENGTH_OPTIONS}"
+            )
+        if args.policy in ("bucketed", "sorted"):
+            raise CliError(
+                f"--policy {args.policy} groups requests by length: give {LENGTH_OPTIONS}"
+            )
+    if args.policy == "static" and args.max_tokens is not None:
+        raise CliError("--max-tokens is not for --policy static (a static batch is a fixed size)")
+    if args.buckets is not None and args.policy != "bucketed":
+        raise CliError("--buckets is for --policy bucketed")
+    if not args.eager and args.policy != "dynamic":
+        raise CliError("--no-eager is for --policy dynamic (static never leaves before full)")
+
+
+def _keys(
+    args: argparse.Namespace, count: int, traced: list[int] | None
+) -> tuple[list[float] | None, str]:
+    """Each request's length, and where it came from; None without lengths."""
+    if traced is not None:
+        return [float(n) for n in traced], f"the second column of {args.trace}"
+    if args.length_dist is not None:
+        try:
+            drawn = sample_lengths(args.length_dist, count, args.seed)
+        except ValueError as exc:
+            raise CliError(f"argument --length-dist: {exc}") from None
+        return [float(n) for n in drawn], f"lengths drawn from {args.length_dist}"
+    if args.lengths is None:
+        return None, ""
     try:
         lengths = read_lengths(args.lengths)
     except ValueError as exc:
         raise CliError(f"argument --lengths: {exc}") from None
-    drawn = np.random.default_rng(args.seed).choice(np.asarray(lengths), size=count)
-    return [float(n) for n in drawn.tolist()]
+    picked = np.random.default_rng(args.seed).choice(np.asarray(lengths), size=count)
+    return [float(n) for n in picked.tolist()], f"lengths drawn from {args.lengths}"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -125,11 +190,14 @@ def run(args: argparse.Namespace) -> int:
     Raises:
         CliError: Conflicting options (e.g. ``--profile`` with ``--latency-ms``).
     """
-    if not args.eager and args.policy != "dynamic":
-        raise CliError("--no-eager is for --policy dynamic (static never leaves before full)")
+    _check_options(args)
     model = _latency_model(args)
+    traced: list[int] | None = None
     if args.trace is not None:
-        times = read_trace(args.trace)
+        if args.trace_lengths:
+            times, traced = read_trace_lengths(args.trace)
+        else:
+            times = read_trace(args.trace)
         source = f"{len(times)} arrivals from {args.trace}"
     else:
         try:
@@ -141,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
                 f"argument --requests: not enough memory for {args.requests:,} requests"
             ) from None
         source = f"{len(times)} Poisson arrivals at {args.rate:g} req/s (seed {args.seed})"
-    keys = _keys(args, len(times))
+    keys, lengths_source = _keys(args, len(times), traced)
     cost: CostLike = "sum" if args.cost == "sum" else "padded"
     combos = list(
         itertools.product(args.max_batch_size, args.max_wait_ms, args.max_concurrent_batches)
@@ -158,24 +226,37 @@ def run(args: argparse.Namespace) -> int:
                     batcher=None
                     if args.eager
                     else DynamicBatcher(
-                        size, wait, eager=False, max_tokens=args.max_tokens, cost=cost
+                        size,
+                        wait,
+                        eager=False,
+                        max_tokens=args.max_tokens,
+                        cost=cost,
+                        key=None if keys is None else len,
                     ),
                     policy=args.policy,
                     max_batch_size=size,
                     max_wait_ms=wait,
                     max_concurrent_batches=slots,
                     max_queue_size=args.max_queue_size,
+                    max_latency_ms=args.max_latency_ms,
+                    goodput_ms=args.goodput_ms,
                     keys=keys,
                     max_tokens=args.max_tokens if args.eager else None,
                     cost=cost if args.eager else "padded",
+                    buckets=args.buckets,
                 )
             )
             bar.advance()
     print(f"{source}; latency model {model.description}")
     if keys is not None:
-        print(f"lengths drawn from {args.lengths}: mean {sum(keys) / len(keys):,.1f}")
+        print(f"{lengths_source}: mean {sum(keys) / len(keys):,.1f}")
     if not args.eager:
         print("not eager: a batch waits for full or --max-wait-ms even when nothing runs")
+    if args.max_latency_ms is not None:
+        print(
+            f"latency target {args.max_latency_ms:g} ms: requests predicted late are refused, "
+            "waiting ones that can no longer be in time are shed (Overloaded)"
+        )
     if len(results) == 1:
         print(format_result(results[0]))
     else:
@@ -186,30 +267,44 @@ def run(args: argparse.Namespace) -> int:
 def format_table(combos: list[tuple[int, float, int]], results: list[SimResult]) -> str:
     """One row per setting: the latency/throughput trade-off at a glance.
 
+    With a latency target or a goodput threshold, each row adds the goodput (req/s
+    and % of offered) and the requests refused and shed.
+
     Args:
         combos: ``(max_batch_size, max_wait_ms, max_concurrent_batches)`` per run.
         results: The runs' results, in the same order.
     """
+    good = any(r.goodput_ms is not None for r in results)
     head = (
         f"{'max_batch':>9}{'wait ms':>8}{'slots':>6}{'req/s':>9}{'p50 ms':>8}{'p99 ms':>8}"
         f"{'p99.9 ms':>9}{'batch':>7}{'busy':>6}"
     )
+    if good:
+        head += f"{'goodput':>9}{'good':>6}{'refused':>9}{'shed':>7}"
     lines = [head]
     for (size, wait, slots), r in zip(combos, results):
-        lines.append(
+        row = (
             f"{size:>9}{wait:>8g}{slots:>6}{r.throughput:>9,.0f}{r.latency.p50:>8.1f}"
             f"{r.latency.p99:>8.1f}{r.latency.p999:>9.1f}{r.mean_batch_size:>7.1f}"
-            f"{r.utilization:>6.0%}{_overload_mark(r)}"
+            f"{r.utilization:>6.0%}"
         )
+        if good:
+            row += f"{r.goodput:>9,.0f}{r.goodput_fraction:>6.0%}{r.overloaded:>9,}{r.shed:>7,}"
+        lines.append(row + _overload_mark(r))
     if any(_overload_mark(r) for r in results):
-        lines.append(
-            "(!) overloaded: arrivals exceed capacity, the queue grows for as long as they last"
-        )
+        lines.append(f"(!) overloaded: arrivals exceed capacity, {_excess(results[0])}")
     return "\n".join(lines)
 
 
 def _overload_mark(r: SimResult) -> str:
     return "  (!)" if r.offered_rate > r.capacity else ""
+
+
+def _excess(r: SimResult) -> str:
+    """What becomes of the requests beyond capacity."""
+    if r.max_latency_ms is None:
+        return "the queue grows for as long as they last"
+    return "the latency target refuses or sheds the excess"
 
 
 def format_result(r: SimResult) -> str:
@@ -221,22 +316,45 @@ def format_result(r: SimResult) -> str:
     lat, wait = r.latency, r.queue_wait
     # NaN: every request arrived at one instant, which has no rate.
     offered = "n/a" if math.isnan(r.offered_rate) else f"{r.offered_rate:,.1f}"
+    outcomes = [f"served {r.served} of {r.requests}"]
+    if r.overloaded:
+        outcomes.append(f"refused {r.overloaded} (Overloaded)")
+    if r.shed:
+        outcomes.append(f"shed {r.shed} while waiting (Overloaded)")
+    if r.rejected:
+        outcomes.append(f"rejected {r.rejected} (QueueFull)")
     lines = [
         f"batcher: {r.batcher}, {r.max_concurrent_batches} concurrent batch(es)",
         f"throughput    {r.throughput:,.1f} req/s (offered {offered}; capacity at "
         f"full batches {r.capacity:,.1f}; busy {r.utilization:.0%})",
+    ]
+    if r.goodput_ms is not None:
+        lines.append(
+            f"goodput       {r.goodput:,.1f} req/s answered within {r.goodput_ms:g} ms "
+            f"({r.goodput_fraction:.1%} of offered)"
+        )
+    lines += [
         f"latency ms    p50 {lat.p50:.2f}  p90 {lat.p90:.2f}  p99 {lat.p99:.2f}  "
         f"p99.9 {lat.p999:.2f}  max {lat.max:.2f}",
         f"queue wait ms p50 {wait.p50:.2f}  p99 {wait.p99:.2f}  max {wait.max:.2f}",
-        f"served {r.served} of {r.requests}"
-        + (f", rejected {r.rejected} (QueueFull)" if r.rejected else ""),
+        ", ".join(outcomes),
         f"batches       {r.batches:,}, mean size {r.mean_batch_size:.2f}; dispatched: "
         + ", ".join(f"{k} {v:,}" for k, v in sorted(r.dispatch_reasons.items())),
     ]
     if not math.isnan(r.mean_batch_cost):
         lines.append(f"batch cost    mean {r.mean_batch_cost:,.1f} (by the policy's cost)")
+    learned = r.learned_latency
+    if learned is not None:
+        # (Without lengths the scheduler sees no cost: its cost term is 0 by construction.)
+        per_cost = (
+            "" if math.isnan(r.mean_batch_cost) else f" + {learned.per_cost_ms:.4g} ms x cost"
+        )
+        lines.append(
+            f"learned model {learned.fixed_ms:.2f} ms + {learned.per_item_ms:.3f} ms x size"
+            f"{per_cost}, margin {learned.margin_ms:.2f} ms (what the target predicts with)"
+        )
     if r.offered_rate > r.capacity:
-        lines.append("warning: arrivals exceed capacity: the queue grows for as long as they last")
+        lines.append(f"warning: arrivals exceed capacity: {_excess(r)}")
     lines.append("batch sizes")
     lines.extend(histogram(r.batch_sizes))
     return "\n".join(lines)

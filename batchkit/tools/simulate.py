@@ -2,10 +2,12 @@
 
 Arrivals (Poisson, or a trace of times) are fed to the real scheduler behind
 `@batched` (`batchkit.serve.scheduler.Scheduler`) with simulated time; each batch it
-forms "runs" for `latency(batch_size)` seconds of simulated time. Nothing sleeps,
-so 100k requests take a second or two, and the same seed gives the same numbers.
-With `keys` (each request's length) a token budget cuts the batches as online, by
-the policy's `cost`.
+forms "runs" for the latency model's time of its padded size and the cost of its
+keys (`a + b * size + c * cost`). Nothing sleeps, so 100k requests take a second or
+two, and the same seed gives the same numbers. With `keys` (each request's length)
+a token budget cuts the batches as online, by the policy's `cost`; with
+`max_latency_ms` the scheduler refuses and sheds what would be late, as online, and
+the result counts them and the goodput.
 
 Each of the `max_concurrent_batches` slots is assumed to run its batch as if
 alone (replicas, or streams that do not slow each other down).
@@ -19,9 +21,10 @@ import heapq
 import itertools
 import json
 import math
+import numbers
 import re
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,50 +32,77 @@ from typing import Any
 import numpy as np
 
 from batchkit.batchers.base import Batcher, check_positive_int
-from batchkit.batchers.cost import BatchCost, CostLike
+from batchkit.batchers.bucketed import BucketedBatcher
+from batchkit.batchers.cost import BatchCost, CostLike, as_batch_cost
 from batchkit.batchers.dynamic import DynamicBatcher
+from batchkit.batchers.sorted import SortedBatcher
 from batchkit.batchers.static import StaticBatcher
 from batchkit.errors import QueueFull
+from batchkit.serve.latency import LearnedLatency
 from batchkit.serve.request import Request, State
 from batchkit.serve.scheduler import FormedBatch, Scheduler
 
 
 class LatencyModel:
-    """Seconds a batch of `n` items takes: `a + b * n`, or interpolated from a profile.
+    """Seconds a batch takes: `a + b * size + c * cost`, or a profile's curve `+ c * cost`.
+
+    `size` is the padded batch size (what the function is called with); `cost` is the
+    policy's cost of the batch's keys ([`BatchCost`][batchkit.batchers.cost.BatchCost]:
+    batch size x longest key for `"padded"`, the default; the keys' total for
+    `"sum"`), and 0 when the simulation has no keys. So `c` prices tokens, as
+    [`LearnedLatency.per_cost_ms`][batchkit.serve.LearnedLatency] does online.
 
     Args:
-        fn: seconds a batch of `n` items takes (called once per size, then cached).
-        description: how the model reads in reports (`"5 ms + 0.5 ms x batch size"`).
+        fn: seconds a batch of `n` items takes, without the cost term (called once
+            per size, then cached).
+        description: how the size part reads in reports (`"5 ms + 0.5 ms x batch
+            size"`); the cost term, if any, is appended.
+        per_cost_ms: c, milliseconds per unit of a batch's cost (>= 0; default 0).
+
+    Raises:
+        ValueError: a `per_cost_ms` that is negative or not finite.
     """
 
-    def __init__(self, fn: Callable[[int], float], description: str) -> None:
+    def __init__(
+        self, fn: Callable[[int], float], description: str, *, per_cost_ms: float = 0.0
+    ) -> None:
+        _check_ms("per_cost_ms", per_cost_ms)
         self._fn = fn
         self._cache: dict[int, float] = {}
-        self.description = description
+        self._per_cost_s = per_cost_ms / 1e3
+        self.per_cost_ms = float(per_cost_ms)
+        self.description = (
+            f"{description} + {per_cost_ms:g} ms x batch cost" if per_cost_ms else description
+        )
 
     @classmethod
-    def linear(cls, fixed_ms: float, per_item_ms: float) -> LatencyModel:
-        """`fixed_ms + per_item_ms * n` milliseconds.
+    def linear(cls, fixed_ms: float, per_item_ms: float, per_cost_ms: float = 0.0) -> LatencyModel:
+        """`fixed_ms + per_item_ms * n + per_cost_ms * cost` milliseconds.
 
         Args:
-            fixed_ms: a batch's fixed cost, in milliseconds (>= 0).
-            per_item_ms: each item's cost, in milliseconds (>= 0; not both 0).
+            fixed_ms: a, a batch's fixed time, in milliseconds (>= 0).
+            per_item_ms: b, each item's time, in milliseconds (>= 0).
+            per_cost_ms: c, the time per unit of the batch's cost (tokens, by the
+                policy's `cost`), in milliseconds (>= 0; default 0).
 
         Raises:
-            ValueError: a negative or infinite value, or both 0.
+            ValueError: a negative or infinite value, or all of them 0.
         """
         for name, v in (("fixed_ms", fixed_ms), ("per_item_ms", per_item_ms)):
-            if not (math.isfinite(v) and v >= 0):
-                raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
-        if fixed_ms == per_item_ms == 0:
+            _check_ms(name, v)
+        _check_ms("per_cost_ms", per_cost_ms)
+        if fixed_ms == per_item_ms == per_cost_ms == 0:
             raise ValueError("a latency model of 0 ms for every batch size cannot be simulated")
         return cls(
             lambda n: (fixed_ms + per_item_ms * n) / 1e3,
             f"{fixed_ms:g} ms + {per_item_ms:g} ms x batch size",
+            per_cost_ms=per_cost_ms,
         )
 
     @classmethod
-    def from_points(cls, sizes: Sequence[int], latencies_ms: Sequence[float]) -> LatencyModel:
+    def from_points(
+        cls, sizes: Sequence[int], latencies_ms: Sequence[float], *, per_cost_ms: float = 0.0
+    ) -> LatencyModel:
         """Measured (batch size, ms) points; linear in between, the last slope beyond.
 
         Points of the same size (repeated measurements) are averaged.
@@ -80,9 +110,12 @@ class LatencyModel:
         Args:
             sizes: the measured batch sizes (>= 1).
             latencies_ms: each size's latency, in milliseconds (> 0).
+            per_cost_ms: c, milliseconds per unit of batch cost added to the measured
+                time (>= 0; default 0: the points hold the whole time).
 
         Raises:
-            ValueError: no points, or a size below 1 or a latency that is not positive.
+            ValueError: no points, a size below 1, a latency that is not positive, or
+                a bad `per_cost_ms`.
         """
         pairs = list(zip(sizes, latencies_ms))
         if not pairs:
@@ -103,14 +136,22 @@ class LatencyModel:
             return float(np.interp(n, xs, ys))
 
         desc = f"profile of {len(xs)} sizes ({int(xs[0])}..{int(xs[-1])})"
-        return cls(lambda n: ms(n) / 1e3, desc)
+        return cls(lambda n: ms(n) / 1e3, desc, per_cost_ms=per_cost_ms)
 
     @classmethod
-    def from_profile(cls, profile: Any) -> LatencyModel:
+    def from_profile(cls, profile: Any, *, per_cost_ms: float = 0.0) -> LatencyModel:
         """From a [`ProfileResult`][batchkit.ProfileResult] or its JSON file.
+
+        A profile times batches of one input shape, so it holds no lengths or cost:
+        the cost term is `per_cost_ms`, 0 by default (the profiled shape's tokens are
+        already in the measured per-item time). Give one only for what the profile
+        did not exercise, knowing that it adds to the measured time; to fit `c`,
+        serve with `max_latency_ms` and use
+        [`from_learned`][batchkit.LatencyModel.from_learned].
 
         Args:
             profile: a `ProfileResult`, or the path of a `batchkit profile --json` file.
+            per_cost_ms: c, milliseconds per unit of batch cost (>= 0; default 0).
 
         Raises:
             ValueError: the file cannot be read or holds no profile.
@@ -124,41 +165,94 @@ class LatencyModel:
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 raise ValueError(f"cannot read profile {str(profile)!r}: {exc}") from None
             model = cls.from_points(sizes, lat)
-            model.description = f"{model.description} from {profile}"
-            return model
+            return cls(model._fn, f"{model.description} from {profile}", per_cost_ms=per_cost_ms)
         return cls.from_points(
-            [p.batch_size for p in profile.points], [p.latency_ms for p in profile.points]
+            [p.batch_size for p in profile.points],
+            [p.latency_ms for p in profile.points],
+            per_cost_ms=per_cost_ms,
         )
 
-    def seconds(self, n: int) -> float:
-        """Simulated run time of a batch of `n` items, in seconds.
+    @classmethod
+    def from_learned(
+        cls, learned: LearnedLatency | None, *, with_margin: bool = False
+    ) -> LatencyModel:
+        """The batch-time model a latency target learned online, to simulate with.
+
+        Fit online with `@batched(max_latency_ms=...)`, then read
+        [`Stats.latency_model`][batchkit.Stats] and replay other settings or loads
+        against it.
+
+        Args:
+            learned: a [`LearnedLatency`][batchkit.serve.LearnedLatency] (`stats.latency_model`).
+            with_margin: add its `margin_ms` (the recent residuals' upper quantile)
+                to every batch: a pessimistic device. By default the fit alone, the
+                device's typical time.
+
+        Raises:
+            ValueError: `learned` is None (the target has not seen enough batches
+                yet), or its coefficients are not finite numbers >= 0, or all 0.
+        """
+        if learned is None:
+            raise ValueError(
+                "no learned latency model yet: stats.latency_model is None until a "
+                "latency target (max_latency_ms) has seen enough batches"
+            )
+        fixed = learned.fixed_ms + (learned.margin_ms if with_margin else 0.0)
+        model = cls.linear(fixed, learned.per_item_ms, learned.per_cost_ms)
+        model.description = f"learned {model.description}"
+        return model
+
+    def seconds(self, n: int, cost: float = 0.0) -> float:
+        """Simulated run time of a batch of `n` items whose keys cost `cost`, in seconds.
 
         Args:
             n: the batch size the function is called with.
+            cost: the policy's cost of the batch's keys (0 without keys).
         """
         t = self._cache.get(n)
         if t is None:
             t = self._cache[n] = self._fn(n)
-        return t
+        return t + self._per_cost_s * cost if cost else t
 
     def __repr__(self) -> str:
         return f"LatencyModel({self.description})"
 
 
-LatencyLike = LatencyModel | tuple[float, float] | str | Path | Any
+def _check_ms(name: str, value: float) -> None:
+    try:
+        ok = math.isfinite(value) and value >= 0
+    except TypeError:  # not a number
+        ok = False
+    if not ok:
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+
+
+LatencyLike = LatencyModel | tuple[float, ...] | LearnedLatency | str | Path | Any
 
 
 def as_latency_model(latency: LatencyLike) -> LatencyModel:
-    """A model from a (fixed_ms, per_item_ms) pair, a profile (object or JSON path), or itself.
+    """A model from `(a, b)` or `(a, b, c)` ms, a learned model, a profile, or itself.
 
     Args:
-        latency: a [`LatencyModel`][batchkit.LatencyModel], a `(fixed_ms, per_item_ms)`
-            pair, or a profile (result or JSON path).
+        latency: a [`LatencyModel`][batchkit.LatencyModel], a `(fixed_ms,
+            per_item_ms)` or `(fixed_ms, per_item_ms, per_cost_ms)` tuple, a
+            [`LearnedLatency`][batchkit.serve.LearnedLatency], or a profile (result
+            or JSON path).
+
+    Raises:
+        ValueError: a tuple of another length, or a bad value (see the constructors).
     """
     if isinstance(latency, LatencyModel):
         return latency
     if isinstance(latency, tuple):
-        return LatencyModel.linear(float(latency[0]), float(latency[1]))
+        if len(latency) not in (2, 3):
+            raise ValueError(
+                "a latency tuple is (fixed_ms, per_item_ms) or (fixed_ms, per_item_ms, "
+                f"per_cost_ms), got {len(latency)} values"
+            )
+        return LatencyModel.linear(*(float(v) for v in latency))
+    if isinstance(latency, LearnedLatency):
+        return LatencyModel.from_learned(latency)
     return LatencyModel.from_profile(latency)
 
 
@@ -201,14 +295,44 @@ def read_trace(path: str | Path) -> np.ndarray:
         ValueError: the file cannot be read, a line is not a finite number, or it
             holds no times.
     """
+    times, _ = _read_trace_rows(path, with_lengths=False)
+    arr = np.sort(np.array(times, dtype=np.float64))
+    shifted: np.ndarray = arr - arr[0]
+    return shifted
+
+
+def read_trace_lengths(path: str | Path) -> tuple[np.ndarray, list[int]]:
+    """Arrival times and request lengths from a CSV trace: `time,length` per line.
+
+    As `read_trace` (comments, a header row, sorted and shifted to start at 0), with
+    each line's second column, an int >= 0, as that request's length (its key), in
+    the order of the returned times.
+
+    Args:
+        path: the trace file.
+
+    Raises:
+        ValueError: the file cannot be read, or a line lacks a time or a length.
+    """
+    times, lengths = _read_trace_rows(path, with_lengths=True)
+    order = np.argsort(np.array(times, dtype=np.float64), kind="stable")
+    arr = np.array(times, dtype=np.float64)[order]
+    shifted: np.ndarray = arr - arr[0]
+    return shifted, [lengths[i] for i in order.tolist()]
+
+
+def _read_trace_rows(path: str | Path, *, with_lengths: bool) -> tuple[list[float], list[int]]:
+    """Each data line's time (and length, its second column), in the file's order."""
     try:
         lines = Path(path).read_text().splitlines()
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"cannot read trace file {str(path)!r}: {exc}") from None
     times: list[float] = []
+    lengths: list[int] = []
     header = False
     for lineno, line in enumerate(lines, 1):
-        text = line.split("#", 1)[0].strip().split(",", 1)[0].strip()
+        fields = [f.strip() for f in line.split("#", 1)[0].split(",")]
+        text = fields[0]
         if not text:
             continue
         try:
@@ -221,11 +345,22 @@ def read_trace(path: str | Path) -> np.ndarray:
         if not math.isfinite(t):
             raise ValueError(f"{path}:{lineno}: arrival time must be finite, got {text!r}")
         times.append(t)
+        if with_lengths:
+            length = fields[1] if len(fields) > 1 else ""
+            lengths.append(_length(length, f"{path}:{lineno}: second column"))
     if not times:
         raise ValueError(f"trace file {str(path)!r} holds no arrival times")
-    arr = np.sort(np.array(times, dtype=np.float64))
-    shifted: np.ndarray = arr - arr[0]
-    return shifted
+    return times, lengths
+
+
+def _length(text: str, where: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise ValueError(f"{where}: not a length (an int >= 0): {text!r}")
+    return n
 
 
 def read_lengths(path: str | Path) -> list[int]:
@@ -245,18 +380,53 @@ def read_lengths(path: str | Path) -> list[int]:
     lengths: list[int] = []
     for lineno, line in enumerate(lines, 1):
         text = line.split("#", 1)[0].strip()
-        if not text:
-            continue
-        try:
-            n = int(text)
-        except ValueError:
-            n = -1
-        if n < 0:
-            raise ValueError(f"{path}:{lineno}: not a length (an int >= 0): {text!r}")
-        lengths.append(n)
+        if text:
+            lengths.append(_length(text, f"{path}:{lineno}"))
     if not lengths:
         raise ValueError(f"lengths file {str(path)!r} holds no lengths")
     return lengths
+
+
+LENGTH_DISTRIBUTIONS = ("uniform", "lognormal")
+
+
+def sample_lengths(spec: str, count: int, seed: int = 0) -> list[int]:
+    """`count` request lengths drawn from a distribution named by `spec`.
+
+    - `uniform:LO,HI`: ints from LO to HI, both included (0 <= LO <= HI);
+    - `lognormal:MEDIAN,SIGMA`: `MEDIAN * exp(SIGMA * N(0, 1))`, rounded, at least
+      1 (MEDIAN > 0, SIGMA >= 0): the long tail of prompt lengths.
+
+    Args:
+        spec: the distribution and its parameters, as above.
+        count: how many lengths (>= 1).
+        seed: the random seed.
+
+    Raises:
+        ValueError: an unknown distribution, or parameters out of range.
+    """
+    name, _, params = spec.partition(":")
+    if name not in LENGTH_DISTRIBUTIONS:
+        raise ValueError(
+            f"unknown length distribution {name!r}: expected uniform:LO,HI or "
+            f"lognormal:MEDIAN,SIGMA, got {spec!r}"
+        )
+    try:
+        a, b = (float(v) for v in params.split(","))
+    except ValueError:
+        raise ValueError(f"{name} takes two numbers ({name}:X,Y), got {spec!r}") from None
+    check_positive_int("count", count)
+    rng = np.random.default_rng(seed)
+    if name == "uniform":
+        if not (a.is_integer() and b.is_integer() and 0 <= a <= b):
+            raise ValueError(f"uniform:LO,HI needs ints 0 <= LO <= HI, got {spec!r}")
+        return [int(n) for n in rng.integers(int(a), int(b), size=count, endpoint=True).tolist()]
+    if not (math.isfinite(a) and a > 0 and math.isfinite(b) and b >= 0):
+        raise ValueError(f"lognormal:MEDIAN,SIGMA needs MEDIAN > 0 and SIGMA >= 0, got {spec!r}")
+    drawn = np.maximum(np.rint(a * np.exp(b * rng.standard_normal(count))), 1)
+    if not np.isfinite(drawn).all() or drawn.max() > 2**53:
+        raise ValueError(f"{spec!r} draws lengths too large to count")
+    return [int(n) for n in drawn.tolist()]
 
 
 @dataclass(frozen=True)
@@ -291,34 +461,62 @@ class LatencySummary:
 class SimResult:
     """What a simulated run measured. Latencies run from arrival to batch end.
 
+    Every request replayed is counted once: `served + overloaded + shed + rejected
+    == requests`.
+
     Attributes:
         requests: arrivals replayed.
         served: requests that ran.
         rejected: requests refused with `QueueFull` (`max_queue_size`).
+        overloaded: requests refused at admission with
+            [`Overloaded`][batchkit.Overloaded]: under `max_latency_ms`, predicted
+            to be answered too late.
+        shed: admitted requests dropped with `Overloaded` before they ran: they
+            could no longer be answered in time.
+        on_time: served requests answered within `goodput_ms`.
+        goodput: `on_time` per second over `duration_s`.
+        goodput_fraction: `on_time` as a fraction of `requests` (what was offered).
+        max_latency_ms: the latency target the scheduler enforced; None for none.
+        goodput_ms: the latency within which an answer counts for `goodput`
+            (`max_latency_ms` unless given); None: every answer counts.
         duration_s: first arrival to last batch end, in seconds.
         offered_rate: requests/s in the arrivals; NaN when they all share one time.
         throughput: served requests/s over `duration_s`.
-        capacity: requests/s when every slot runs full batches back to back.
+        capacity: requests/s when every slot runs full batches back to back (with
+            `keys` and a cost term, of the mean cost of the full batches the keys
+            make in arrival order within each bucket: a lower bound for a sorted
+            policy, whose batches pad less).
         utilization: the fraction of slot-time spent running batches.
-        latency: arrival to batch end.
-        queue_wait: arrival to dispatch.
+        latency: arrival to batch end, of the served requests.
+        queue_wait: arrival to dispatch, of the served requests.
         batches: batches run.
         mean_batch_size: real items per batch, averaged.
         mean_batch_cost: a batch's cost by the policy's `cost` (its padded area by
             default, its total tokens under `"sum"`), averaged; NaN without `keys`.
         batch_sizes: real items per batch -> number of batches.
-        dispatch_reasons: why batches left (`"full"`, `"idle"`, ...) -> how many.
+        dispatch_reasons: why batches left (`"full"`, `"idle"`, `"deadline"`, ...)
+            -> how many.
         batcher: the policy's settings, as `describe_batcher` names them.
         latency_model: the latency model's description.
+        learned_latency: under `max_latency_ms`, the batch-time model the scheduler
+            learned from the simulated batches
+            ([`LearnedLatency`][batchkit.serve.LearnedLatency]); None otherwise.
         max_concurrent_batches: batches that ran at once.
         latencies_s: each request's latency in seconds, in the order of the arrivals
-            as given; NaN if rejected.
+            as given; NaN if it did not run (rejected, overloaded or shed).
         batch_log: `(start, end, size)` of every batch.
     """
 
     requests: int
     served: int
     rejected: int
+    overloaded: int
+    shed: int
+    on_time: int
+    goodput: float
+    goodput_fraction: float
+    max_latency_ms: float | None
+    goodput_ms: float | None
     duration_s: float
     offered_rate: float
     throughput: float
@@ -333,6 +531,7 @@ class SimResult:
     dispatch_reasons: dict[str, int]
     batcher: str
     latency_model: str
+    learned_latency: LearnedLatency | None
     max_concurrent_batches: int
     latencies_s: np.ndarray = field(repr=False)
     batch_log: list[tuple[float, float, int]] = field(repr=False)
@@ -348,7 +547,14 @@ def describe_batcher(policy: Batcher) -> str:
     tokens = "" if policy.max_tokens is None else f", max_tokens={policy.max_tokens}"
     if policy.max_tokens is not None and policy.cost.name != "padded":
         tokens += f", cost={policy.cost!r}"
-    return f"{type(policy).__name__}(max_batch_size={policy.max_batch_size}{wait}{tokens})"
+    buckets = (
+        f", boundaries={list(policy.boundaries)}" if isinstance(policy, BucketedBatcher) else ""
+    )
+    return f"{type(policy).__name__}(max_batch_size={policy.max_batch_size}{wait}{tokens}{buckets})"
+
+
+POLICIES = ("dynamic", "static", "bucketed", "sorted")
+DEFAULT_BUCKETS = 4  # equal-token buckets of a bucketed policy, at most one per length
 
 
 def _make_batcher(
@@ -357,14 +563,45 @@ def _make_batcher(
     max_wait_ms: float,
     max_tokens: int | None,
     cost: CostLike | BatchCost,
+    keys: Sequence[float] | None,
+    buckets: int | Sequence[float] | None,
 ) -> Batcher:
+    """The policy named, with the key `@batched(key=len)` would give it when there are keys.
+
+    With a key the scheduler knows each request's length, so a latency target learns
+    the cost term of the batch times too.
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {', '.join(map(repr, POLICIES))}, got {policy!r}")
+    if buckets is not None and policy != "bucketed":
+        raise ValueError(f"buckets is for policy='bucketed', not {policy!r}")
+    key = None if keys is None else len
+    if policy in ("bucketed", "sorted") and keys is None:
+        raise ValueError(f"policy={policy!r} groups requests by length: pass keys=")
     if policy == "dynamic":
-        return DynamicBatcher(max_batch_size, max_wait_ms, max_tokens=max_tokens, cost=cost)
+        return DynamicBatcher(
+            max_batch_size, max_wait_ms, max_tokens=max_tokens, cost=cost, key=key
+        )
     if policy == "static":
         if max_tokens is not None:
-            raise ValueError("max_tokens is for policy='dynamic': a static batch is a fixed size")
-        return StaticBatcher(max_batch_size)
-    raise ValueError(f"policy must be 'dynamic' or 'static', got {policy!r}")
+            raise ValueError(
+                "max_tokens is not for policy='static': a static batch is a fixed size"
+            )
+        static = StaticBatcher(max_batch_size)
+        # It has no budget, but the latency model's cost term counts by this cost.
+        static.cost, static.key = as_batch_cost(cost), key
+        return static
+    options: dict[str, Any] = {"max_wait_ms": max_wait_ms, "max_tokens": max_tokens, "cost": cost}
+    if policy == "sorted":
+        return SortedBatcher(batch_size=max_batch_size, **options)
+    assert keys is not None
+    if buckets is None or isinstance(buckets, int):
+        lengths = [math.ceil(k) for k in keys]
+        count = min(DEFAULT_BUCKETS, len(set(lengths))) if buckets is None else buckets
+        return BucketedBatcher.from_lengths(
+            lengths, num_buckets=count, max_batch_size=max_batch_size, **options
+        )
+    return BucketedBatcher(buckets, max_batch_size=max_batch_size, **options)
 
 
 def simulate(
@@ -380,47 +617,84 @@ def simulate(
     max_wait_ms: float = 5.0,
     max_concurrent_batches: int = 1,
     max_queue_size: int | None = None,
+    max_latency_ms: float | None = None,
+    goodput_ms: float | None = None,
     keys: Sequence[float] | None = None,
     max_tokens: int | None = None,
     cost: CostLike | BatchCost = "padded",
+    buckets: int | Sequence[float] | None = None,
 ) -> SimResult:
     """Replay arrivals against a batcher and a latency model; see the module docstring.
 
-    At the end of the arrivals the batcher closes, so a static batcher's partial tail
-    is still served.
+    A batch of padded size `n` whose keys cost `cost` (by the policy's `cost`; 0
+    without `keys`) runs for `latency.seconds(n, cost)`. At the end of the arrivals
+    the batcher closes, so a static batcher's partial tail is still served.
+
+    With `max_latency_ms` the scheduler enforces the target as `@batched` does: it
+    learns the batch times from the simulated batches, refuses requests it predicts
+    late ([`Overloaded`][batchkit.Overloaded], counted as `overloaded`), drops
+    waiting ones that can no longer be in time (`shed`), and cuts batches so their
+    most urgent member is in time. `goodput` counts the answers within the target.
 
     Args:
-        latency: `(fixed_ms, per_item_ms)`, a [`LatencyModel`][batchkit.LatencyModel],
-            or a profile (result or JSON path).
+        latency: `(fixed_ms, per_item_ms)` or `(fixed_ms, per_item_ms, per_cost_ms)`,
+            a [`LatencyModel`][batchkit.LatencyModel], a learned model
+            ([`LearnedLatency`][batchkit.serve.LearnedLatency]), or a profile
+            (result or JSON path).
         rate: Poisson arrivals, in requests/s (when `arrivals` is not given).
         num_requests: how many Poisson arrivals.
         arrivals: arrival times in seconds, instead of `rate`.
         seed: the seed of the Poisson arrivals.
         batcher: a policy instance; else one is built from `policy`,
-            `max_batch_size`, `max_wait_ms`, `max_tokens` and `cost`.
-        policy: `"dynamic"` ([`DynamicBatcher`][batchkit.DynamicBatcher]) or
-            `"static"` ([`StaticBatcher`][batchkit.StaticBatcher]).
+            `max_batch_size`, `max_wait_ms`, `max_tokens`, `cost` and `buckets`.
+        policy: `"dynamic"` ([`DynamicBatcher`][batchkit.DynamicBatcher]),
+            `"static"` ([`StaticBatcher`][batchkit.StaticBatcher]), `"bucketed"`
+            ([`BucketedBatcher`][batchkit.BucketedBatcher]) or `"sorted"`
+            ([`SortedBatcher`][batchkit.SortedBatcher]); the last two need `keys`.
+            Built with `keys`, the policy has a key (as `@batched(key=len)`), so a
+            latency target learns the cost term too.
         max_batch_size: the built policy's largest batch.
         max_wait_ms: the built policy's wait, in milliseconds.
         max_concurrent_batches: batches that run at once, each as if alone.
         max_queue_size: waiting requests beyond this are rejected; None: unbounded.
+        max_latency_ms: each request's latency target, in milliseconds, as
+            `@batched(max_latency_ms=)`; None (the default): none.
+        goodput_ms: an answer within this many milliseconds counts for `goodput`;
+            default `max_latency_ms` (give it without a target to measure the
+            goodput an untargeted run would have); both None: every answer counts.
         keys: each request's key (its length), in the order of `arrivals`: for
-            bucketed, sorted or token-budget policies.
-        max_tokens: the built dynamic policy's token budget (needs `keys`).
-        cost: what `max_tokens` bounds: `"padded"`, `"sum"` or a callable
+            bucketed, sorted or token-budget policies, and the cost term.
+        max_tokens: the built policy's token budget (needs `keys`; not static).
+        cost: what `max_tokens` bounds and the latency model's cost term counts:
+            `"padded"`, `"sum"` or a callable
             ([`as_batch_cost`][batchkit.batchers.cost.as_batch_cost]).
+        buckets: the built bucketed policy's buckets: their boundaries, or how many
+            of equal tokens to cut from `keys`; default up to 4 of equal tokens.
 
     Raises:
         ValueError: neither `rate` nor `arrivals`, `keys` of another length, a token
-            budget without `keys`, or `max_tokens`/`cost` given with `batcher`.
+            budget without `keys`, `max_tokens`/`cost` given with `batcher`, an
+            unknown `policy`, a bucketed or sorted policy without `keys`, a target
+            or goodput threshold that is not a positive number, or a latency model
+            whose batches take no time without `keys`; also when the policy's
+            `select` picks nothing, or a batch's end overflows (the replay could
+            never end).
     """
     # Zero slots never dispatch: the replay would wait forever.
     check_positive_int("max_concurrent_batches", max_concurrent_batches)
-    if batcher is not None and (max_tokens is not None or cost != "padded"):
-        raise ValueError("max_tokens and cost are set on the batcher given, not here")
+    for name, value in (("max_latency_ms", max_latency_ms), ("goodput_ms", goodput_ms)):
+        if value is not None and not (_is_number(value) and math.isfinite(value) and value > 0):
+            raise ValueError(f"{name} must be a positive number of milliseconds, got {value!r}")
+    if batcher is not None and (max_tokens is not None or cost != "padded" or buckets is not None):
+        raise ValueError("max_tokens, cost and buckets are set on the batcher given, not here")
     if max_tokens is not None and keys is None:
         raise ValueError("max_tokens needs keys= (each request's length) to cut batches by")
     model = as_latency_model(latency)
+    if keys is None and model.seconds(1) == 0:
+        raise ValueError(
+            f"latency model {model.description}: a batch without keys would take 0 ms "
+            "(its time is all in the cost term): pass keys= (each request's length)"
+        )
     if arrivals is None:
         if rate is None:
             raise ValueError("pass rate= (requests/s) or arrivals= (times in seconds)")
@@ -436,15 +710,25 @@ def simulate(
     times = times[order]
     if keys is not None:
         keys = [keys[i] for i in order.tolist()]
-    policy_obj = batcher or _make_batcher(policy, max_batch_size, max_wait_ms, max_tokens, cost)
+    policy_obj = batcher or _make_batcher(
+        policy, max_batch_size, max_wait_ms, max_tokens, cost, keys, buckets
+    )
     sched = Scheduler(
-        policy_obj, max_queue_size=max_queue_size, max_concurrent_batches=max_concurrent_batches
+        policy_obj,
+        max_queue_size=max_queue_size,
+        max_concurrent_batches=max_concurrent_batches,
+        max_latency_s=None if max_latency_ms is None else max_latency_ms / 1e3,
     )
     replay = _replay(sched, times, model, keys)
-    result = _summarise(sched, times, replay, model, policy_obj)
+    threshold = max_latency_ms if goodput_ms is None else goodput_ms
+    result = _summarise(sched, times, replay, model, policy_obj, keys, max_latency_ms, threshold)
     given = np.empty_like(result.latencies_s)  # back in the order the caller gave
     given[order] = result.latencies_s
     return dataclasses.replace(result, latencies_s=given)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 @dataclass
@@ -494,14 +778,22 @@ def _replay(
                 key = float(keys[i])
                 req = Request(i, key, policy.bucket_of(key), 0)
             req.enqueued_at = arrive[i]
-            with contextlib.suppress(QueueFull):  # counted by the scheduler; latency stays NaN
+            # Counted by the scheduler (QueueFull as rejected, its subclass Overloaded as
+            # overloaded); the latency stays NaN. Shed requests are counted there too.
+            with contextlib.suppress(QueueFull):
                 sched.add(req)
             i += 1
         while True:
             formed, wake_at = sched.poll(now)
             if formed is None:
                 break
-            seconds = model.seconds(formed.padded_size)
+            if not formed.requests:  # it would run forever, serving nobody
+                raise ValueError(
+                    f"{type(policy).__name__}.select() chose no request of the "
+                    f"{sched.num_waiting} waiting: a batch must take at least one"
+                )
+            cost = 0.0 if keys is None else policy.cost.of([r.key for r in formed.requests])
+            seconds = model.seconds(formed.padded_size, cost)
             end = now + seconds
             if not math.isfinite(end):  # a batch that never ends would stall the replay
                 raise ValueError(
@@ -511,7 +803,7 @@ def _replay(
             heapq.heappush(running, (end, next(order), formed))
             log.append((now, end, len(formed.requests)))
             if keys is not None:
-                costs.append(policy.cost.of([r.key for r in formed.requests]))
+                costs.append(cost)
             for req in formed.requests:
                 started_at[req.item] = now
                 done_at[req.item] = end
@@ -520,8 +812,35 @@ def _replay(
     return _Replay(np.array(done_at), np.array(started_at), log, costs)
 
 
+def _full_batch_seconds(
+    model: LatencyModel, policy: Batcher, keys: Sequence[float] | None
+) -> float:
+    """A full batch's time; with a cost term, at the mean cost of the full batches the
+    keys make in arrival order within each bucket (as full batches leave online)."""
+    full = policy.padded_size(policy.max_batch_size)
+    if keys is None or not model.per_cost_ms:
+        return model.seconds(full)
+    by_bucket: dict[Hashable, list[float]] = {}
+    for key in keys:
+        by_bucket.setdefault(policy.bucket_of(key), []).append(key)
+    size = policy.max_batch_size
+    chunks = [
+        group[lo : lo + size]
+        for group in by_bucket.values()
+        for lo in range(0, len(group) - size + 1, size)
+    ] or [list(keys)]  # fewer than a full batch of keys: all of them
+    return model.seconds(full, statistics.fmean(policy.cost.of(c) for c in chunks))
+
+
 def _summarise(
-    sched: Scheduler, times: np.ndarray, replay: _Replay, model: LatencyModel, policy: Batcher
+    sched: Scheduler,
+    times: np.ndarray,
+    replay: _Replay,
+    model: LatencyModel,
+    policy: Batcher,
+    keys: Sequence[float] | None,
+    max_latency_ms: float | None,
+    goodput_ms: float | None,
 ) -> SimResult:
     done_at, started_at, log = replay.done_at, replay.started_at, replay.log
     served_mask = ~np.isnan(done_at)
@@ -534,16 +853,28 @@ def _summarise(
     offered = (len(times) - 1) / span if span > 0 else math.nan
     busy = sum(e - s for s, e, _ in log)
     slots = sched.max_concurrent_batches
-    full = policy.padded_size(policy.max_batch_size)
+    full_seconds = _full_batch_seconds(model, policy, keys)
     stats = sched.stats
+    if goodput_ms is None:
+        on_time = served
+    else:
+        # (A hair of slack: an answer exactly at the target is in time, whatever the rounding.)
+        on_time = int((latencies[served_mask] <= goodput_ms / 1e3 * (1 + 1e-9)).sum())
     return SimResult(
         requests=len(times),
         served=served,
         rejected=stats.rejected,
+        overloaded=stats.overloaded,
+        shed=stats.shed,
+        on_time=on_time,
+        goodput=on_time / duration,
+        goodput_fraction=on_time / len(times),
+        max_latency_ms=max_latency_ms,
+        goodput_ms=goodput_ms,
         duration_s=duration,
         offered_rate=offered,
         throughput=served / duration,
-        capacity=slots * policy.max_batch_size / model.seconds(full),
+        capacity=slots * policy.max_batch_size / full_seconds if full_seconds else math.inf,
         utilization=busy / (duration * slots),
         latency=LatencySummary.of_seconds(latencies[served_mask]),
         queue_wait=LatencySummary.of_seconds((started_at - times)[served_mask]),
@@ -554,6 +885,7 @@ def _summarise(
         dispatch_reasons={r.value: n for r, n in stats.reasons.items()},
         batcher=describe_batcher(policy),
         latency_model=model.description,
+        learned_latency=None if sched.target is None else sched.target.model(),
         max_concurrent_batches=slots,
         latencies_s=latencies,
         batch_log=log,
