@@ -7,8 +7,9 @@ never blocks; every request gets exactly its own embedding. ``/metrics`` serves
 Prometheus text (``batchkit.metrics``).
 
 batchkit's errors become HTTP answers in one place, ``ERROR_RESPONSES``: a full
-queue is 503 with ``Retry-After``, a request that waited past its timeout 504, a
-closed (shutting down) batcher 503.
+queue is 503 with ``Retry-After``, a request predicted to miss its latency target
+(``Overloaded``) 503 with ``Retry-After`` and the predicted and target times, a
+request that waited past its timeout 504, a closed (shutting down) batcher 503.
 
 Batch settings come from the environment (``BatchSettings.from_env``):
 
@@ -16,6 +17,8 @@ Batch settings come from the environment (``BatchSettings.from_env``):
     BATCHKIT_MAX_WAIT_MS        longest wait for a batch to fill, ms (default 2)
     BATCHKIT_MAX_QUEUE_SIZE     requests that may wait before 503s (default 4096)
     BATCHKIT_REQUEST_TIMEOUT_S  longest wait before a request starts, s (default 30)
+    BATCHKIT_MAX_LATENCY_MS     each request's target, admission to result, ms (default
+                                none); past capacity, what would be late gets a 503 at once
 
 The default model is a small built-in torch encoder (random weights, instant to
 load). ``EMBED_MODEL=minilm`` serves sentence-transformers/all-MiniLM-L6-v2 from
@@ -35,7 +38,7 @@ import re
 import zlib
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Protocol, TypeVar
 
 import torch
@@ -151,20 +154,42 @@ def _setting(
     return value
 
 
+def _optional_positive(environ: Mapping[str, str], name: str) -> float | None:
+    """``environ[name]`` as a finite number above 0, or None when unset or empty."""
+    raw = environ.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a number > 0, got {raw!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class BatchSettings:
-    """How requests are batched; :meth:`from_env` reads them from ``BATCHKIT_*``."""
+    """How requests are batched; ``from_env`` reads them from ``BATCHKIT_*``.
+
+    ``max_latency_ms`` has no default: a target is the deployment's promise (its
+    model, its hardware, its clients' patience), and one right for the tiny encoder
+    would refuse most MiniLM requests on a CPU. Without one, overload shows as
+    waiting, up to ``max_queue_size`` and ``request_timeout_s``.
+    """
 
     max_batch_size: int = 32
     max_wait_ms: float = 2.0
     max_queue_size: int = 4096
     request_timeout_s: float = 30.0
+    max_latency_ms: float | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> BatchSettings:
         """Settings from ``BATCHKIT_MAX_BATCH_SIZE``, ``BATCHKIT_MAX_WAIT_MS``,
-        ``BATCHKIT_MAX_QUEUE_SIZE`` and ``BATCHKIT_REQUEST_TIMEOUT_S``; unset ones keep
-        their defaults, and a bad value raises a ValueError naming its variable."""
+        ``BATCHKIT_MAX_QUEUE_SIZE``, ``BATCHKIT_REQUEST_TIMEOUT_S`` and
+        ``BATCHKIT_MAX_LATENCY_MS``; unset ones keep their defaults, and a bad value
+        raises a ValueError naming its variable."""
         env = os.environ if environ is None else environ
         default = cls()
         return cls(
@@ -174,31 +199,51 @@ class BatchSettings:
             request_timeout_s=_setting(
                 env, "BATCHKIT_REQUEST_TIMEOUT_S", float, default.request_timeout_s, 0.0
             ),
+            max_latency_ms=_optional_positive(env, "BATCHKIT_MAX_LATENCY_MS"),
         )
 
 
-# batchkit's errors as HTTP answers: (status code, Retry-After seconds or None). A
-# subclass answers as its nearest listed base. A new error (say a busy/retry error)
-# is one more line here.
-ERROR_RESPONSES: dict[type[Exception], tuple[int, int | None]] = {
-    batchkit.QueueFull: (503, 1),  # overloaded: retry soon, here or elsewhere
+def retry_after_one_target(exc: batchkit.Overloaded) -> int:
+    """``Retry-After`` for a request refused for its latency target: the target in
+    whole seconds, at least 1. Admission keeps the work waiting within about one
+    target, so by then the backlog this request met has been answered."""
+    return max(1, math.ceil(exc.target_s))
+
+
+# batchkit's errors as HTTP answers: (status code, Retry-After: seconds, a function of
+# the error giving them, or None). An error answers as the first class of its MRO
+# listed here, so a subclass listed on its own (Overloaded, a QueueFull) keeps its own
+# line, and an unlisted one answers as its nearest listed base. A new error is one
+# more line here.
+ERROR_RESPONSES: dict[type[Exception], tuple[int, int | Callable[[Any], int] | None]] = {
+    batchkit.Overloaded: (503, retry_after_one_target),  # would miss its target
+    batchkit.QueueFull: (503, 1),  # queue full: retry soon, here or elsewhere
     batchkit.RequestTimeout: (504, None),  # waited past its timeout, never ran
     batchkit.BatcherClosed: (503, None),  # shutting down: retry on another instance
 }
 
 
 def error_response(exc: Exception) -> JSONResponse:
-    """The HTTP answer for one of the errors in :data:`ERROR_RESPONSES`."""
+    """The HTTP answer for one of the errors in ``ERROR_RESPONSES``.
+
+    The body is ``{"detail": message, "error": class name}``; for
+    ``batchkit.Overloaded`` also ``predicted_ms`` and ``target_ms``.
+    """
     status, retry_after = next(
         ERROR_RESPONSES[cls] for cls in type(exc).__mro__ if cls in ERROR_RESPONSES
     )
+    if callable(retry_after):
+        retry_after = retry_after(exc)
     headers = {} if retry_after is None else {"Retry-After": str(retry_after)}
-    body = {"detail": str(exc), "error": type(exc).__name__}
+    body: dict[str, Any] = {"detail": str(exc), "error": type(exc).__name__}
+    if isinstance(exc, batchkit.Overloaded):
+        body["predicted_ms"] = round(exc.predicted_s * 1e3, 1)
+        body["target_ms"] = round(exc.target_s * 1e3, 1)
     return JSONResponse(body, status_code=status, headers=headers)
 
 
 def create_app(encoder: Encoder | None = None, settings: BatchSettings | None = None) -> FastAPI:
-    """The service around ``encoder`` (default: :class:`TinyEncoder`, or MiniLM with
+    """The service around ``encoder`` (default: ``TinyEncoder``, or MiniLM with
     ``EMBED_MODEL=minilm``), batched as ``settings`` say (default: from the environment)."""
     if settings is None:
         settings = BatchSettings.from_env()
@@ -217,6 +262,7 @@ def create_app(encoder: Encoder | None = None, settings: BatchSettings | None = 
         collate=collate,
         split=lambda out: out.tolist(),  # JSON-ready lists, one per request
         max_queue_size=settings.max_queue_size,
+        max_latency_ms=settings.max_latency_ms,  # None: no target
     )
     def embed_batch(batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return encoder(batch)
@@ -255,7 +301,15 @@ def create_app(encoder: Encoder | None = None, settings: BatchSettings | None = 
     @app.get("/healthz")
     def healthz() -> dict[str, Any]:
         stats = embed_batch.stats()
-        return {"ok": True, "queue_depth": stats.queue_depth, "batches": stats.batches}
+        model = stats.latency_model  # None without a target, or until 8 batches ran
+        return {
+            "ok": True,
+            "queue_depth": stats.queue_depth,
+            "batches": stats.batches,
+            "overloaded": stats.overloaded,  # refused at once: would miss the target
+            "shed": stats.shed,  # dropped while waiting: could no longer be in time
+            "latency_model": None if model is None else asdict(model),
+        }
 
     return app
 

@@ -1,7 +1,9 @@
 """The FastAPI example served by uvicorn on 127.0.0.1: a few hundred concurrent HTTP
 requests, each answered with exactly its unbatched embedding, in batches; batchkit's
-errors answered with their HTTP status (full queue 503 + Retry-After, timeout 504,
-closed 503); batch settings read from the environment."""
+errors answered with their HTTP status (full queue 503 + Retry-After, missed latency
+target 503 + Retry-After from the target, timeout 504, closed 503); batch settings
+read from the environment. Past capacity under a latency target, with MiniLM:
+test_service_overload.py."""
 
 from __future__ import annotations
 
@@ -86,7 +88,14 @@ def test_concurrent_requests_get_their_unbatched_results(service: tuple[str, Any
     stats = app.state.model.stats()
     assert stats.requests == stats.items_run == N_REQUESTS
     assert stats.batches < N_REQUESTS / 2, stats  # batches were actually formed
-    assert health == {"ok": True, "queue_depth": 0, "batches": stats.batches}
+    assert health == {
+        "ok": True,
+        "queue_depth": 0,
+        "batches": stats.batches,
+        "overloaded": 0,
+        "shed": 0,
+        "latency_model": None,  # no BATCHKIT_MAX_LATENCY_MS: nothing to learn
+    }
 
     def sample(name: str, **labels: str) -> float:
         sel = ",".join(f'{k}="{v}"' for k, v in {"batcher": "embed", **labels}.items())
@@ -204,6 +213,39 @@ def test_a_subclass_of_a_mapped_error_answers_as_its_base(module: ModuleType) ->
     assert response.status_code == 503 and response.headers["Retry-After"] == "1"
 
 
+@pytest.mark.parametrize(("target_s", "retry_after"), [(0.05, "1"), (1.0, "1"), (2.5, "3")])
+def test_overloaded_answers_503_retry_after_its_target_and_the_times(
+    module: ModuleType, target_s: float, retry_after: str
+) -> None:
+    import json
+
+    import batchkit
+
+    error = batchkit.Overloaded("would be late", predicted_s=target_s * 1.5, target_s=target_s)
+    response = module.error_response(error)
+    assert response.status_code == 503
+    assert response.headers["Retry-After"] == retry_after  # whole seconds, at least 1
+    assert json.loads(response.body) == {
+        "detail": "would be late",
+        "error": "Overloaded",
+        "predicted_ms": round(target_s * 1.5e3, 1),
+        "target_ms": round(target_s * 1e3, 1),
+    }
+
+
+def test_latency_target_from_the_environment_reaches_the_batcher(
+    module: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("BATCHKIT_MAX_LATENCY_MS", "250")
+    app = module.create_app()
+    assert app.state.settings.max_latency_ms == 250.0
+    with serving(app) as url:  # a target learns batch times: a model in /healthz
+        for i in range(8):
+            assert httpx.post(f"{url}/embed", json={"text": f"t{i}"}, timeout=20).is_success
+        health = httpx.get(f"{url}/healthz", timeout=10).json()
+    assert health["latency_model"] is not None and health["latency_model"]["samples"] == 8
+
+
 def test_settings_come_from_the_environment(module: ModuleType) -> None:
     settings = module.BatchSettings.from_env(
         {
@@ -211,10 +253,12 @@ def test_settings_come_from_the_environment(module: ModuleType) -> None:
             "BATCHKIT_MAX_WAIT_MS": "0.5",
             "BATCHKIT_MAX_QUEUE_SIZE": "100",
             "BATCHKIT_REQUEST_TIMEOUT_S": "2",
+            "BATCHKIT_MAX_LATENCY_MS": "300",
         }
     )
-    assert settings == module.BatchSettings(8, 0.5, 100, 2.0)
+    assert settings == module.BatchSettings(8, 0.5, 100, 2.0, 300.0)
     assert module.BatchSettings.from_env({}) == module.BatchSettings()
+    assert module.BatchSettings().max_latency_ms is None  # no target unless asked
 
 
 @pytest.mark.parametrize(
@@ -226,6 +270,10 @@ def test_settings_come_from_the_environment(module: ModuleType) -> None:
         ("BATCHKIT_MAX_WAIT_MS", "soon"),
         ("BATCHKIT_MAX_QUEUE_SIZE", "lots"),
         ("BATCHKIT_REQUEST_TIMEOUT_S", "nan"),
+        ("BATCHKIT_MAX_LATENCY_MS", "0"),
+        ("BATCHKIT_MAX_LATENCY_MS", "-50"),
+        ("BATCHKIT_MAX_LATENCY_MS", "inf"),
+        ("BATCHKIT_MAX_LATENCY_MS", "fast"),
     ],
 )
 def test_a_bad_setting_names_its_variable(module: ModuleType, name: str, value: str) -> None:
