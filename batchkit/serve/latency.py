@@ -53,8 +53,8 @@ class LearnedLatency:
             98th percentile) plus the recent shift (the median residual of the last
             5 batches, when positive).
         samples: Batches the model was fitted to (the most recent ones).
-        largest_size: The largest padded batch size among them.
-        largest_cost: The largest batch cost among them.
+        largest_size: The largest padded batch size among them (0: no limit).
+        largest_cost: The largest batch cost among them (0: no limit).
     """
 
     fixed_ms: float
@@ -62,8 +62,8 @@ class LearnedLatency:
     per_cost_ms: float
     margin_ms: float
     samples: int
-    largest_size: float
-    largest_cost: float
+    largest_size: float = 0.0
+    largest_cost: float = 0.0
 
     def predict_ms(self, size: float, cost: float = 0.0) -> float:
         """The predicted time of a batch, in milliseconds (margin included).
