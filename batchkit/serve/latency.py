@@ -9,9 +9,9 @@ recent batches. What makes it usable for admission decisions on a noisy machine:
   stalled batch (a garbage collection, a page fault) hardly moves it, a change of
   regime (a slower device, heavier inputs) moves it within a few dozen batches;
 - a prediction adds a *margin*: the spread of the residuals (their 98th percentile
-  over the window, which a few outliers do not reach), plus the *shift*, the median
-  residual of the last 5 batches against the fit: a sudden slowdown shows there
-  after 3 batches, long before the fit has moved, while one outlier never does.
+  over the window, which a few outliers do not reach), plus the *shift*, the smaller
+  residual of the last 2 batches against the fit: a sudden slowdown shows there
+  after 2 batches, long before the fit has moved, while one outlier never does.
 
 The fit itself is recomputed every `REFIT_EVERY` batches (a few small numpy
 operations); the shift follows every batch.
@@ -20,7 +20,6 @@ operations); the shift follows every batch.
 from __future__ import annotations
 
 import dataclasses
-import statistics
 from collections import deque
 from dataclasses import dataclass
 
@@ -31,7 +30,7 @@ WINDOW = 128  # batches kept
 HALF_LIFE = 16  # batches after which a sample weighs half as much in the fit
 REFIT_EVERY = 8  # batches between two fits
 SPREAD_QUANTILE = 0.98
-SHIFT_WINDOW = 5  # the newest batches whose median residual is the shift
+SHIFT_WINDOW = 2  # the newest batches whose smaller residual is the shift
 _HUBER_K = 2.0  # residuals beyond this many robust standard deviations are down-weighted
 
 
@@ -50,8 +49,8 @@ class LearnedLatency:
         per_cost_ms: Milliseconds per unit of the policy's batch cost (tokens, for
             the default `"padded"` cost); 0 for a keyless policy.
         margin_ms: What a prediction adds to the fit: the residuals' spread (their
-            98th percentile) plus the recent shift (the median residual of the last
-            5 batches, when positive).
+            98th percentile) plus the recent shift (the smaller residual of the last
+            2 batches, when positive).
         samples: Batches the model was fitted to (the most recent ones).
         largest_size: The largest padded batch size among them (0: no limit).
         largest_cost: The largest batch cost among them (0: no limit).
@@ -140,7 +139,7 @@ class BatchTimeLearner:
             self._refit()
         if self._model is None:
             assert self._fit is not None
-            shift = max(statistics.median(self._recent), 0.0) if self._recent else 0.0
+            shift = max(min(self._recent), 0.0) if len(self._recent) == SHIFT_WINDOW else 0.0
             self._model = dataclasses.replace(self._fit, margin_ms=self._fit.margin_ms + shift)
         return self._model
 

@@ -51,6 +51,9 @@ class LatencyTarget:
         # Waiting requests per priority: [count, sum of each request's own cost], for
         # "how much work is ahead of a new request" without walking the queue.
         self._waiting: dict[int, list[float]] = {}
+        # A batch's cost over the sum of its items' own costs (above 1 for a padded
+        # layout: its longest item times its size), averaged over recent batches.
+        self._packing = 1.0
 
     @property
     def ready(self) -> bool:
@@ -87,7 +90,12 @@ class LatencyTarget:
             padded_size: The size the function was called with.
             seconds: From leaving the queue to its results.
         """
-        self.learner.observe(padded_size, self.batch_cost([r.key for r in requests]), seconds)
+        keys = [r.key for r in requests]
+        cost = self.batch_cost(keys)
+        self.learner.observe(padded_size, cost, seconds)
+        own = sum(self.batch_cost([k]) for k in keys)
+        if own > 0:
+            self._packing += 0.1 * (cost / own - self._packing)
 
     # -- the work ahead ----------------------------------------------------------------
     def entered(self, req: Request) -> None:
@@ -149,6 +157,7 @@ class LatencyTarget:
                 cost += total
         items = ahead + len(reqs)
         cost += sum(self.batch_cost([r.key]) for r in reqs)
+        cost *= self._packing  # (the batches' cost, not the sum of their items')
         finish = self._finish_time(items, cost, now, slots_free_at, max_batch_size)
         predicted = finish - now + self.reserve_s
         if predicted > self.target_s:
