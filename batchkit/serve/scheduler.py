@@ -599,6 +599,11 @@ class Scheduler:
         queue = bucket.clean_queue()
         candidates = bucket.candidates(self.policy.candidate_limit)
         chosen = self.policy.select(candidates)
+        if not chosen:  # a batch of nobody would be formed again at every poll
+            raise ValueError(
+                f"{type(self.policy).__name__}.select() chose no request of the "
+                f"{len(candidates)} waiting: a batch must take at least one"
+            )
         if self.caps and name in self.caps:
             cap = self.caps[name]
             del chosen[cap:]

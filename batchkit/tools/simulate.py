@@ -787,11 +787,6 @@ def _replay(
             formed, wake_at = sched.poll(now)
             if formed is None:
                 break
-            if not formed.requests:  # it would run forever, serving nobody
-                raise ValueError(
-                    f"{type(policy).__name__}.select() chose no request of the "
-                    f"{sched.num_waiting} waiting: a batch must take at least one"
-                )
             cost = 0.0 if keys is None else policy.cost.of([r.key for r in formed.requests])
             seconds = model.seconds(formed.padded_size, cost)
             end = now + seconds

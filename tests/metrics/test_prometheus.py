@@ -55,7 +55,7 @@ def test_static_workload_exact_counts(registry: Any, exporter: PrometheusMetrics
     assert value(registry, "inference_batches_total", reason="max_wait", **lb) == 0
     assert value(registry, "inference_requests_total", outcome="ok", **lb) == 12
     assert value(registry, "inference_requests_total", outcome="error", **lb) == 0
-    for reason in ("rejected", "timeout", "cancelled", "closed"):
+    for reason in ("rejected", "timeout", "cancelled", "closed", "overloaded"):
         assert value(registry, "inference_dropped_requests_total", reason=reason, **lb) == 0
     assert value(registry, "inference_queue_depth", **lb) == 0
     assert value(registry, "inference_in_flight_batches", **lb) == 0
@@ -178,6 +178,26 @@ def test_timeouts_cancellations_and_closes(registry: Any, exporter: PrometheusMe
     }
     assert drops == {"rejected": 0, "timeout": 1, "cancelled": 1, "closed": 2}
     assert f.stats().timeouts == 1 and f.stats().cancelled == 1
+
+
+def test_requests_refused_for_a_latency_target_count_as_overloaded(
+    registry: Any, exporter: PrometheusMetrics
+) -> None:
+    now = [0.0]
+
+    def model(xs: list[int]) -> list[int]:
+        now[0] += 0.010 + 0.001 * len(xs)  # the injected clock: a batch's time
+        return xs
+
+    f = batchkit.batched(max_batch_size=8, max_latency_ms=50, clock=lambda: now[0])(model)
+    exporter.track(f, name="slo")
+    for n in (1, 2, 4, 8, 3, 6, 5, 7):
+        f.map(range(n))
+    with pytest.raises(batchkit.Overloaded):
+        f.map(range(100))
+    dropped = value(registry, "inference_dropped_requests_total", batcher="slo", reason="overloaded")
+    assert dropped == 100 and f.stats().overloaded == 100
+    f.close()
 
 
 def test_tokens_padding_and_dispatch_reasons(registry: Any, exporter: PrometheusMetrics) -> None:

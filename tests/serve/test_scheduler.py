@@ -449,3 +449,15 @@ def test_a_keyless_policy_in_several_buckets_serves_the_oldest_head_first() -> N
     sched.closing = True
     batch, _ = sched.poll(0.0)
     assert batch is not None and [r.item for r in batch.requests] == ["older-long"]
+
+
+class _PicksNothing(DynamicBatcher):
+    def select(self, candidates):  # type: ignore[no-untyped-def]
+        return []
+
+
+def test_a_policy_whose_select_picks_nothing_is_an_error_not_a_stall() -> None:
+    sched = Scheduler(_PicksNothing(4))
+    add(sched, 1, 0.0)
+    with pytest.raises(ValueError, match=r"_PicksNothing.select\(\) chose no request of the 1"):
+        sched.poll(0.0)
