@@ -195,7 +195,9 @@ def test_requests_refused_for_a_latency_target_count_as_overloaded(
         f.map(range(n))
     with pytest.raises(batchkit.Overloaded):
         f.map(range(100))
-    dropped = value(registry, "inference_dropped_requests_total", batcher="slo", reason="overloaded")
+    dropped = value(
+        registry, "inference_dropped_requests_total", batcher="slo", reason="overloaded"
+    )
     assert dropped == 100 and f.stats().overloaded == 100
     f.close()
 
