@@ -18,7 +18,7 @@ from batchkit.serve.core import ServingCore
 from batchkit.serve.event_loop import LoopDriver
 from batchkit.serve.events import Listener
 from batchkit.serve.options import Clock, OomRecovery, Options, empty_cuda_cache
-from batchkit.serve.settings import Settings
+from batchkit.serve.settings import Settings, check_latency_target, is_positive_finite
 from batchkit.serve.stats import Stats
 from batchkit.serve.threads import ThreadDriver
 
@@ -445,6 +445,7 @@ class BatchedFunction(Generic[R]):
         max_wait_ms: float | None = None,
         max_concurrent_batches: int | None = None,
         max_queue_size: int | None = None,
+        max_latency_ms: float | None = None,
     ) -> Settings:
         """Change settings while serving; with no argument, read them.
 
@@ -461,6 +462,9 @@ class BatchedFunction(Generic[R]):
             max_concurrent_batches: Batches that may run at once.
             max_queue_size: Requests that may wait. A bound can be set or changed,
                 not removed; requests already waiting past a lower bound stay.
+            max_latency_ms: Each request's latency target (see `@batched`), also
+                for the requests already waiting (counted from their admission). It
+                can be set or changed, not removed; the learned model is kept.
 
         Returns:
             The settings in force afterwards.
@@ -474,6 +478,7 @@ class BatchedFunction(Generic[R]):
             max_wait_ms=max_wait_ms,
             max_concurrent_batches=max_concurrent_batches,
             max_queue_size=max_queue_size,
+            max_latency_ms=max_latency_ms,
         )
 
     def load(self) -> tuple[int, int]:
@@ -586,21 +591,9 @@ def _check_serving_options(
         raise ValueError(f'when_full must be "reject" or "block", got {when_full!r}')
     if when_full == "block" and max_queue_size is None:
         raise ValueError('when_full="block" needs a max_queue_size')
-    if batch_timeout is not None and not _positive_finite(batch_timeout):
+    if batch_timeout is not None and not is_positive_finite(batch_timeout):
         raise ValueError(f"batch_timeout must be a number of seconds > 0, got {batch_timeout!r}")
-    if max_latency_ms is not None and not _positive_finite(max_latency_ms):
-        raise ValueError(
-            f"max_latency_ms must be a finite number of milliseconds > 0, got {max_latency_ms!r}"
-        )
-
-
-def _positive_finite(value: object) -> bool:
-    """Whether `value` is a real number (not a bool) in (0, inf)."""
-    return (
-        not isinstance(value, bool)
-        and isinstance(value, (int, float))
-        and 0 < value < float("inf")
-    )
+    check_latency_target(max_latency_ms)
 
 
 @overload

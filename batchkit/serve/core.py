@@ -368,8 +368,12 @@ class ServingCore:
     def settings(self) -> Settings:
         """The settings in force."""
         with self.lock:
+            target = self.sched.target
             return read_settings(
-                self.sched.policy, self.sched.max_concurrent_batches, self.sched.max_queue_size
+                self.sched.policy,
+                self.sched.max_concurrent_batches,
+                self.sched.max_queue_size,
+                None if target is None else target.target_s,
             )
 
     def configure(
@@ -379,6 +383,7 @@ class ServingCore:
         max_wait_ms: float | None = None,
         max_concurrent_batches: int | None = None,
         max_queue_size: int | None = None,
+        max_latency_ms: float | None = None,
     ) -> Settings:
         """Change the given settings at once for batches formed from now on (a running
         batch is not touched). A bad value changes nothing.
@@ -388,6 +393,8 @@ class ServingCore:
             max_wait_ms: The policy's longest wait, in milliseconds; None leaves it.
             max_concurrent_batches: Batches that may run at once; None leaves it.
             max_queue_size: Requests that may wait; None leaves it.
+            max_latency_ms: Each request's latency target (those waiting too, from
+                their admission); None leaves it.
 
         Returns:
             The settings in force afterwards.
@@ -395,7 +402,9 @@ class ServingCore:
         Raises:
             ValueError: A value is not valid, or the policy has no such setting.
         """
-        check_settings(max_batch_size, max_wait_ms, max_concurrent_batches, max_queue_size)
+        check_settings(
+            max_batch_size, max_wait_ms, max_concurrent_batches, max_queue_size, max_latency_ms
+        )
         with self.lock:
             policy = reconfigured(self.sched.policy, max_batch_size, max_wait_ms)
             self.options = dataclasses.replace(self.options, policy=policy)
@@ -407,6 +416,9 @@ class ServingCore:
                 self.bulk_arrivals = False
                 self.sched.set_max_queue_size(max_queue_size)
                 self._room_freed_locked()
+            if max_latency_ms is not None:
+                self.bulk_arrivals = False  # (so is a latency target's admission)
+                self.sched.set_max_latency(max_latency_ms / 1e3)
             self.settings_changed()
             self.wake()
             return self.settings()

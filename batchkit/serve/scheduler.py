@@ -265,6 +265,19 @@ class Scheduler:
         if self.target is not None:
             self.target.policy = policy
 
+    def set_max_latency(self, seconds: float) -> None:
+        """Give every request a latency target from now on, those waiting too (their
+        deadline counts from their admission). The learned model is kept.
+
+        Args:
+            seconds: The target, from admission to result.
+        """
+        self.ingest()
+        waiting = [req for bucket in self.buckets.values() for req in bucket.candidates(None)]
+        if self.target is None:
+            self.target = LatencyTarget(seconds, self.policy)
+        self.target.retarget(seconds, waiting)
+
     def set_max_queue_size(self, limit: int) -> None:
         """Bound the queue from now on (requests already waiting stay, even past it).
 
@@ -376,6 +389,10 @@ class Scheduler:
             queue.append(arrivals.popleft())
         bucket.live += count
         self._placed += count
+        if self.target is not None:
+            # Only a target set live meets arrivals: those admitted just before it.
+            for req in itertools.islice(reversed(queue), count):
+                self.target.entered(req)
 
     def _lane(self, name: Hashable, priority: int) -> tuple[Bucket, deque[Request]]:
         """The bucket `name` and its deque for `priority`, created if needed."""

@@ -27,16 +27,22 @@ class Settings:
             full).
         max_concurrent_batches: Batches that may run at once.
         max_queue_size: Requests that may wait; None for no bound.
+        max_latency_ms: Each request's latency target, in milliseconds; None for
+            none.
     """
 
     max_batch_size: int
     max_wait_ms: float | None
     max_concurrent_batches: int
     max_queue_size: int | None
+    max_latency_ms: float | None = None
 
 
 def read_settings(
-    policy: Batcher, max_concurrent_batches: int, max_queue_size: int | None
+    policy: Batcher,
+    max_concurrent_batches: int,
+    max_queue_size: int | None,
+    max_latency_s: float | None = None,
 ) -> Settings:
     """The settings of `policy` and the queue, as [`Settings`][batchkit.Settings].
 
@@ -44,6 +50,7 @@ def read_settings(
         policy: The policy in force.
         max_concurrent_batches: Batches that may run at once.
         max_queue_size: Requests that may wait; None for no bound.
+        max_latency_s: The latency target, in seconds; None for none.
     """
     wait = policy.max_wait_s
     return Settings(
@@ -51,6 +58,7 @@ def read_settings(
         max_wait_ms=None if wait is None else wait * 1000.0,
         max_concurrent_batches=max_concurrent_batches,
         max_queue_size=max_queue_size,
+        max_latency_ms=None if max_latency_s is None else max_latency_s * 1000.0,
     )
 
 
@@ -59,6 +67,7 @@ def check_settings(
     max_wait_ms: float | None,
     max_concurrent_batches: int | None,
     max_queue_size: int | None,
+    max_latency_ms: float | None = None,
 ) -> None:
     """Raise ValueError, naming the setting, for a value no policy could take.
 
@@ -67,6 +76,7 @@ def check_settings(
         max_wait_ms: A finite number of milliseconds >= 0, or None.
         max_concurrent_batches: A positive int, or None.
         max_queue_size: A positive int, or None.
+        max_latency_ms: A finite number of milliseconds > 0, or None.
     """
     check_positive_int("max_batch_size", max_batch_size, allow_none=True)
     check_positive_int("max_concurrent_batches", max_concurrent_batches, allow_none=True)
@@ -77,6 +87,30 @@ def check_settings(
         or not (max_wait_ms >= 0 and math.isfinite(max_wait_ms))
     ):
         raise ValueError(f"max_wait_ms must be a finite number >= 0, got {max_wait_ms!r}")
+    check_latency_target(max_latency_ms)
+
+
+def check_latency_target(max_latency_ms: float | None) -> None:
+    """Raise ValueError unless `max_latency_ms` is None or a number in (0, inf).
+
+    Args:
+        max_latency_ms: A latency target in milliseconds, or None.
+    """
+    if max_latency_ms is not None and not is_positive_finite(max_latency_ms):
+        raise ValueError(
+            f"max_latency_ms must be a finite number of milliseconds > 0, got {max_latency_ms!r}"
+        )
+
+
+def is_positive_finite(value: object) -> bool:
+    """Whether `value` is a real number (not a bool) in (0, inf).
+
+    Args:
+        value: Any value.
+    """
+    return (
+        not isinstance(value, bool) and isinstance(value, (int, float)) and 0 < value < math.inf
+    )
 
 
 def reconfigured(policy: Batcher, max_batch_size: int | None, max_wait_ms: float | None) -> Batcher:

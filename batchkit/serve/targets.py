@@ -55,6 +55,20 @@ class LatencyTarget:
         # layout: its longest item times its size), averaged over recent batches.
         self._packing = 1.0
 
+    def retarget(self, target_s: float, waiting: Sequence[Request]) -> None:
+        """Use `target_s` from now on, for the requests already waiting too.
+
+        Args:
+            target_s: The new target, in seconds.
+            waiting: Every waiting request (their deadlines are set again, from their
+                admission time).
+        """
+        self.target_s = target_s
+        self.reserve_s = target_s * ANSWER_RESERVE
+        self._waiting.clear()
+        for req in waiting:
+            self.entered(req)
+
     @property
     def ready(self) -> bool:
         """Whether the batch-time model has seen enough batches to predict."""

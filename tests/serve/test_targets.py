@@ -379,3 +379,62 @@ def test_an_async_function_refuses_what_it_predicts_would_be_late() -> None:
 def test_a_latency_target_must_be_a_positive_finite_number(bad: object) -> None:
     with pytest.raises(ValueError, match="max_latency_ms"):
         batchkit.batched(max_latency_ms=bad)  # type: ignore[arg-type]
+
+
+# -- set or changed live --------------------------------------------------------------
+
+
+def test_a_target_changed_live_applies_to_the_requests_already_waiting() -> None:
+    sched, now = taught(max_wait_ms=1000)
+    shed: list[Request] = []
+    sched.on_shed = shed.extend
+    for _ in range(16):
+        add(sched, now)
+    busy, _ = sched.poll(now)
+    assert busy is not None
+    waiting = [add(sched, now) for _ in range(3)]
+    assert sched.poll(now + 0.040) == (None, None) and not shed  # in time for 105 ms
+    sched.set_max_latency(0.050)  # 40 + 11 ms alone > 49 ms
+    assert sched.poll(now + 0.040) == (None, None)
+    assert shed == waiting and all(isinstance(r.error, Overloaded) for r in waiting)
+
+
+def test_a_target_set_live_serves_the_requests_already_waiting() -> None:
+    sched = Scheduler(DynamicBatcher(16, max_wait_ms=1000))
+    reqs = [add(sched, 0.0) for _ in range(5)]
+    sched.set_max_latency(TARGET)
+    batch, _ = sched.poll(0.0)
+    assert batch is not None and batch.requests == reqs
+    sched.finish(batch, device(5))
+    assert sched.drained and sched.stats.shed == 0
+
+
+def test_configure_sets_a_target_that_an_async_function_then_enforces() -> None:
+    clock = FakeClock()
+
+    async def model(xs: list[int]) -> list[int]:
+        clock.advance(device(len(xs)))
+        return xs
+
+    f = batchkit.batched(max_batch_size=16, clock=clock)(model)
+    assert f.configure().max_latency_ms is None
+
+    async def main() -> None:
+        assert await f.acall(1) == 1  # serving on the lock-free lane, no target
+        assert f.configure(max_latency_ms=105).max_latency_ms == pytest.approx(105)
+        for n in SIZES:
+            assert await f.amap(range(n)) == list(range(n))
+        results = await asyncio.gather(*(f.acall(i) for i in range(70)), return_exceptions=True)
+        assert sum(isinstance(r, Overloaded) for r in results) == 8
+        await f.aclose()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("inf"), True])
+def test_a_bad_live_target_changes_nothing(bad: object) -> None:
+    f = batchkit.batched(max_latency_ms=100)(lambda xs: xs)
+    with pytest.raises(ValueError, match="max_latency_ms"):
+        f.configure(max_latency_ms=bad)  # type: ignore[arg-type]
+    assert f.configure().max_latency_ms == pytest.approx(100)
+    f.close()
