@@ -84,6 +84,7 @@ class ServingCore:
             )
             self.sched.on_room = self._room_freed_locked
         self.sched.on_shed = self._shed_locked
+        self.sched.on_select_failed = deliver  # (their error set: the policy's)
 
     # -- admission -----------------------------------------------------------
     def make_request(

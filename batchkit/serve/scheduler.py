@@ -252,6 +252,10 @@ class Scheduler:
         # Called with the waiting requests dropped as too late to answer in time, their
         # error (Overloaded) set: the serving core answers them.
         self.on_shed: Callable[[list[Request]], None] | None = None
+        # Called with the requests a failing policy.select() was choosing among, their
+        # error set (what it raised): the serving core answers them. Without it the
+        # error is raised from poll().
+        self.on_select_failed: Callable[[list[Request]], None] | None = None
         self._cap_successes: dict[Hashable, int] = {}
         self.stats = StatsRecorder()
 
@@ -537,7 +541,9 @@ class Scheduler:
             `(batch, None)` when a batch leaves now; else `(None, wake_at)`, the
             time of the next max-wait expiry, or None when only an event (an
             arrival, a batch finishing, close) can make a batch ready. With every
-            slot busy: `(None, None)`.
+            slot busy: `(None, None)`. When the policy's `select` raised (or chose
+            nothing) and `on_select_failed` is set, its candidates are answered
+            with that error and the result is `(None, now)`: poll again.
         """
         if self.target is not None and self._placed and self.target.ready:
             self._shed_hopeless(now)  # also while every slot is busy: answer them early
@@ -559,14 +565,14 @@ class Scheduler:
                     wake_at = due if wake_at is None or due < wake_at else wake_at
                 continue
             if len(self.buckets) == 1:
-                return self._take(name, bucket, reason, now), None
+                return self._take(name, bucket, reason, now)
             head = bucket.head()
             assert head is not None
             if best is None or (head.priority, head.seq) < best:
                 best, chosen = (head.priority, head.seq), (name, bucket, reason)
         if chosen is None:
             return None, wake_at
-        return self._take(*chosen, now), None
+        return self._take(*chosen, now)
 
     def _shed_hopeless(self, now: float) -> None:
         """Drop the waiting requests that would be late even alone in the next batch."""
@@ -609,18 +615,21 @@ class Scheduler:
 
     def _take(
         self, name: Hashable, bucket: Bucket, reason: DispatchReason, now: float
-    ) -> FormedBatch:
+    ) -> tuple[FormedBatch | None, float | None]:
+        """Form the bucket's batch: `(batch, None)`; `(None, now)` (poll again) when
+        the policy's `select` failed and its candidates were answered with the error."""
         target = self.target
         if target is not None and target.ready:
             self._shed_overdue_front(name, bucket, now)
         queue = bucket.clean_queue()
         candidates = bucket.candidates(self.policy.candidate_limit)
-        chosen = self.policy.select(candidates)
-        if not chosen:  # a batch of nobody would be formed again at every poll
-            raise ValueError(
-                f"{type(self.policy).__name__}.select() chose no request of the "
-                f"{len(candidates)} waiting: a batch must take at least one"
-            )
+        try:
+            chosen = self._select(candidates)
+        except Exception as exc:
+            if self.on_select_failed is None:
+                raise
+            self._fail_selection(bucket, candidates, exc)
+            return None, now
         if self.caps and name in self.caps:
             cap = self.caps[name]
             del chosen[cap:]
@@ -647,7 +656,33 @@ class Scheduler:
             if target.ready:
                 batch.expected_end = now + target.batch_seconds(chosen)
         self.running[id(batch)] = batch
-        return batch
+        return batch, None
+
+    def _select(self, candidates: list[Request]) -> list[Request]:
+        chosen = self.policy.select(candidates)
+        if not chosen:  # a batch of nobody would be formed again at every poll
+            raise ValueError(
+                f"{type(self.policy).__name__}.select() chose no request of the "
+                f"{len(candidates)} waiting: a batch must take at least one"
+            )
+        return chosen
+
+    def _fail_selection(
+        self, bucket: Bucket, candidates: list[Request], error: Exception
+    ) -> None:
+        """A policy bug must not stall every caller: answer the requests its `select`
+        was choosing among with what it raised; the others go on waiting."""
+        bucket.drop_waiting(candidates)
+        for req in candidates:
+            req.error = error
+        self._placed -= len(candidates)
+        self.stats.failed += len(candidates)
+        if self.target is not None:
+            self.target.left(candidates)
+        assert self.on_select_failed is not None
+        self.on_select_failed(candidates)
+        if self.on_room is not None:
+            self.on_room()
 
     def finish(self, batch: FormedBatch, now: float, *, clean: bool = True) -> None:
         """A batch ended (whatever its outcome): its slot is free again.

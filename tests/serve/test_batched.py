@@ -576,3 +576,39 @@ def test_a_blocking_call_from_a_plain_thread_does_not_warn() -> None:
         warnings.simplefilter("error")
         assert f(1) == 1
     f.close()
+
+
+class _FailsOnce(batchkit.DynamicBatcher):
+    """A policy whose select() raises once (a policy bug)."""
+
+    failed = False
+
+    def select(self, candidates):  # type: ignore[no-untyped-def]
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("select is broken")
+        return super().select(candidates)
+
+
+def test_a_failing_policy_select_answers_its_candidates_and_serving_goes_on() -> None:
+    f = batchkit.batched(batcher=_FailsOnce(4, 1))(lambda xs: [x * 2 for x in xs])
+    with pytest.raises(RuntimeError, match="select is broken"):
+        f(1)
+    assert f(2) == 4  # the worker survived: the next call is served
+    assert f.stats().failed == 1
+    f.close()
+
+
+def test_an_async_function_survives_a_failing_policy_select() -> None:
+    async def double(xs: list[int]) -> list[int]:
+        return [x * 2 for x in xs]
+
+    f = batchkit.batched(batcher=_FailsOnce(4, 1))(double)
+
+    async def main() -> None:
+        with pytest.raises(RuntimeError, match="select is broken"):
+            await f.acall(1)
+        assert await f.acall(2) == 4
+        await f.aclose()
+
+    asyncio.run(main())
