@@ -91,6 +91,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _args import chosen_systems  # noqa: E402
 from _load import issue, poisson_arrivals  # noqa: E402
 from _peers import MinimalBatcher, MxbaiAsync, RayServeBatcher  # noqa: E402
 
@@ -697,13 +698,9 @@ def main() -> int:
     )
     p.add_argument("--json", metavar="PATH", help="also write every cell to PATH")
     args = p.parse_args()
-    chosen = set(args.systems.split(","))
-    unknown = chosen - set(SYSTEMS)
-    if unknown:
-        p.error(f"unknown systems: {sorted(unknown)} (choose from {', '.join(SYSTEMS)})")
+    systems = chosen_systems(p, args.systems, SYSTEMS)
     if args.repeats < 1:
         p.error("--repeats must be at least 1")
-    systems = tuple(s for s in SYSTEMS if s in chosen)
     if args.quick:
         config = Config(systems, warm_s=0.2, segment_s=0.8, grace_s=0.15, repeats=args.repeats)
     else:

@@ -60,6 +60,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _args import chosen_systems  # noqa: E402
 from _peers import RayServeStreamBatcher  # noqa: E402
 
 import batchkit  # noqa: E402
@@ -424,11 +425,7 @@ def main() -> int:
     )
     p.add_argument("--json", metavar="PATH", help="also write every sample to PATH")
     args = p.parse_args()
-    chosen = set(args.systems.split(","))
-    unknown = chosen - set(SYSTEMS)
-    if unknown:
-        p.error(f"unknown systems: {sorted(unknown)} (choose from {', '.join(SYSTEMS)})")
-    args.systems = tuple(s for s in SYSTEMS if s in chosen)
+    args.systems = chosen_systems(p, args.systems, SYSTEMS)
     if args.quick:
         args.repeats = args.repeats or 3
         args.n_saturation, args.n_half = 4 * CALLERS, 200
