@@ -64,6 +64,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _load import issue  # noqa: E402
 from _peers import (  # noqa: E402
     FloorBatcher,
     MinimalBatcher,
@@ -191,16 +192,7 @@ async def open_loop(call: Callable[[Any], Awaitable[Any]], gaps: list[float]) ->
             raise AssertionError("wrong result")
         lat[i] = loop.time() - scheduled
 
-    # Only running tasks are kept (thousands of finished ones make full GC pauses that
-    # would show up as every system's p99), and the generator always yields to the loop.
-    tasks: set[asyncio.Task[None]] = set()
-    t = loop.time() + 0.005
-    for i, gap in enumerate(gaps):
-        t += gap
-        await asyncio.sleep(max(t - loop.time(), 0.0))
-        task = loop.create_task(one(i, t))
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
+    tasks = await issue(list(itertools.accumulate(gaps)), one, loop.time() + 0.005)
     while tasks:
         await asyncio.gather(*list(tasks))
     LATENESS.append(percentile(late, 0.99))

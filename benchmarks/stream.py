@@ -61,6 +61,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _args import chosen_systems  # noqa: E402
+from _load import issue  # noqa: E402
 from _peers import RayServeStreamBatcher  # noqa: E402
 
 import batchkit  # noqa: E402
@@ -240,15 +241,7 @@ async def open_loop(
             got.append(chunk)
         verify(system, items[i], got)
 
-    # Only running tasks are kept (thousands of finished ones make full GC pauses).
-    tasks: set[asyncio.Task[None]] = set()
-    t = loop.time() + 0.005
-    for i, gap in enumerate(gaps):
-        t += gap
-        await asyncio.sleep(max(t - loop.time(), 0.0))
-        task = loop.create_task(one(i, t))
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
+    tasks = await issue(list(itertools.accumulate(gaps)), one, loop.time() + 0.005)
     while tasks:
         await asyncio.gather(*list(tasks))
     LATENESS.append(percentile(late, 0.99))
