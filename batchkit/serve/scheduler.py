@@ -155,10 +155,8 @@ class Bucket:
             while queue and (queue[0].state is not State.WAITING or hopeless(queue[0])):
                 req = queue.popleft()
                 if req.state is State.WAITING:
-                    req.state = State.DROPPED
                     shed.append(req)
-        if shed:
-            self.taken(len(shed))
+        self.drop_waiting(shed)
         return shed
 
     def drop_waiting(self, reqs: Sequence[Request]) -> None:
@@ -373,6 +371,15 @@ class Scheduler:
         ]
         return ends + [now] * max(self.max_concurrent_batches - len(ends), 0)
 
+    def _left_waiting(self, reqs: list[Request]) -> None:
+        """These waiting requests left the queue (taken, dropped or failed; their
+        bucket already knows): count them out, and tell who waits for room."""
+        self._placed -= len(reqs)
+        if self.target is not None:
+            self.target.left(reqs)
+        if self.on_room is not None:
+            self.on_room()
+
     def ingest(self) -> None:
         """Place the requests in `arrivals` in their bucket, all in one step.
 
@@ -430,13 +437,8 @@ class Scheduler:
             return False
         self.ingest()
         req.state = State.DROPPED
-        bucket = self.buckets[req.bucket]
-        bucket.taken(1)
-        self._placed -= 1
-        if self.target is not None:
-            self.target.left([req])
-        if self.on_room is not None:
-            self.on_room()
+        self.buckets[req.bucket].taken(1)
+        self._left_waiting([req])
         return True
 
     def drop_all(self) -> list[Request]:
@@ -449,11 +451,7 @@ class Scheduler:
                 dropped.append(req)
             bucket.queues.clear()
             bucket.live = 0
-        self._placed = 0
-        if self.target is not None:
-            self.target.left(dropped)
-        if self.on_room is not None:
-            self.on_room()
+        self._left_waiting(dropped)
         return dropped
 
     # -- learned limits ------------------------------------------------------
@@ -605,13 +603,10 @@ class Scheduler:
         assert target is not None
         for req in shed:
             req.error = target.overloaded_error(req, start)
-        self._placed -= len(shed)
         self.stats.shed += len(shed)
-        target.left(shed)
+        self._left_waiting(shed)
         if self.on_shed is not None:
             self.on_shed(shed)
-        if self.on_room is not None:
-            self.on_room()
 
     def _take(
         self, name: Hashable, bucket: Bucket, reason: DispatchReason, now: float
@@ -644,17 +639,13 @@ class Scheduler:
         # against the deque itself: a policy's select() may reorder or skip.)
         front = queue is not None and _is_prefix(chosen, queue)
         bucket.taken(len(chosen), front=front)
-        self._placed -= len(chosen)
         self.in_flight += 1
-        if self.on_room is not None:
-            self.on_room()
+        self._left_waiting(chosen)
         padded = self.policy.padded_size(len(chosen))
         self.stats.record_batch(chosen, reason, padded, now)
         batch = FormedBatch(chosen, reason, padded, now)
-        if target is not None:
-            target.left(chosen)
-            if target.ready:
-                batch.expected_end = now + target.batch_seconds(chosen)
+        if target is not None and target.ready:
+            batch.expected_end = now + target.batch_seconds(chosen)
         self.running[id(batch)] = batch
         return batch, None
 
@@ -675,14 +666,10 @@ class Scheduler:
         bucket.drop_waiting(candidates)
         for req in candidates:
             req.error = error
-        self._placed -= len(candidates)
         self.stats.failed += len(candidates)
-        if self.target is not None:
-            self.target.left(candidates)
+        self._left_waiting(candidates)
         assert self.on_select_failed is not None
         self.on_select_failed(candidates)
-        if self.on_room is not None:
-            self.on_room()
 
     def finish(self, batch: FormedBatch, now: float, *, clean: bool = True) -> None:
         """A batch ended (whatever its outcome): its slot is free again.
