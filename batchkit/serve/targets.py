@@ -256,8 +256,7 @@ class LatencyTarget:
         if not self.ready:
             return 0
         for first in range(len(waiting) - max_batch_size + 1):
-            batch = waiting[first : first + max_batch_size]
-            if now + self.batch_seconds(batch) <= min(r.deadline for r in batch):
+            if now <= self.latest_start(waiting[first : first + max_batch_size]):
                 return first
         return 0
 
@@ -272,8 +271,7 @@ class LatencyTarget:
         """
         if not self.ready:
             return
-        deadline = min(r.deadline for r in chosen)
-        while len(chosen) > 1 and now + self.batch_seconds(chosen) > deadline:
+        while len(chosen) > 1 and now > self.latest_start(chosen):
             chosen.pop()
 
     def latest_start(self, batch: Sequence[Request]) -> float:
