@@ -109,10 +109,10 @@ class ServingCore:
         if priority.__class__ is not int:  # bool and other look-alikes are refused too
             raise TypeError(f"priority must be an int, got {type(priority).__name__}")
         if self.keyless:
-            return Request(item, 0.0, None, priority, loop, channel=channel)
+            return Request(item, 0.0, None, priority, loop, channel)
         policy = self.options.policy
         key = policy.key_of(item)
-        return Request(item, key, policy.bucket_of(key), priority, loop, channel=channel)
+        return Request(item, key, policy.bucket_of(key), priority, loop, channel)
 
     def submit(self, req: Request) -> None:
         """Enqueue a request.
@@ -276,9 +276,8 @@ class ServingCore:
         if self.listeners:
             self._report_batch(batch, run, now)
         if not run.errors and not batch.answered:  # the usual case: every item succeeded
-            finished = State.DONE
             for req in batch.requests:
-                req.state = finished
+                req.state = State.DONE
             if on_loop is not None:
                 return resolve_on_loop(batch.requests, run.values, on_loop)
             for req, value in zip(batch.requests, run.values):
@@ -286,7 +285,7 @@ class ServingCore:
             return batch.requests
         done = []
         for i, req in enumerate(batch.requests):
-            if req.state is not State.RUNNING:
+            if req.state != State.RUNNING:
                 continue  # already answered (a close that timed out)
             req.state = State.DONE
             error = run.errors.get(i)
@@ -352,7 +351,7 @@ class ServingCore:
     def _answer_running_locked(self, batch: FormedBatch, error: BaseException) -> list[Request]:
         """Fail `batch`'s still-running requests with `error` (counted); its end must
         not answer them again. Returns them, to deliver."""
-        answered = [r for r in batch.requests if r.state is State.RUNNING]
+        answered = [r for r in batch.requests if r.state == State.RUNNING]
         for req in answered:
             req.state, req.error = State.DONE, error
         self.sched.stats.failed += len(answered)
@@ -456,7 +455,7 @@ class ServingCore:
             failed=sum(
                 1
                 for i, req in enumerate(batch.requests)
-                if i in run.errors or req.state is not State.RUNNING
+                if i in run.errors or req.state != State.RUNNING
             ),
             tokens=float(sum(keys)),
             padded_tokens=float(batch.padded_size * max(keys, default=0.0)),

@@ -316,7 +316,7 @@ class LoopDriver:
         scheduler while it runs the loop this batcher serves); None for the others."""
         if loop is not self._owner_loop or priority.__class__ is not int or priority != 0:
             return None
-        req = Request(item, 0.0, None, 0, loop, self.core.clock())
+        req = Request(item, 0.0, None, 0, loop, None, self.core.clock())
         self.core.sched.arrivals.append(req)  # placed in bulk at the next scheduling pass
         if not self._poll_due:  # (usually due: a burst of callers shares one pump)
             self._wake()

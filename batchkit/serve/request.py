@@ -6,20 +6,25 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Hashable, Sequence
-from enum import IntEnum
-from typing import Any
+from typing import Any, Final
 
 from batchkit.loops import call_on_loop
 from batchkit.serve.channels import Channel
 
 
-class State(IntEnum):
-    """A request's life: waiting -> running -> done, or waiting -> dropped."""
+class State:
+    """A request's life: waiting -> running -> done, or waiting -> dropped.
 
-    WAITING = 0
-    RUNNING = 1
-    DONE = 2
-    DROPPED = 3  # timed out, cancelled or failed by close before it ran
+    Plain int constants rather than an `IntEnum`: on Python 3.11 every read of an
+    enum member passes through the enum metaclass's `__getattr__` hook, a few hundred
+    machine instructions, and the serving path reads one per request and several per
+    batch (see docs/performance.md).
+    """
+
+    WAITING: Final = 0
+    RUNNING: Final = 1
+    DONE: Final = 2
+    DROPPED: Final = 3  # timed out, cancelled or failed by close before it ran
 
 
 class Request:
@@ -36,9 +41,8 @@ class Request:
         priority: Lower values are served first.
         loop: The event loop of an asyncio caller (its future is made there); None
             for a thread caller.
-        enqueued_at: When it was admitted, on the core's clock; set again at
-            admission.
         channel: Where a streaming caller reads its chunks; None for a plain call.
+        enqueued_at: When it was admitted, on the core's clock (admission sets it).
 
     Under a latency target (`max_latency_ms`) it also gets a `deadline` at admission
     (its admission time plus the target); it is not set otherwise.
@@ -70,8 +74,8 @@ class Request:
         bucket: Hashable,
         priority: int,
         loop: asyncio.AbstractEventLoop | None = None,
-        enqueued_at: float = 0.0,
         channel: Channel | None = None,
+        enqueued_at: float = 0.0,
     ) -> None:
         self.item = item
         self.key = key
@@ -86,14 +90,12 @@ class Request:
         self.error: BaseException | None = None
         self.loop = loop
         self.channel = channel  # a streaming caller reads its chunks here
-        self.future: asyncio.Future[Any] | None = None
-        self._done: threading.Lock | None = None
-        if channel is None:
-            if loop is not None:
-                self.future = loop.create_future()
-            else:
-                self._done = threading.Lock()
-                self._done.acquire()
+        if channel is None and loop is not None:  # an asyncio caller awaits its future
+            self.future: asyncio.Future[Any] | None = loop.create_future()
+            self._done: threading.Lock | None = None
+        else:
+            self.future = None
+            self._done = None if channel is not None else _held_lock()
 
     def wait(self, timeout: float | None) -> bool:
         """Block a thread caller until done.
@@ -124,6 +126,13 @@ class Request:
         if self.error is not None:
             raise self.error
         return self.value
+
+
+def _held_lock() -> threading.Lock:
+    """A thread caller's wait: a lock taken now, released once when it is answered."""
+    lock = threading.Lock()
+    lock.acquire()
+    return lock
 
 
 def resolve_futures(requests: Sequence[Request]) -> None:

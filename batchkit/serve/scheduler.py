@@ -73,7 +73,7 @@ class Bucket:
     def _fronts(self) -> Iterator[tuple[int, deque[Request]]]:
         for priority in sorted(self.queues):
             queue = self.queues[priority]
-            while queue and queue[0].state is not State.WAITING:
+            while queue and queue[0].state != State.WAITING:
                 queue.popleft()
             if queue:
                 yield priority, queue
@@ -105,7 +105,7 @@ class Bucket:
         out: list[Request] = []
         for _, queue in self._fronts():
             for req in queue:
-                if req.state is State.WAITING:
+                if req.state == State.WAITING:
                     out.append(req)
                     if limit is not None and len(out) == limit:
                         return out
@@ -128,11 +128,11 @@ class Bucket:
         elif len(self.queues) == 1:
             # Usually the batch was the queue's front: pop it now, so the queue stays clean.
             for queue in self.queues.values():
-                while queue and queue[0].state is not State.WAITING:
+                while queue and queue[0].state != State.WAITING:
                     queue.popleft()
         for priority, queue in self.queues.items():
             if len(queue) > 2 * self.live + 64:
-                self.queues[priority] = deque(r for r in queue if r.state is State.WAITING)
+                self.queues[priority] = deque(r for r in queue if r.state == State.WAITING)
         if self.live == 0:
             self.max_key = 0.0
         elif count and self.track_max_key:
@@ -152,9 +152,9 @@ class Bucket:
         """
         shed: list[Request] = []
         for _, queue in list(self._fronts()):
-            while queue and (queue[0].state is not State.WAITING or hopeless(queue[0])):
+            while queue and (queue[0].state != State.WAITING or hopeless(queue[0])):
                 req = queue.popleft()
-                if req.state is State.WAITING:
+                if req.state == State.WAITING:
                     shed.append(req)
         self.drop_waiting(shed)
         return shed
@@ -433,7 +433,7 @@ class Scheduler:
             True if it was waiting (it is now dropped); False if it already runs or
             ended (nothing changed).
         """
-        if req.state is not State.WAITING:
+        if req.state != State.WAITING:
             return False
         self.ingest()
         req.state = State.DROPPED
@@ -632,9 +632,8 @@ class Scheduler:
                 chosen.pop()
         if target is not None:
             target.trim(chosen, now)
-        running = State.RUNNING  # (read once: an Enum member is a descriptor on 3.11)
         for req in chosen:
-            req.state = running
+            req.state = State.RUNNING
         # The usual batch, the front of the one clean deque, leaves it at once. (Checked
         # against the deque itself: a policy's select() may reorder or skip.)
         front = queue is not None and _is_prefix(chosen, queue)
