@@ -190,7 +190,7 @@ class Batcher:
         if self.key is None:
             return 0.0
         value = self.key(item)
-        if value.__class__ is not int and (
+        if type(value) is not int and (
             isinstance(value, bool) or not isinstance(value, numbers.Real)  # numpy scalars pass
         ):
             raise TypeError(f"key(item) must return a number, got {type(value).__name__}")

@@ -155,9 +155,9 @@ class ContinuousBatcher:
             QueueFull: ``max_queue_size`` requests are already waiting.
             BatcherClosed: The batcher is closed.
         """
-        if priority.__class__ is not int:
+        if type(priority) is not int:
             raise TypeError(f"priority must be an int, got {type(priority).__name__}")
-        if max_new_tokens.__class__ is not int and is_index(max_new_tokens):
+        if type(max_new_tokens) is not int and is_index(max_new_tokens):
             max_new_tokens = operator.index(max_new_tokens)  # numpy / torch integers
         if timeout is not None and not (isinstance(timeout, (int, float)) and timeout >= 0):
             # (NaN fails ">= 0" too: a NaN deadline would disable every later one)

@@ -68,14 +68,14 @@ class Scheduler:
         max_model_len: int | None = None,
         max_prefill_chunk: int | None = None,
     ) -> None:
-        if max_num_seqs.__class__ is not int or max_num_seqs < 1:
+        if type(max_num_seqs) is not int or max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be a positive int, got {max_num_seqs!r}")
-        if max_num_batched_tokens.__class__ is not int or max_num_batched_tokens < 1:
+        if type(max_num_batched_tokens) is not int or max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens must be a positive int, got {max_num_batched_tokens!r}"
             )
         if max_prefill_chunk is not None and (
-            max_prefill_chunk.__class__ is not int
+            type(max_prefill_chunk) is not int
             or not 1 <= max_prefill_chunk <= max_num_batched_tokens
         ):
             raise ValueError(
@@ -150,7 +150,7 @@ class Scheduler:
         """
         if seq.num_prompt_tokens < 1:
             raise ValueError(f"request {seq.request_id}: the prompt is empty")
-        if seq.max_new_tokens.__class__ is not int or seq.max_new_tokens < 1:
+        if type(seq.max_new_tokens) is not int or seq.max_new_tokens < 1:
             raise ValueError(
                 f"request {seq.request_id}: max_new_tokens must be a positive int, "
                 f"got {seq.max_new_tokens!r}"

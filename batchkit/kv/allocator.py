@@ -92,9 +92,9 @@ class BlockAllocator:
     """
 
     def __init__(self, num_blocks: int, block_size: int, *, prefix_caching: bool = False) -> None:
-        if num_blocks.__class__ is not int or num_blocks < 1:
+        if type(num_blocks) is not int or num_blocks < 1:
             raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
-        if block_size.__class__ is not int or block_size < 1:
+        if type(block_size) is not int or block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -156,7 +156,7 @@ class BlockAllocator:
             OutOfBlocks: Fewer than ``n`` blocks are free; nothing was allocated.
             ValueError: ``n`` is negative.
         """
-        if n.__class__ is not int:
+        if type(n) is not int:
             n = operator.index(n)
         free = self.num_free
         if n > free:

@@ -134,47 +134,46 @@ FastLane = Callable[[Any, int, asyncio.AbstractEventLoop], "Request | None"]
 call takes the checked path)."""
 
 
-async def acall(
-    core: ServingCore,
-    fast_lane: FastLane | None,
-    item: Any,
-    *,
-    priority: int = 0,
-    timeout: float | None = None,
-) -> Any:
-    """One item from asyncio: await its result, honouring timeout and cancellation.
-
-    Both drivers' `acall` (bound to their core and fast lane): the one coroutine per
-    call.
+def bind_acall(core: ServingCore, fast_lane: FastLane | None) -> AsyncCall:
+    """A driver's `acall`: the coroutine function asyncio callers call, bound to the
+    driver's core and fast lane (the one coroutine per call).
 
     Args:
         core: The function's serving core.
         fast_lane: The driver's cheaper admission for the calls it can take (the
             event loop's lock-free lane), or None.
-        item: The item.
-        priority: Lower values are served first.
-        timeout: Seconds the item may wait before it starts; None for no bound.
-
-    Returns:
-        The item's result.
     """
-    loop = asyncio.get_running_loop()
-    req = None if fast_lane is None else fast_lane(item, priority, loop)
-    if req is None:
-        req = core.make_request(item, priority, loop)
-        if core.admission is None:
-            core.submit(req)  # at once: the timeout is all still left
-        else:
-            started = _started(core, timeout)
-            await core.admission.asubmit(req, timeout)  # may wait for room
-            timeout = _left(core, timeout, started)
-    if timeout is None:  # no timer to arm or cancel: await the outcome itself
-        try:
-            return await req.future  # type: ignore[misc]
-        except asyncio.CancelledError:
-            _withdraw_cancelled(core, req)
-            raise
-    return await await_request(core, req, timeout)
+
+    async def acall(item: Any, *, priority: int = 0, timeout: float | None = None) -> Any:
+        """One item from asyncio: await its result, honouring timeout and cancellation.
+
+        Args:
+            item: The item.
+            priority: Lower values are served first.
+            timeout: Seconds the item may wait before it starts; None for no bound.
+
+        Returns:
+            The item's result.
+        """
+        loop = asyncio.get_running_loop()
+        req = None if fast_lane is None else fast_lane(item, priority, loop)
+        if req is None:
+            req = core.make_request(item, priority, loop)
+            if core.admission is None:
+                core.submit(req)  # at once: the timeout is all still left
+            else:
+                started = _started(core, timeout)
+                await core.admission.asubmit(req, timeout)  # may wait for room
+                timeout = _left(core, timeout, started)
+        if timeout is None:  # no timer to arm or cancel: await the outcome itself
+            try:
+                return await req.future  # type: ignore[misc]
+            except asyncio.CancelledError:
+                _withdraw_cancelled(core, req)
+                raise
+        return await await_request(core, req, timeout)
+
+    return acall
 
 
 async def amap(

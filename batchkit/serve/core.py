@@ -106,7 +106,7 @@ class ServingCore:
         Raises:
             TypeError: `priority` is not an `int`.
         """
-        if priority.__class__ is not int:  # bool and other look-alikes are refused too
+        if type(priority) is not int:  # bool and other look-alikes are refused too
             raise TypeError(f"priority must be an int, got {type(priority).__name__}")
         if self.keyless:
             return Request(item, 0.0, None, priority, loop, channel)

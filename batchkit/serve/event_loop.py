@@ -10,7 +10,6 @@ expiry is a single `call_later` timer. Batches run as tasks, at most
 from __future__ import annotations
 
 import asyncio
-import functools
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
@@ -100,7 +99,7 @@ class LoopDriver:
         core.settings_changed = self._settings_changed_locked
         # One item from asyncio: the callers' coroutine, taking the lock-free lane when
         # it can (the checked path binds the loop under the lock: see check_loop).
-        self.acall: AsyncCall = functools.partial(callers.acall, core, self._admit_lock_free)
+        self.acall: AsyncCall = callers.bind_acall(core, self._admit_lock_free)
 
     # -- which loop ------------------------------------------------------------
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -303,7 +302,7 @@ class LoopDriver:
         if timeout is None:
             return await call_async(self.fn, argument)
         outcome = await call_async_within(self.fn, argument, timeout, core.batch_timeout_error())
-        if outcome[1].__class__ is BatchTimeout:
+        if type(outcome[1]) is BatchTimeout:
             with core.lock:
                 core.sched.stats.batch_timeouts += 1
         return outcome
@@ -314,7 +313,7 @@ class LoopDriver:
     ) -> Request | None:
         """The usual call, admitted without the lock (this thread alone changes the
         scheduler while it runs the loop this batcher serves); None for the others."""
-        if loop is not self._owner_loop or priority.__class__ is not int or priority != 0:
+        if loop is not self._owner_loop or type(priority) is not int or priority != 0:
             return None
         req = Request(item, 0.0, None, 0, loop, None, self.core.clock())
         self.core.sched.arrivals.append(req)  # placed in bulk at the next scheduling pass

@@ -692,6 +692,7 @@ class Scheduler:
         return self.num_waiting == 0 and self.in_flight == 0
 
 
-def _is_prefix(chosen: Sequence[Request], queue: deque[Request]) -> bool:
-    """Whether `chosen` is exactly the first `len(chosen)` requests of `queue`."""
-    return len(chosen) <= len(queue) and all(a is b for a, b in zip(chosen, queue))
+def _is_prefix(chosen: list[Request], queue: deque[Request]) -> bool:
+    """Whether `chosen` is exactly the first `len(chosen)` requests of `queue`, in
+    order. (A `Request` defines no `__eq__`: the lists compare by identity.)"""
+    return len(chosen) <= len(queue) and chosen == list(itertools.islice(queue, len(chosen)))

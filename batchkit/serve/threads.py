@@ -10,7 +10,6 @@ future resolved on their own loop, so the event loop is never blocked.
 from __future__ import annotations
 
 import asyncio
-import functools
 import threading
 import warnings
 from collections.abc import Callable, Iterable
@@ -84,7 +83,7 @@ class ThreadDriver:
         core.settings_changed = self._settings_changed_locked
         # One item from asyncio (the function runs on a worker thread, never on the
         # loop): the callers' coroutine itself, so that a call is one coroutine.
-        self.acall: AsyncCall = functools.partial(callers.acall, core, None)
+        self.acall: AsyncCall = callers.bind_acall(core, None)
 
     def _wake_locked(self) -> None:
         if not self.workers:
