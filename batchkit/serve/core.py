@@ -24,7 +24,7 @@ from batchkit.serve.channels import Channel
 from batchkit.serve.events import BatchEvent, DropEvent, DropReason, Listener, notify
 from batchkit.serve.execute import BatchRun, start_run
 from batchkit.serve.options import Options
-from batchkit.serve.request import Request, State, deliver, resolve_on_loop
+from batchkit.serve.request import DONE, RUNNING, Request, deliver, resolve_on_loop
 from batchkit.serve.scheduler import FormedBatch, Scheduler
 from batchkit.serve.settings import Settings, check_settings, read_settings, reconfigured
 from batchkit.serve.stats import Stats
@@ -277,7 +277,7 @@ class ServingCore:
             self._report_batch(batch, run, now)
         if not run.errors and not batch.answered:  # the usual case: every item succeeded
             for req in batch.requests:
-                req.state = State.DONE
+                req.state = DONE
             if on_loop is not None:
                 return resolve_on_loop(batch.requests, run.values, on_loop)
             for req, value in zip(batch.requests, run.values):
@@ -285,9 +285,9 @@ class ServingCore:
             return batch.requests
         done = []
         for i, req in enumerate(batch.requests):
-            if req.state != State.RUNNING:
+            if req.state != RUNNING:
                 continue  # already answered (a close that timed out)
-            req.state = State.DONE
+            req.state = DONE
             error = run.errors.get(i)
             if error is None:
                 req.value = run.values[i]
@@ -351,9 +351,9 @@ class ServingCore:
     def _answer_running_locked(self, batch: FormedBatch, error: BaseException) -> list[Request]:
         """Fail `batch`'s still-running requests with `error` (counted); its end must
         not answer them again. Returns them, to deliver."""
-        answered = [r for r in batch.requests if r.state == State.RUNNING]
+        answered = [r for r in batch.requests if r.state == RUNNING]
         for req in answered:
-            req.state, req.error = State.DONE, error
+            req.state, req.error = DONE, error
         self.sched.stats.failed += len(answered)
         batch.answered = True
         return answered
@@ -455,7 +455,7 @@ class ServingCore:
             failed=sum(
                 1
                 for i, req in enumerate(batch.requests)
-                if i in run.errors or req.state != State.RUNNING
+                if i in run.errors or req.state != RUNNING
             ),
             tokens=float(sum(keys)),
             padded_tokens=float(batch.padded_size * max(keys, default=0.0)),

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from batchkit.batchers.base import Batcher
 from batchkit.errors import Overloaded, QueueFull
-from batchkit.serve.request import Request, State
+from batchkit.serve.request import DROPPED, RUNNING, WAITING, Request
 from batchkit.serve.stats import DispatchReason, StatsRecorder
 from batchkit.serve.targets import LatencyTarget
 
@@ -73,7 +73,7 @@ class Bucket:
     def _fronts(self) -> Iterator[tuple[int, deque[Request]]]:
         for priority in sorted(self.queues):
             queue = self.queues[priority]
-            while queue and queue[0].state != State.WAITING:
+            while queue and queue[0].state != WAITING:
                 queue.popleft()
             if queue:
                 yield priority, queue
@@ -105,7 +105,7 @@ class Bucket:
         out: list[Request] = []
         for _, queue in self._fronts():
             for req in queue:
-                if req.state == State.WAITING:
+                if req.state == WAITING:
                     out.append(req)
                     if limit is not None and len(out) == limit:
                         return out
@@ -128,11 +128,11 @@ class Bucket:
         elif len(self.queues) == 1:
             # Usually the batch was the queue's front: pop it now, so the queue stays clean.
             for queue in self.queues.values():
-                while queue and queue[0].state != State.WAITING:
+                while queue and queue[0].state != WAITING:
                     queue.popleft()
         for priority, queue in self.queues.items():
             if len(queue) > 2 * self.live + 64:
-                self.queues[priority] = deque(r for r in queue if r.state == State.WAITING)
+                self.queues[priority] = deque(r for r in queue if r.state == WAITING)
         if self.live == 0:
             self.max_key = 0.0
         elif count and self.track_max_key:
@@ -152,9 +152,9 @@ class Bucket:
         """
         shed: list[Request] = []
         for _, queue in list(self._fronts()):
-            while queue and (queue[0].state != State.WAITING or hopeless(queue[0])):
+            while queue and (queue[0].state != WAITING or hopeless(queue[0])):
                 req = queue.popleft()
-                if req.state == State.WAITING:
+                if req.state == WAITING:
                     shed.append(req)
         self.drop_waiting(shed)
         return shed
@@ -167,7 +167,7 @@ class Bucket:
             reqs: Requests of this bucket that are waiting.
         """
         for req in reqs:
-            req.state = State.DROPPED
+            req.state = DROPPED
         self.taken(len(reqs))
 
     def reaches_budget(self, policy: Batcher) -> bool:
@@ -433,10 +433,10 @@ class Scheduler:
             True if it was waiting (it is now dropped); False if it already runs or
             ended (nothing changed).
         """
-        if req.state != State.WAITING:
+        if req.state != WAITING:
             return False
         self.ingest()
-        req.state = State.DROPPED
+        req.state = DROPPED
         self.buckets[req.bucket].taken(1)
         self._left_waiting([req])
         return True
@@ -447,7 +447,7 @@ class Scheduler:
         dropped = []
         for bucket in self.buckets.values():
             for req in bucket.candidates(None):
-                req.state = State.DROPPED
+                req.state = DROPPED
                 dropped.append(req)
             bucket.queues.clear()
             bucket.live = 0
@@ -633,7 +633,7 @@ class Scheduler:
         if target is not None:
             target.trim(chosen, now)
         for req in chosen:
-            req.state = State.RUNNING
+            req.state = RUNNING
         # The usual batch, the front of the one clean deque, leaves it at once. (Checked
         # against the deque itself: a policy's select() may reorder or skip.)
         front = queue is not None and _is_prefix(chosen, queue)

@@ -39,7 +39,7 @@ from batchkit.batchers.sorted import SortedBatcher
 from batchkit.batchers.static import StaticBatcher
 from batchkit.errors import QueueFull
 from batchkit.serve.latency import LearnedLatency
-from batchkit.serve.request import Request, State
+from batchkit.serve.request import DONE, Request
 from batchkit.serve.scheduler import FormedBatch, Scheduler
 
 
@@ -770,7 +770,7 @@ def _replay(
             _, _, batch = heapq.heappop(running)
             sched.finish(batch, now)
             for req in batch.requests:
-                req.state = State.DONE
+                req.state = DONE
         while i < n and arrive[i] <= now:
             if keys is None:
                 req = Request(i, 0.0, None, 0)

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from batchkit import BucketedBatcher, DynamicBatcher, QueueFull, SortedBatcher, StaticBatcher
 from batchkit.batchers.base import Batcher
-from batchkit.serve.request import Request, State
+from batchkit.serve.request import DROPPED, RUNNING, Request
 from batchkit.serve.scheduler import Scheduler
 from batchkit.serve.stats import DispatchReason
 from tests.batchers._costs import squares, within_budget
@@ -162,7 +162,7 @@ def test_drop_removes_waiting_only() -> None:
     batch, _ = sched.poll(0.0)
     assert batch is not None and batch.requests == [b]
     assert not sched.drop(b)  # running
-    assert a.state == State.DROPPED and b.state == State.RUNNING
+    assert a.state == DROPPED and b.state == RUNNING
 
 
 def test_strict_sizes_pad_up() -> None:
@@ -222,7 +222,7 @@ def test_everything_served_once_within_limits(
     def finish_oldest() -> None:
         done = running.pop(0)
         reqs = done.requests
-        assert all(r.state == State.RUNNING for r in reqs)
+        assert all(r.state == RUNNING for r in reqs)
         assert 1 <= len(reqs) <= policy.max_batch_size
         assert within_budget(policy, [r.key for r in reqs])
         assert len({r.bucket for r in reqs}) == 1
@@ -327,7 +327,7 @@ def test_batches_are_the_service_order_heads_with_drops(
         sched.finish(batch, now)
         served.extend(batch.requests)
     assert not waiting
-    assert sorted(map(id, served)) == sorted(id(r) for r in added if r.state != State.DROPPED)
+    assert sorted(map(id, served)) == sorted(id(r) for r in added if r.state != DROPPED)
     assert len(served) == len(set(map(id, served)))
     assert sched.stats.requests == len(added)
 

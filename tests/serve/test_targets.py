@@ -25,7 +25,7 @@ from batchkit import (
 )
 from batchkit.batchers.base import Batcher
 from batchkit.serve.events import DropEvent
-from batchkit.serve.request import Request, State
+from batchkit.serve.request import DROPPED, Request
 from batchkit.serve.scheduler import FormedBatch, Scheduler
 from batchkit.serve.stats import DispatchReason
 
@@ -131,7 +131,7 @@ def test_a_waiting_request_that_can_no_longer_be_in_time_is_dropped() -> None:
     assert sched.poll(now + 0.090) == (None, None)  # 90 + 11 ms: still in time
     assert not shed
     assert sched.poll(now + 0.093) == (None, None)  # 93 + 11 ms alone: too late
-    assert shed == [waiting] and waiting.state == State.DROPPED
+    assert shed == [waiting] and waiting.state == DROPPED
     assert isinstance(waiting.error, Overloaded)
     assert "waited 93.0 ms" in str(waiting.error)
     assert sched.stats.shed == 1 and sched.num_waiting == 0
