@@ -276,11 +276,10 @@ class ServingCore:
         if self.listeners:
             self._report_batch(batch, run, now)
         if not run.errors and not batch.answered:  # the usual case: every item succeeded
-            for req in batch.requests:
-                req.state = DONE
             if on_loop is not None:
                 return resolve_on_loop(batch.requests, run.values, on_loop)
             for req, value in zip(batch.requests, run.values):
+                req.state = DONE
                 req.value = value
             return batch.requests
         done = []

@@ -157,7 +157,8 @@ def resolve_futures(requests: Sequence[Request]) -> None:
 def resolve_on_loop(
     requests: Sequence[Request], values: Sequence[Any], loop: asyncio.AbstractEventLoop
 ) -> list[Request]:
-    """On `loop`: resolve the futures of the requests awaiting there with `values`.
+    """On `loop`: mark a succeeded batch's requests done, and resolve the futures of
+    those awaiting there with `values`.
 
     A cancelled caller's future is left alone.
 
@@ -172,10 +173,13 @@ def resolve_on_loop(
     """
     others = []
     for req, value in zip(requests, values):
+        req.state = DONE
         future = req.future
-        if req.loop is loop and future is not None:
-            if not future.done():
+        if future is not None and req.loop is loop:
+            try:  # noqa: SIM105 - suppress() would cost a context manager per item
                 future.set_result(value)
+            except asyncio.InvalidStateError:
+                pass  # its caller was cancelled while the batch ran
         else:
             req.value = value
             others.append(req)
