@@ -140,18 +140,25 @@ def resolve_futures(requests: Sequence[Request]) -> None:
         requests: Settled asyncio requests, all of this loop.
     """
     for req in requests:
-        fut = req.future
-        if fut is None or fut.done():
+        future = req.future
+        if future is None:
             continue
-        error = req.error
-        if error is not None:
-            if isinstance(error, StopIteration):  # a future refuses it (TypeError)
-                wrapped = RuntimeError(f"the batch raised StopIteration: {error}")
-                wrapped.__cause__ = error
-                error = wrapped
-            fut.set_exception(error)
-        else:
-            fut.set_result(req.value)
+        try:
+            if req.error is None:
+                future.set_result(req.value)
+            else:
+                future.set_exception(_settable(req.error))
+        except asyncio.InvalidStateError:
+            pass  # its caller stopped waiting (cancelled, or timed out) meanwhile
+
+
+def _settable(error: BaseException) -> BaseException:
+    """`error`, or a `RuntimeError` from it if a future refuses it (`StopIteration`)."""
+    if not isinstance(error, StopIteration):
+        return error
+    wrapped = RuntimeError(f"the batch raised StopIteration: {error}")
+    wrapped.__cause__ = error
+    return wrapped
 
 
 def resolve_on_loop(
@@ -203,6 +210,9 @@ def deliver(requests: Sequence[Request]) -> None:
         elif req.loop is None:
             req.notify_thread()
         else:
-            by_loop.setdefault(req.loop, []).append(req)
+            waiting = by_loop.get(req.loop)
+            if waiting is None:  # (setdefault would build a list for every request)
+                waiting = by_loop[req.loop] = []
+            waiting.append(req)
     for loop, reqs in by_loop.items():
         call_on_loop(loop, resolve_futures, reqs)
