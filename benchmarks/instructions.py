@@ -7,9 +7,10 @@ for the overhead scenario of ``online.py`` (identity function, 256 concurrent ca
 batches of 32), at two run lengths: the difference divided by the extra requests is
 the cost of one request, with start-up and shutdown cancelled out. Runs are made
 deterministic (fixed hash seed, one BLAS thread, a max wait long enough never to
-fire), so a change of a few hundred instructions is visible; with ``--executor`` the
-function goes through ``run_in_executor`` as in ``online.py``, and thread scheduling
-makes the count move by a few hundred. ``--cache`` runs cachegrind instead, which
+fire; the sync function's batches are always full), so a change of a hundred
+instructions is visible; with ``--executor`` the function goes through
+``run_in_executor`` as in ``online.py``, and thread scheduling makes the count move by
+a few hundred. ``--cache`` runs cachegrind instead, which
 also simulates the caches and branch predictor: instruction-cache misses, which
 instruction counts do not show, are a large part of what a request costs.
 
@@ -58,8 +59,12 @@ async def _serve(system: str, total: int, executor: bool) -> None:
         await online.closed_loop(peer, total, online.CALLERS)
         await peer.close()
         return
-    model = online.identity if system == "batchkit-sync" else fn
-    f = batchkit.batched(max_batch_size=online.MAX_BATCH, max_wait_ms=MAX_WAIT_S * 1e3)(model)
+    if system == "batchkit-sync":
+        # Every batch full (the worker thread would otherwise take whatever waits when
+        # it is idle, and valgrind's thread switching makes those sizes vary run to run).
+        f = batchkit.batched(batcher=batchkit.StaticBatcher(online.MAX_BATCH))(online.identity)
+    else:
+        f = batchkit.batched(max_batch_size=online.MAX_BATCH, max_wait_ms=MAX_WAIT_S * 1e3)(fn)
     await online.closed_loop(f.acall, total, online.CALLERS)
     await f.aclose()
 

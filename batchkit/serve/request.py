@@ -86,12 +86,14 @@ class Request:
         self.error: BaseException | None = None
         self.loop = loop
         self.channel = channel  # a streaming caller reads its chunks here
-        if channel is None and loop is not None:  # an asyncio caller awaits its future
-            self.future: asyncio.Future[Any] | None = loop.create_future()
-            self._done: threading.Lock | None = None
-        else:
-            self.future = None
-            self._done = None if channel is not None else _held_lock()
+        self.future: asyncio.Future[Any] | None = None
+        self._done: threading.Lock | None = None
+        if channel is None:
+            if loop is not None:  # an asyncio caller awaits its future
+                self.future = loop.create_future()
+            else:  # a thread caller waits on a lock held until it is answered
+                self._done = threading.Lock()
+                self._done.acquire()
 
     def wait(self, timeout: float | None) -> bool:
         """Block a thread caller until done.
@@ -122,13 +124,6 @@ class Request:
         if self.error is not None:
             raise self.error
         return self.value
-
-
-def _held_lock() -> threading.Lock:
-    """A thread caller's wait: a lock taken now, released once when it is answered."""
-    lock = threading.Lock()
-    lock.acquire()
-    return lock
 
 
 def resolve_futures(requests: Sequence[Request]) -> None:
