@@ -137,6 +137,8 @@ class LoopDriver:
                     )
             self.loop = loop
             self._owner_loop = loop if core.bulk_arrivals and not core.closed else None
+            if self._owner_loop is not None:
+                core.sched.appended_without_lock = True
             self._poll_due = False
             self._timer = None
             self._drained = None

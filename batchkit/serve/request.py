@@ -86,14 +86,16 @@ class Request:
         self.error: BaseException | None = None
         self.loop = loop
         self.channel = channel  # a streaming caller reads its chunks here
-        self.future: asyncio.Future[Any] | None = None
-        self._done: threading.Lock | None = None
-        if channel is None:
-            if loop is not None:  # an asyncio caller awaits its future
-                self.future = loop.create_future()
-            else:  # a thread caller waits on a lock held until it is answered
-                self._done = threading.Lock()
-                self._done.acquire()
+        if channel is not None or loop is not None:
+            # An asyncio caller awaits its future; a streaming caller reads its channel.
+            self.future: asyncio.Future[Any] | None = (
+                loop.create_future() if channel is None else None  # type: ignore[union-attr]
+            )
+            self._done: threading.Lock | None = None
+        else:  # a thread caller waits on a lock held until it is answered
+            self.future = None
+            self._done = threading.Lock()
+            self._done.acquire()
 
     def wait(self, timeout: float | None) -> bool:
         """Block a thread caller until done.

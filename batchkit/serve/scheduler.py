@@ -239,6 +239,9 @@ class Scheduler:
         # unbounded. The admission hot path does so, one C-level call per request
         # instead of add(); the next scheduling step places them all (see ingest()).
         self.arrivals: deque[Request] = deque()
+        # Set for good once callers may append to `arrivals` without the lock (the
+        # event loop driver's lock-free lane): `ingest` then pops exactly what it counted.
+        self.appended_without_lock = False
         self._placed = 0  # waiting requests already in a bucket
         self.in_flight = 0
         self.closing = False
@@ -393,11 +396,15 @@ class Scheduler:
         count = len(arrivals)
         self.stats.requests += count
         bucket, queue = self._lane(None, 0)
-        # Exactly `count` popped: an append racing this step, from a loop that lost
-        # the batcher in a rebind race, is kept for the next step (a copy and a clear
-        # could drop it between them).
-        for _ in range(count):
-            queue.append(arrivals.popleft())
+        if self.appended_without_lock:
+            # Exactly `count` popped: an append racing this step (a lock-free caller,
+            # while another thread holds the lock) is kept for the next step; a copy
+            # and a clear could drop it between them.
+            for _ in range(count):
+                queue.append(arrivals.popleft())
+        else:  # every append holds the lock, as this step does
+            queue.extend(arrivals)
+            arrivals.clear()
         bucket.live += count
         self._placed += count
         if self.target is not None:
