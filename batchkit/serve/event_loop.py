@@ -10,6 +10,7 @@ expiry is a single `call_later` timer. Batches run as tasks, at most
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
@@ -103,9 +104,12 @@ class LoopDriver:
 
     # -- which loop ------------------------------------------------------------
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Serve callers on `loop`.
+        """Serve callers on `loop`; called on the thread running it.
 
         Leftovers of a closed previous loop are answered with `BatcherClosed` first.
+        It moves only when the previous loop is closed, or stopped with nothing left:
+        no caller can then be admitting on it, which the lock-free lane relies on (its
+        thread is the one running the loop it serves).
 
         Args:
             loop: The caller's running loop.
@@ -137,8 +141,8 @@ class LoopDriver:
                     )
             self.loop = loop
             self._owner_loop = loop if core.bulk_arrivals and not core.closed else None
-            if self._owner_loop is not None:
-                core.sched.appended_without_lock = True
+            if self._owner_loop is not None:  # (bind runs on the thread running `loop`)
+                core.sched.lock_free_thread = threading.get_ident()
             self._poll_due = False
             self._timer = None
             self._drained = None

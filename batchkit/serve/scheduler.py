@@ -6,6 +6,7 @@ caller, so its behaviour is tested deterministically with a fake clock.
 from __future__ import annotations
 
 import itertools
+import threading
 from collections import deque
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
@@ -239,9 +240,10 @@ class Scheduler:
         # unbounded. The admission hot path does so, one C-level call per request
         # instead of add(); the next scheduling step places them all (see ingest()).
         self.arrivals: deque[Request] = deque()
-        # Set for good once callers may append to `arrivals` without the lock (the
-        # event loop driver's lock-free lane): `ingest` then pops exactly what it counted.
-        self.appended_without_lock = False
+        # The thread whose callers may append to `arrivals` without the lock (the event
+        # loop driver's lock-free lane runs on its loop's thread), kept after the lane
+        # closes (an append may be under way); None while every append holds the lock.
+        self.lock_free_thread: int | None = None
         self._placed = 0  # waiting requests already in a bucket
         self.in_flight = 0
         self.closing = False
@@ -396,15 +398,17 @@ class Scheduler:
         count = len(arrivals)
         self.stats.requests += count
         bucket, queue = self._lane(None, 0)
-        if self.appended_without_lock:
-            # Exactly `count` popped: an append racing this step (a lock-free caller,
-            # while another thread holds the lock) is kept for the next step; a copy
-            # and a clear could drop it between them.
-            for _ in range(count):
-                queue.append(arrivals.popleft())
-        else:  # every append holds the lock, as this step does
+        if self.lock_free_thread in (None, threading.get_ident()):
+            # No append can run meanwhile: the others hold the lock, as this step does,
+            # and lock-free ones run on this thread (a lane's thread changes only when
+            # its loop stops: see LoopDriver.bind).
             queue.extend(arrivals)
             arrivals.clear()
+        else:
+            # Exactly `count` popped: a lock-free caller's append racing this step, on
+            # the lane's thread, is kept for the next step (a clear could drop it).
+            for _ in range(count):
+                queue.append(arrivals.popleft())
         bucket.live += count
         self._placed += count
         if self.target is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 
 import pytest
@@ -483,7 +484,7 @@ class _RacingArrivals(deque):  # type: ignore[type-arg]
 
 def test_an_arrival_appended_without_the_lock_during_placement_is_kept_for_the_next() -> None:
     sched = Scheduler(DynamicBatcher(8, max_wait_ms=10), max_concurrent_batches=2)
-    sched.appended_without_lock = True
+    sched.lock_free_thread = threading.get_ident() + 1  # placed from another thread
     early = [Request(i, 0.0, None, 0) for i in range(3)]
     late = Request("late", 0.0, None, 0)
     sched.arrivals = _RacingArrivals(late)
@@ -497,8 +498,10 @@ def test_an_arrival_appended_without_the_lock_during_placement_is_kept_for_the_n
     assert sched.stats.requests == 4
 
 
-def test_arrivals_appended_under_the_lock_are_all_placed_in_one_step() -> None:
+@pytest.mark.parametrize("lane_thread", ["none", "this one"])
+def test_arrivals_no_other_thread_appends_to_are_all_placed_in_one_step(lane_thread: str) -> None:
     sched = Scheduler(DynamicBatcher(8, max_wait_ms=10))
+    sched.lock_free_thread = None if lane_thread == "none" else threading.get_ident()
     reqs = [Request(i, 0.0, None, 0) for i in range(5)]
     sched.arrivals.extend(reqs)
     batch, _ = sched.poll(0.0)
