@@ -24,7 +24,7 @@ from batchkit.serve.channels import Channel
 from batchkit.serve.events import BatchEvent, DropEvent, DropReason, Listener, notify
 from batchkit.serve.execute import BatchRun, start_run
 from batchkit.serve.options import Options
-from batchkit.serve.request import DONE, RUNNING, Request, deliver, resolve_on_loop
+from batchkit.serve.request import DONE, RUNNING, Request, deliver, new_request, resolve_on_loop
 from batchkit.serve.scheduler import FormedBatch, Scheduler
 from batchkit.serve.settings import Settings, check_settings, read_settings, reconfigured
 from batchkit.serve.stats import Stats
@@ -109,10 +109,10 @@ class ServingCore:
         if type(priority) is not int:  # bool and other look-alikes are refused too
             raise TypeError(f"priority must be an int, got {type(priority).__name__}")
         if self.keyless:
-            return Request(item, 0.0, None, priority, loop, channel)
+            return new_request(item, 0.0, None, priority, loop, channel)
         policy = self.options.policy
         key = policy.key_of(item)
-        return Request(item, key, policy.bucket_of(key), priority, loop, channel)
+        return new_request(item, key, policy.bucket_of(key), priority, loop, channel)
 
     def submit(self, req: Request) -> None:
         """Enqueue a request.
@@ -124,8 +124,14 @@ class ServingCore:
             BatcherClosed: The function is closed; nothing was enqueued.
             QueueFull: `max_queue_size` requests wait; nothing was enqueued.
         """
-        with self.lock:
+        # acquire/release, not `with`: on Python 3.11 a `with` looks up and binds the
+        # lock's __enter__ and __exit__ at every call (measured in docs/performance.md,
+        # "What the hot path keeps"). The one place that does so: every call passes here.
+        self.lock.acquire()
+        try:
             self.admit_locked(req)
+        finally:
+            self.lock.release()
 
     def admit_locked(self, req: Request) -> None:
         """Under the lock: `submit`.

@@ -20,7 +20,7 @@ from batchkit.serve import callers
 from batchkit.serve.callers import AsyncCall
 from batchkit.serve.core import ServingCore
 from batchkit.serve.execute import BatchRun, Outcome, run_steps
-from batchkit.serve.request import Request, deliver
+from batchkit.serve.request import Request, deliver, new_request
 from batchkit.serve.scheduler import FormedBatch
 from batchkit.serve.streaming import run_stream_async
 
@@ -321,7 +321,7 @@ class LoopDriver:
         scheduler while it runs the loop this batcher serves); None for the others."""
         if loop is not self._owner_loop or type(priority) is not int or priority != 0:
             return None
-        req = Request(item, 0.0, None, 0, loop, None, self.core.clock())
+        req = new_request(item, 0.0, None, 0, loop, None, self.core.clock())
         self.core.sched.arrivals.append(req)  # placed in bulk at the next scheduling pass
         if not self._poll_due:  # (usually due: a burst of callers shares one pump)
             self._wake()

@@ -27,21 +27,11 @@ class Request:
     """A queued item. Thread callers wait on a lock; asyncio callers on a future;
     streaming callers read a channel (its end is their outcome).
 
+    Built by `new_request`, its one constructor.
     The lock-as-event (acquired at creation, released once on completion) is the
-    cheapest blocking wait CPython offers: one C-level lock per request.
-
-    Args:
-        item: The caller's item.
-        key: The policy's key of the item (0.0 for a keyless policy).
-        bucket: The bucket it belongs to (`bucket_of(key)`; None for the one bucket).
-        priority: Lower values are served first.
-        loop: The event loop of an asyncio caller (its future is made there); None
-            for a thread caller.
-        channel: Where a streaming caller reads its chunks; None for a plain call.
-        enqueued_at: When it was admitted, on the core's clock (admission sets it).
-
-    Under a latency target (`max_latency_ms`) it also gets a `deadline` at admission
-    (its admission time plus the target); it is not set otherwise.
+    cheapest blocking wait CPython offers: one C-level lock per request. Under a
+    latency target (`max_latency_ms`) it also gets a `deadline` at admission (its
+    admission time plus the target); it is not set otherwise.
     """
 
     __slots__ = (
@@ -61,41 +51,22 @@ class Request:
         "_done",
     )
 
+    item: Any
+    key: float  # the policy's key of the item (0.0 for a keyless policy)
+    bucket: Hashable  # bucket_of(key); None for the one bucket
+    priority: int  # lower values are served first
+    # Arrival order, set by Scheduler.add; it breaks ties between the heads of
+    # different buckets at equal priority (bulk arrivals of one bucket keep 0).
+    seq: int
+    enqueued_at: float  # when it was admitted, on the core's clock
+    state: int  # WAITING, RUNNING, DONE or DROPPED
+    value: Any
+    error: BaseException | None
+    future: asyncio.Future[Any] | None  # an asyncio caller's
+    loop: asyncio.AbstractEventLoop | None  # an asyncio caller's running loop
+    channel: Channel | None  # where a streaming caller reads its chunks
     deadline: float  # admission time + target; set only under a latency target
-
-    def __init__(
-        self,
-        item: Any,
-        key: float,
-        bucket: Hashable,
-        priority: int,
-        loop: asyncio.AbstractEventLoop | None = None,
-        channel: Channel | None = None,
-        enqueued_at: float = 0.0,
-    ) -> None:
-        self.item = item
-        self.key = key
-        self.bucket = bucket
-        self.priority = priority
-        # Arrival order, set by Scheduler.add; it breaks ties between the heads of
-        # different buckets at equal priority (bulk arrivals of one bucket keep 0).
-        self.seq = 0
-        self.enqueued_at = enqueued_at  # the arrival time: set at admission
-        self.state = WAITING
-        self.value: Any = None
-        self.error: BaseException | None = None
-        self.loop = loop
-        self.channel = channel  # a streaming caller reads its chunks here
-        if channel is not None or loop is not None:
-            # An asyncio caller awaits its future; a streaming caller reads its channel.
-            self.future: asyncio.Future[Any] | None = (
-                loop.create_future() if channel is None else None  # type: ignore[union-attr]
-            )
-            self._done: threading.Lock | None = None
-        else:  # a thread caller waits on a lock held until it is answered
-            self.future = None
-            self._done = threading.Lock()
-            self._done.acquire()
+    _done: threading.Lock | None  # a thread caller's wait
 
     def wait(self, timeout: float | None) -> bool:
         """Block a thread caller until done.
@@ -126,6 +97,57 @@ class Request:
         if self.error is not None:
             raise self.error
         return self.value
+
+
+_new_object = object.__new__
+
+
+def new_request(
+    item: Any,
+    key: float,
+    bucket: Hashable,
+    priority: int,
+    loop: asyncio.AbstractEventLoop | None = None,
+    channel: Channel | None = None,
+    enqueued_at: float = 0.0,
+) -> Request:
+    """A waiting request: the one way a `Request` is made.
+
+    A function rather than `Request.__init__`: on Python 3.11 calling a class runs its
+    `__init__` through the slower C type-call path, on every call (measured in
+    docs/performance.md, "What the hot path keeps").
+
+    Args:
+        item: The caller's item.
+        key: The policy's key of the item (0.0 for a keyless policy).
+        bucket: The bucket it belongs to (`bucket_of(key)`; None for the one bucket).
+        priority: Lower values are served first.
+        loop: The event loop of an asyncio caller (its future is made there); None
+            for a thread caller.
+        channel: Where a streaming caller reads its chunks; None for a plain call.
+        enqueued_at: When it was admitted, on the core's clock (admission sets it).
+    """
+    req: Request = _new_object(Request)
+    req.item = item
+    req.key = key
+    req.bucket = bucket
+    req.priority = priority
+    req.seq = 0
+    req.enqueued_at = enqueued_at
+    req.state = WAITING
+    req.value = None
+    req.error = None
+    req.loop = loop
+    req.channel = channel
+    if channel is not None or loop is not None:
+        # An asyncio caller awaits its future; a streaming caller reads its channel.
+        req.future = loop.create_future() if channel is None else None  # type: ignore[union-attr]
+        req._done = None
+    else:  # a thread caller waits on a lock held until it is answered
+        req.future = None
+        req._done = threading.Lock()
+        req._done.acquire()
+    return req
 
 
 def resolve_futures(requests: Sequence[Request]) -> None:

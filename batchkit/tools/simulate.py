@@ -39,7 +39,7 @@ from batchkit.batchers.sorted import SortedBatcher
 from batchkit.batchers.static import StaticBatcher
 from batchkit.errors import QueueFull
 from batchkit.serve.latency import LearnedLatency
-from batchkit.serve.request import DONE, Request
+from batchkit.serve.request import DONE, new_request
 from batchkit.serve.scheduler import FormedBatch, Scheduler
 
 
@@ -773,10 +773,10 @@ def _replay(
                 req.state = DONE
         while i < n and arrive[i] <= now:
             if keys is None:
-                req = Request(i, 0.0, None, 0)
+                req = new_request(i, 0.0, None, 0)
             else:
                 key = float(keys[i])
-                req = Request(i, key, policy.bucket_of(key), 0)
+                req = new_request(i, key, policy.bucket_of(key), 0)
             req.enqueued_at = arrive[i]
             # Counted by the scheduler (QueueFull as rejected, its subclass Overloaded as
             # overloaded); the latency stays NaN. Shed requests are counted there too.

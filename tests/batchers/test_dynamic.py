@@ -15,7 +15,7 @@ import pytest
 
 import batchkit
 from batchkit import DynamicBatcher
-from batchkit.serve.request import Request
+from batchkit.serve.request import new_request
 from batchkit.serve.scheduler import Scheduler
 from batchkit.serve.stats import DispatchReason
 
@@ -23,7 +23,7 @@ from batchkit.serve.stats import DispatchReason
 def add(sched: Scheduler, item: object, now: float) -> None:
     policy = sched.policy
     key = policy.key_of(item)
-    req = Request(item, key, policy.bucket_of(key), 0)
+    req = new_request(item, key, policy.bucket_of(key), 0)
     req.enqueued_at = now
     sched.add(req)
 

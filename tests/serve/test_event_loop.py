@@ -57,7 +57,7 @@ def test_admission_rechecks_the_loop_under_the_lock() -> None:
     """The interleaving the stress test above can only hit by chance, made explicit:
     thread A passes bind() while the batcher is idle, thread B binds its own loop and
     enqueues, then A enqueues: A must be refused, not served by B's loop."""
-    from batchkit.serve.request import Request
+    from batchkit.serve.request import new_request
 
     @batchkit.batched(max_batch_size=4, max_wait_ms=0.5)
     async def ident(xs: list[int]) -> list[int]:
@@ -67,10 +67,10 @@ def test_admission_rechecks_the_loop_under_the_lock() -> None:
     try:
         runtime = ident.runtime
         runtime.bind(loop_a)  # A's check passes: nothing is waiting
-        req_b = Request(1, 0.0, None, 0, loop_b)
+        req_b = new_request(1, 0.0, None, 0, loop_b)
         runtime.bind(loop_b)  # B rebinds the idle batcher...
         runtime.core.submit(req_b)  # ...and enqueues
-        req_a = Request(2, 0.0, None, 0, loop_a)
+        req_a = new_request(2, 0.0, None, 0, loop_a)
         try:
             runtime.core.submit(req_a)
         except RuntimeError as exc:

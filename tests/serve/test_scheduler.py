@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from batchkit import BucketedBatcher, DynamicBatcher, QueueFull, SortedBatcher, StaticBatcher
 from batchkit.batchers.base import Batcher
-from batchkit.serve.request import DROPPED, RUNNING, Request
+from batchkit.serve.request import DROPPED, RUNNING, Request, new_request
 from batchkit.serve.scheduler import Scheduler
 from batchkit.serve.stats import DispatchReason
 from tests.batchers._costs import squares, within_budget
@@ -20,7 +20,7 @@ from tests.batchers._costs import squares, within_budget
 def add(sched: Scheduler, item: object, now: float, priority: int = 0) -> Request:
     policy = sched.policy
     key = policy.key_of(item)
-    req = Request(item, key, policy.bucket_of(key), priority)
+    req = new_request(item, key, policy.bucket_of(key), priority)
     req.enqueued_at = now
     sched.add(req)
     return req
@@ -304,7 +304,7 @@ def test_batches_are_the_service_order_heads_with_drops(
         if op == "add":
             waiting.append(add(sched, "x" * n, now, priority))
         elif op == "arrive":
-            req = Request("x" * n, 0.0, None, 0)
+            req = new_request("x" * n, 0.0, None, 0)
             req.enqueued_at = now
             sched.arrivals.append(req)
             waiting.append(req)
@@ -341,7 +341,7 @@ def test_bulk_arrivals_count_keep_order_and_can_be_dropped_before_placement() ->
     sched = Scheduler(DynamicBatcher(3, max_wait_ms=5), max_concurrent_batches=1)
 
     def arrive(item: str, now: float) -> Request:
-        req = Request(item, 0.0, None, 0)
+        req = new_request(item, 0.0, None, 0)
         req.enqueued_at = now
         sched.arrivals.append(req)
         return req
@@ -386,7 +386,7 @@ def test_the_public_scheduler_accepts_a_request_without_an_arrival_time() -> Non
     from batchkit.serve.scheduler import Scheduler
 
     sched = Scheduler(DynamicBatcher(4, max_wait_ms=10))
-    sched.add(Request("x", 0.0, None, 0))
+    sched.add(new_request("x", 0.0, None, 0))
     batch, _ = sched.poll(0.0)
     assert batch is not None and [r.item for r in batch.requests] == ["x"]
 
@@ -403,7 +403,7 @@ def test_a_select_that_reorders_its_list_still_takes_what_it_chose() -> None:
 
     sched = Scheduler(ShortestFirst(max_batch_size=2, max_wait_ms=0, key=len))
     for item in ["ccc", "a", "bb"]:
-        sched.add(Request(item, float(len(item)), None, 0))
+        sched.add(new_request(item, float(len(item)), None, 0))
     served = []
     while True:
         batch, _ = sched.poll(0.0)
@@ -424,7 +424,7 @@ def test_a_select_replaced_on_the_policy_instance_is_not_taken_for_a_prefix() ->
     policy.select = lambda cands: [cands[-1]]  # type: ignore[method-assign]
     sched = Scheduler(policy)
     for i in range(3):
-        sched.add(Request(i, 0.0, None, 0))
+        sched.add(new_request(i, 0.0, None, 0))
     served = []
     while (batch := sched.poll(0.0)[0]) is not None:
         served += [r.item for r in batch.requests]
@@ -441,7 +441,7 @@ def test_a_keyless_policy_in_several_buckets_serves_the_oldest_head_first() -> N
     sched = Scheduler(policy)
 
     def add(item: str, key: float) -> None:
-        sched.add(Request(item, key, policy.bucket_of(key), 0))
+        sched.add(new_request(item, key, policy.bucket_of(key), 0))
 
     add("first-short", 2.0)  # makes bucket 0 the first in dict order
     batch, _ = sched.poll(0.0)
@@ -485,8 +485,8 @@ class _RacingArrivals(deque):  # type: ignore[type-arg]
 def test_an_arrival_appended_without_the_lock_during_placement_is_kept_for_the_next() -> None:
     sched = Scheduler(DynamicBatcher(8, max_wait_ms=10), max_concurrent_batches=2)
     sched.lock_free_thread = threading.get_ident() + 1  # placed from another thread
-    early = [Request(i, 0.0, None, 0) for i in range(3)]
-    late = Request("late", 0.0, None, 0)
+    early = [new_request(i, 0.0, None, 0) for i in range(3)]
+    late = new_request("late", 0.0, None, 0)
     sched.arrivals = _RacingArrivals(late)
     sched.arrivals.extend(early)
     first, _ = sched.poll(0.0)  # idle: leaves with what was placed
@@ -502,7 +502,7 @@ def test_an_arrival_appended_without_the_lock_during_placement_is_kept_for_the_n
 def test_arrivals_no_other_thread_appends_to_are_all_placed_in_one_step(lane_thread: str) -> None:
     sched = Scheduler(DynamicBatcher(8, max_wait_ms=10))
     sched.lock_free_thread = None if lane_thread == "none" else threading.get_ident()
-    reqs = [Request(i, 0.0, None, 0) for i in range(5)]
+    reqs = [new_request(i, 0.0, None, 0) for i in range(5)]
     sched.arrivals.extend(reqs)
     batch, _ = sched.poll(0.0)
     assert batch is not None and batch.requests == reqs

@@ -25,7 +25,7 @@ from batchkit import (
 )
 from batchkit.batchers.base import Batcher
 from batchkit.serve.events import DropEvent
-from batchkit.serve.request import DROPPED, Request
+from batchkit.serve.request import DROPPED, Request, new_request
 from batchkit.serve.scheduler import FormedBatch, Scheduler
 from batchkit.serve.stats import DispatchReason
 
@@ -40,7 +40,7 @@ def device(n: int) -> float:
 
 
 def add(sched: Scheduler, now: float, priority: int = 0) -> Request:
-    req = Request(len(sched.running), 0.0, None, priority)
+    req = new_request(len(sched.running), 0.0, None, priority)
     req.enqueued_at = now
     sched.add(req)
     return req
@@ -243,7 +243,7 @@ def replay(
         elif i < len(arrivals) and arrivals[i] == now:
             item = i
             key = policy.key_of(lengths[i % len(lengths)]) if policy.key is not None else 0.0
-            req = Request(item, key, policy.bucket_of(key), priorities[i % len(priorities)])
+            req = new_request(item, key, policy.bucket_of(key), priorities[i % len(priorities)])
             req.enqueued_at = now
             i += 1
             try:
