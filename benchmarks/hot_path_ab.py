@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import online  # noqa: E402
 
 import batchkit  # noqa: E402
-from batchkit.serve import event_loop  # noqa: E402
+from batchkit.serve import callers  # noqa: E402
 from batchkit.serve.core import ServingCore  # noqa: E402
 from batchkit.serve.request import WAITING, Request, new_request  # noqa: E402
 
@@ -79,8 +79,8 @@ def _submit_with(self: ServingCore, req: Request) -> None:
 
 
 def _install_constructor(kept: bool) -> None:
-    # (the lock-free lane looks the constructor up in its module at every call)
-    event_loop.new_request = new_request if kept else _SlowRequest  # type: ignore[attr-defined]
+    # (the lock-free lane of callers.acall looks the constructor up at every call)
+    callers.new_request = new_request if kept else _SlowRequest  # type: ignore[attr-defined]
 
 
 _kept_submit = ServingCore.submit

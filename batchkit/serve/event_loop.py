@@ -20,7 +20,7 @@ from batchkit.serve import callers
 from batchkit.serve.callers import AsyncCall
 from batchkit.serve.core import ServingCore
 from batchkit.serve.execute import BatchRun, Outcome, run_steps
-from batchkit.serve.request import Request, deliver, new_request
+from batchkit.serve.request import deliver
 from batchkit.serve.scheduler import FormedBatch
 from batchkit.serve.streaming import run_stream_async
 
@@ -87,20 +87,20 @@ class LoopDriver:
         self.core = core
         self.loop: asyncio.AbstractEventLoop | None = None  # the loop it serves
         # While set, the scheduler is changed only by the thread running this loop, so
-        # its default-lane callers are admitted without the lock (see acall).
-        self._owner_loop: asyncio.AbstractEventLoop | None = None
+        # its default-lane callers are admitted without the lock (the lane of callers.acall).
+        self.owner_loop: asyncio.AbstractEventLoop | None = None
         # A pump is scheduled, or every slot is busy (the batch that ends next polls):
         # arrivals then need not schedule one.
-        self._poll_due = False
+        self.poll_due = False
         self._timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._drained: asyncio.Event | None = None
-        core.wake = self._wake
+        core.wake = self.wake
         core.check_loop = self._check_loop_locked
         core.settings_changed = self._settings_changed_locked
         # One item from asyncio: the callers' coroutine, taking the lock-free lane when
         # it can (the checked path binds the loop under the lock: see check_loop).
-        self.acall: AsyncCall = callers.bind_acall(core, self._admit_lock_free)
+        self.acall: AsyncCall = callers.bind_acall(core, self)
 
     # -- which loop ------------------------------------------------------------
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -129,7 +129,7 @@ class LoopDriver:
                 for batch in list(core.sched.running.values()):
                     core.abandon_locked(batch, core.closed_error())
             # While the old loop runs, its callers are admitted without the lock (see
-            # _owner_loop), so it is never left then, even when idle.
+            # owner_loop), so it is never left then, even when idle.
             if old is not None and not old.is_closed():
                 busy = "serves another event loop, which is still running"
                 if not old.is_running():
@@ -140,10 +140,10 @@ class LoopDriver:
                         "a time"
                     )
             self.loop = loop
-            self._owner_loop = loop if core.bulk_arrivals and not core.closed else None
-            if self._owner_loop is not None:  # (bind runs on the thread running `loop`)
+            self.owner_loop = loop if core.bulk_arrivals and not core.closed else None
+            if self.owner_loop is not None:  # (bind runs on the thread running `loop`)
                 core.sched.lock_free_thread = threading.get_ident()
-            self._poll_due = False
+            self.poll_due = False
             self._timer = None
             self._drained = None
 
@@ -155,21 +155,21 @@ class LoopDriver:
 
     def _settings_changed_locked(self) -> None:
         if not self.core.bulk_arrivals:
-            self._owner_loop = None  # a bounded queue: every caller takes the checked path
-        self._poll_due = False  # the slots may have changed: the next wake polls
+            self.owner_loop = None  # a bounded queue: every caller takes the checked path
+        self.poll_due = False  # the slots may have changed: the next wake polls
 
     # -- scheduling passes --------------------------------------------------------
-    def _wake(self) -> None:
+    def wake(self) -> None:
         """Something changed: schedule a pump unless one is due. Called under the lock,
         or without it by the owner loop's own callers (only that thread changes the
         scheduler then)."""
-        if self._poll_due or self.loop is None:
+        if self.poll_due or self.loop is None:
             return
         sched = self.core.sched
         if sched.in_flight >= sched.max_concurrent_batches and not self.core.closed:
             return  # every slot is busy: the batch that ends next polls the scheduler
         schedule_on_loop(self.loop, self._pump)
-        self._poll_due = True  # (only once the pump is surely scheduled)
+        self.poll_due = True  # (only once the pump is surely scheduled)
 
     def _pump(self) -> None:
         """Start every batch that is ready; arm the timer for the next max-wait expiry."""
@@ -198,7 +198,7 @@ class LoopDriver:
         finally:
             # Busy slots stay busy until a batch ends, and its task polls then. (Set
             # even if polling raised: a stuck flag would silence every arrival.)
-            self._poll_due = sched.in_flight >= sched.max_concurrent_batches
+            self.poll_due = sched.in_flight >= sched.max_concurrent_batches
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -239,8 +239,8 @@ class LoopDriver:
         error.__cause__ = exc
         with self.core.lock:
             abandoned = self.core.abandon_locked(batch, error)
-            self._poll_due = False
-            self._wake()
+            self.poll_due = False
+            self.wake()
         deliver(abandoned)
 
     async def _run_batches(
@@ -314,19 +314,6 @@ class LoopDriver:
         return outcome
 
     # -- callers -------------------------------------------------------------------
-    def _admit_lock_free(
-        self, item: Any, priority: int, loop: asyncio.AbstractEventLoop
-    ) -> Request | None:
-        """The usual call, admitted without the lock (this thread alone changes the
-        scheduler while it runs the loop this batcher serves); None for the others."""
-        if loop is not self._owner_loop or type(priority) is not int or priority != 0:
-            return None
-        req = new_request(item, 0.0, None, 0, loop, None, self.core.clock())
-        self.core.sched.arrivals.append(req)  # placed in bulk at the next scheduling pass
-        if not self._poll_due:  # (usually due: a burst of callers shares one pump)
-            self._wake()
-        return req
-
     def call(self, item: Any, *, priority: int = 0, timeout: float | None = None) -> Any:
         """`f(x)` of an async function: the awaitable of `acall`.
 
@@ -419,14 +406,14 @@ class LoopDriver:
                 raise RuntimeError(f"{core.name}: aclose() must run on the loop it serves")
             self.bind(loop)  # a closed previous loop's leftovers are answered here
             core.close_locked()
-            self._owner_loop = None  # later callers take the checked path: BatcherClosed
+            self.owner_loop = None  # later callers take the checked path: BatcherClosed
             if self._drained is None:  # shared by concurrent aclose() calls
                 self._drained = asyncio.Event()
             drained = self._drained
             if core.sched.drained:
                 drained.set()
                 return
-            self._wake()
+            self.wake()
         try:
             await asyncio.wait_for(drained.wait(), timeout)
         except asyncio.TimeoutError:
@@ -450,7 +437,7 @@ class LoopDriver:
         if loop is None or loop.is_closed() or not loop.is_running():
             with core.lock:  # no loop will ever run what is left: answer it now
                 core.close_locked()
-                self._owner_loop = None
+                self.owner_loop = None
                 core.fail_all_locked(core.closed_error())
             return
         if on_loop_thread(loop):

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from batchkit.serve import event_loop
+from batchkit.serve import callers
 from batchkit.serve.core import ServingCore
 from batchkit.serve.request import Request, new_request
 
@@ -49,7 +49,7 @@ def test_installing_the_kept_choices_restores_them() -> None:
     for install, _ in bench.CHOICES.values():
         install(False)
         install(True)
-    assert event_loop.new_request is new_request  # type: ignore[attr-defined]
+    assert callers.new_request is new_request
     assert ServingCore.submit is kept_submit
 
 
