@@ -29,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,15 @@ def checkout(rev: str, into: Path) -> Path:
         capture_output=True,
     )
     return path
+
+
+def remove(trees: Iterable[Path]) -> None:
+    """Remove worktrees made by `checkout`."""
+    for tree in trees:
+        subprocess.run(
+            ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)],
+            capture_output=True,
+        )
 
 
 def one_run(tree: Path, only: str, quick: bool) -> dict[str, Any]:
@@ -149,11 +159,7 @@ def main() -> int:
                     runs[rev].append(one_run(trees[rev], args.only, args.quick))
                 print(f"repeat {r + 1}/{args.repeats} done", file=sys.stderr)
         finally:
-            for tree in trees.values():
-                subprocess.run(
-                    ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)],
-                    capture_output=True,
-                )
+            remove(trees.values())
     print(
         f"# {args.rev_a} (A) against {args.rev_b} (B): {args.repeats} interleaved repeats of "
         "benchmarks/online.py each, medians"

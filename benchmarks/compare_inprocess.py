@@ -35,7 +35,6 @@ import importlib
 import re
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -48,7 +47,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 import online  # noqa: E402
-from compare import TOLERANCE, checkout  # noqa: E402
+from compare import TOLERANCE, checkout, remove  # noqa: E402
 
 ROUND = 7680  # requests per timed round, as online.py's overhead row
 THREAD_ROUND = 2560
@@ -142,11 +141,7 @@ def main() -> int:
                     f"[{q[0]:.3f}-{q[2]:.3f}]"
                 )
         finally:
-            for tree in trees.values():
-                subprocess.run(
-                    ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)],
-                    capture_output=True,
-                )
+            remove(trees.values())
     print(f"({time.perf_counter() - started:.0f} s)")
     return 0 if ok else 1
 

@@ -44,7 +44,11 @@ ROUND = 8192  # requests per timed round (a multiple of the batch size)
 
 
 class _SlowRequest(Request):
-    """A `Request` made the other way: a class call whose `__init__` sets every field."""
+    """A `Request` made the other way: a class call whose `__init__` sets every field.
+
+    Its stores mirror `new_request`'s on purpose (only the call path may differ);
+    tests/benchmarks/test_hot_path_ab.py checks the two make the same request.
+    """
 
     __slots__ = ()
 

@@ -3,29 +3,18 @@ separate, working batchkit (its own modules, its own imports), beside this one."
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import batchkit
+from tests.benchmarks._scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "compare_inprocess.py"
-
-
-def load_script() -> ModuleType:
-    sys.path.insert(0, str(SCRIPT.parent))
-    spec = importlib.util.spec_from_file_location("compare_inprocess", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_a_tree_loaded_under_another_name_serves_with_its_own_modules(tmp_path: Path) -> None:
-    script = load_script()
+    script = load_script("compare_inprocess")
     copy = script.load_as(ROOT, "batchkit_copy_for_test", tmp_path)
     try:
         core = sys.modules["batchkit_copy_for_test.serve.core"]

@@ -4,25 +4,11 @@ admits the same way, as the choice kept; installing a choice back restores it.""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
 
 from batchkit.serve import callers
 from batchkit.serve.core import ServingCore
 from batchkit.serve.request import Request, new_request
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "hot_path_ab.py"
-
-
-def load() -> ModuleType:
-    sys.path.insert(0, str(SCRIPT.parent))
-    spec = importlib.util.spec_from_file_location("hot_path_ab", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.benchmarks._scripts import load_script
 
 
 def fields(req: Request) -> dict[str, object]:
@@ -32,7 +18,7 @@ def fields(req: Request) -> dict[str, object]:
 
 
 def test_the_class_call_alternative_makes_the_request_new_request_makes() -> None:
-    bench = load()
+    bench = load_script("hot_path_ab")
     loop = asyncio.new_event_loop()
     try:
         kept = new_request("x", 0.0, None, 0, loop, None, 1.5)
@@ -44,7 +30,7 @@ def test_the_class_call_alternative_makes_the_request_new_request_makes() -> Non
 
 
 def test_installing_the_kept_choices_restores_them() -> None:
-    bench = load()
+    bench = load_script("hot_path_ab")
     kept_submit = ServingCore.submit
     for install, _ in bench.CHOICES.values():
         install(False)
@@ -54,6 +40,6 @@ def test_installing_the_kept_choices_restores_them() -> None:
 
 
 def test_a_short_control_run_gives_one_ratio_per_pair() -> None:
-    bench = load()
+    bench = load_script("hot_path_ab")
     ratios = asyncio.run(bench.pairs("control", 2))
     assert len(ratios) == 2 and all(r > 0 for r in ratios)

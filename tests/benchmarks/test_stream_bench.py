@@ -3,7 +3,6 @@ and exits cleanly; a caller given the wrong chunks is caught, naming the item.""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -11,6 +10,8 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+
+from tests.benchmarks._scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "stream.py"
@@ -53,11 +54,7 @@ def test_unknown_system_is_refused_by_name() -> None:
 
 @pytest.fixture(scope="module")
 def script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("stream_bench_under_test", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("stream", "stream_bench_under_test")
 
 
 def test_a_stream_with_a_missing_or_foreign_chunk_is_caught(script: ModuleType) -> None:
