@@ -59,13 +59,7 @@ class ServingCore:
         self.closed = False
         self.listeners: list[Listener] = []
         self.keyless = options.policy.key is None  # one bucket, no key to compute
-        # A keyless policy's default-priority requests skip Scheduler.add: they are
-        # appended to its arrivals and placed in bulk at the next scheduling step. Not
-        # with a bounded queue or a latency target, which must refuse at once
-        # (QueueFull, Overloaded).
-        self.bulk_arrivals = (
-            self.keyless and options.max_queue_size is None and options.max_latency_s is None
-        )
+        self.bulk_arrivals = self._takes_bulk_arrivals()  # (read at every admission)
         # Set by the driver. wake(): under the lock, something changed: make sure a
         # batch leaves if one is ready. check_loop(loop): under the lock, before an
         # enqueue, refuse (raise) a caller's loop the driver cannot serve.
@@ -87,6 +81,14 @@ class ServingCore:
         self.sched.on_select_failed = deliver  # (their error set: the policy's)
 
     # -- admission -----------------------------------------------------------
+    def _takes_bulk_arrivals(self) -> bool:
+        """Whether default-priority requests skip `Scheduler.add`: appended to its
+        `arrivals` and placed in bulk at the next scheduling step. Only for a keyless
+        policy, and not with a bounded queue or a latency target, which must refuse at
+        once (`QueueFull`, `Overloaded`)."""
+        sched = self.sched
+        return self.keyless and sched.max_queue_size is None and sched.target is None
+
     def make_request(
         self,
         item: Any,
@@ -417,13 +419,11 @@ class ServingCore:
             if max_concurrent_batches is not None:
                 self.sched.max_concurrent_batches = max_concurrent_batches
             if max_queue_size is not None:
-                # A bounded queue refuses at once: no more bulk arrivals, which skip it.
-                self.bulk_arrivals = False
                 self.sched.set_max_queue_size(max_queue_size)
                 self._room_freed_locked()
             if max_latency_ms is not None:
-                self.bulk_arrivals = False  # (so is a latency target's admission)
                 self.sched.set_max_latency(max_latency_ms / 1e3)
+            self.bulk_arrivals = self._takes_bulk_arrivals()
             self.settings_changed()
             self.wake()
             return self.settings()

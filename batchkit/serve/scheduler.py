@@ -447,8 +447,7 @@ class Scheduler:
         if req.state != WAITING:
             return False
         self.ingest()
-        req.state = DROPPED
-        self.buckets[req.bucket].taken(1)
+        self.buckets[req.bucket].drop_waiting([req])
         self._left_waiting([req])
         return True
 
