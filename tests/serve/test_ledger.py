@@ -5,6 +5,7 @@ request ends in exactly one outcome; results match; nothing runs twice; no hang.
 from __future__ import annotations
 
 import asyncio
+import gc
 import random
 import threading
 import time
@@ -131,15 +132,23 @@ def test_no_thread_or_memory_leak_over_many_batchers() -> None:
         assert f.map(range(50)) == list(range(50))
         f.close()
 
+    def retained_bytes() -> int:
+        # A closed batcher may still sit in a reference cycle the collector has not
+        # reached yet: that is garbage, not a leak, so count only what survives it.
+        gc.collect()
+        current, _ = tracemalloc.get_traced_memory()
+        return current
+
     run_once()
     threads_before = threading.active_count()
     tracemalloc.start()
     for _ in range(20):
         run_once()
-    first, _ = tracemalloc.get_traced_memory()
+    first = retained_bytes()
     for _ in range(200):
         run_once()
-    second, _ = tracemalloc.get_traced_memory()
+    second = retained_bytes()
     tracemalloc.stop()
     assert threading.active_count() <= threads_before  # workers exit on close
-    assert second - first < 200_000, f"memory grew by {second - first} bytes"
+    # 250 bytes kept per batcher would show as 50 kB here; a clean run keeps ~1-2 kB.
+    assert second - first < 50_000, f"memory grew by {second - first} bytes"
