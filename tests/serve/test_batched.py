@@ -424,11 +424,14 @@ def test_strict_sizes_padding_respects_token_budget() -> None:
 
 
 def test_map_timeout_counts_from_the_call() -> None:
-    f = batchkit.batched(max_batch_size=1)(lambda xs: (time.sleep(0.1), xs)[1])
+    # One item per 0.2 s batch: b starts at 0.2 s, inside the 0.3 s; c would start at
+    # 0.4 s and is withdrawn at 0.3 s with d. A timeout counted per item instead would
+    # let every item run (no timeouts, 0.8 s in all).
+    f = batchkit.batched(max_batch_size=1)(lambda xs: (time.sleep(0.2), xs)[1])
     start = time.monotonic()
     with pytest.raises(RequestTimeout):
-        f.map(["a", "b", "c", "d"], timeout=0.15)
-    assert time.monotonic() - start < 0.35  # c and d gave up at 0.15 s, b finished at 0.2 s
+        f.map(["a", "b", "c", "d"], timeout=0.3)
+    assert time.monotonic() - start < 0.7  # returns when b finishes, at 0.4 s
     f.close()
     assert f.stats().timeouts == 2
 
