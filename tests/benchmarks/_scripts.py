@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 from types import ModuleType
+
+from tests._modules import load_module
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
@@ -14,8 +15,4 @@ def load_script(name: str, as_name: str | None = None) -> ModuleType:
     """benchmarks/`name`.py, imported (its own imports of the folder's helpers work)."""
     if str(BENCHMARKS) not in sys.path:
         sys.path.insert(0, str(BENCHMARKS))
-    spec = importlib.util.spec_from_file_location(as_name or name, BENCHMARKS / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_module(BENCHMARKS / f"{name}.py", as_name or name)

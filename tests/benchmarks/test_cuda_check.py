@@ -21,6 +21,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import batchkit  # noqa: E402
+from tests.benchmarks._scripts import load_script  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "cuda_check.py"
@@ -121,12 +122,7 @@ def test_exit_status_is_1_exactly_when_a_line_misses(simulated: Any) -> None:
 # -- the runner, in-process -------------------------------------------------------------
 @pytest.fixture(scope="module")
 def script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("cuda_check_under_test", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while it runs
-    spec.loader.exec_module(module)
-    return module
+    return load_script("cuda_check", "cuda_check_under_test")
 
 
 def guarded(script: ModuleType, check: Any, timeout: float) -> tuple[bool, Any]:

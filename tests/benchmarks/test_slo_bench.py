@@ -6,12 +6,10 @@ instead of a crash."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import os
 import random
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -19,20 +17,15 @@ from typing import Any
 import pytest
 
 import batchkit
+from tests.benchmarks._scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "slo.py"
 
 
 @pytest.fixture(scope="module")
-def slo() -> Iterator[ModuleType]:
-    spec = importlib.util.spec_from_file_location("slo_bench_under_test", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+def slo() -> ModuleType:
+    return load_script("slo", "slo_bench_under_test")
 
 
 def tiny(slo: ModuleType, systems: tuple[str, ...], loads: tuple[float, ...]) -> Any:

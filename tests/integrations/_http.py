@@ -2,28 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import socket
-import sys
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import uvicorn
-
-
-def load_module(path: Path, name: str) -> ModuleType:
-    """Import the file at ``path`` as module ``name`` (registered in sys.modules first)."""
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # pydantic resolves the module's annotations through it
-    spec.loader.exec_module(module)
-    return module
 
 
 @contextmanager

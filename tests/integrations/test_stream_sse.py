@@ -14,7 +14,8 @@ pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 
-from tests.integrations._http import load_module, serving  # noqa: E402
+from tests._modules import load_module  # noqa: E402
+from tests.integrations._http import serving  # noqa: E402
 
 APP_PATH = Path(__file__).resolve().parents[2] / "examples" / "stream_sse.py"
 
