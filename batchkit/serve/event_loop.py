@@ -155,7 +155,8 @@ class LoopDriver:
 
     def _settings_changed_locked(self) -> None:
         if not self.core.bulk_arrivals:
-            self.owner_loop = None  # a bounded queue: every caller takes the checked path
+            # A bounded queue or a latency target: every caller takes the checked path.
+            self.owner_loop = None
         self.poll_due = False  # the slots may have changed: the next wake polls
 
     # -- scheduling passes --------------------------------------------------------

@@ -118,7 +118,7 @@ class BatchTimeLearner:
         self._model = None
         if self._fit is not None:
             self._since_fit += 1
-            self._recent.append(seconds * 1e3 - self._fit.fit_ms(size, cost))
+            self._recent.append(_residual_ms(self._fit, self._samples[-1]))
 
     def predict(self, size: float, cost: float = 0.0) -> float:
         """The predicted seconds of a batch, margin included (call only when `ready`).
@@ -153,14 +153,18 @@ class BatchTimeLearner:
         spread = max(float(np.quantile(residuals, SPREAD_QUANTILE)), 0.0)
         a, b, c = (float(x) * 1e3 for x in coef)
         largest_size, largest_cost = (float(x) for x in data[:, :2].max(axis=0))
-        self._fit = LearnedLatency(a, b, c, spread, len(data), largest_size, largest_cost)
-        fit = self._fit
-        self._recent = deque(
-            (ms * 1e3 - fit.fit_ms(n, cost) for n, cost, ms in list(self._samples)[-SHIFT_WINDOW:]),
-            maxlen=SHIFT_WINDOW,
-        )
+        fit = LearnedLatency(a, b, c, spread, len(data), largest_size, largest_cost)
+        self._fit = fit
+        newest = list(self._samples)[-SHIFT_WINDOW:]
+        self._recent = deque((_residual_ms(fit, s) for s in newest), maxlen=SHIFT_WINDOW)
         self._since_fit = 0
         self._model = None
+
+
+def _residual_ms(fit: LearnedLatency, sample: tuple[float, float, float]) -> float:
+    """How much longer a batch `(size, cost, seconds)` took than `fit` says, in ms."""
+    size, cost, seconds = sample
+    return seconds * 1e3 - fit.fit_ms(size, cost)
 
 
 def _robust_fit(design: np.ndarray, y: np.ndarray, recency: np.ndarray) -> np.ndarray:

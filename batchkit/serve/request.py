@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections import defaultdict
 from collections.abc import Hashable, Sequence
 from typing import Any, Final
 
@@ -222,16 +223,13 @@ def deliver(requests: Sequence[Request]) -> None:
     Args:
         requests: Requests whose outcome (value or error) is stored.
     """
-    by_loop: dict[asyncio.AbstractEventLoop, list[Request]] = {}
+    by_loop: defaultdict[asyncio.AbstractEventLoop, list[Request]] = defaultdict(list)
     for req in requests:
         if req.channel is not None:
             req.channel.finish(req.error)  # (a stream already ended keeps its end)
         elif req.loop is None:
             req.notify_thread()
         else:
-            waiting = by_loop.get(req.loop)
-            if waiting is None:  # (setdefault would build a list for every request)
-                waiting = by_loop[req.loop] = []
-            waiting.append(req)
+            by_loop[req.loop].append(req)
     for loop, reqs in by_loop.items():
         call_on_loop(loop, resolve_futures, reqs)

@@ -773,11 +773,10 @@ def _replay(
                 req.state = DONE
         while i < n and arrive[i] <= now:
             if keys is None:
-                req = new_request(i, 0.0, None, 0)
+                req = new_request(i, 0.0, None, 0, enqueued_at=arrive[i])
             else:
                 key = float(keys[i])
-                req = new_request(i, key, policy.bucket_of(key), 0)
-            req.enqueued_at = arrive[i]
+                req = new_request(i, key, policy.bucket_of(key), 0, enqueued_at=arrive[i])
             # Counted by the scheduler (QueueFull as rejected, its subclass Overloaded as
             # overloaded); the latency stays NaN. Shed requests are counted there too.
             with contextlib.suppress(QueueFull):
