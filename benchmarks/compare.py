@@ -33,6 +33,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from _report import check, med
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 SYSTEMS = "batchkit,batchkit-sync,minimal"
@@ -90,20 +92,11 @@ def one_run(tree: Path, only: str, quick: bool) -> dict[str, Any]:
     return values
 
 
-def med(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
-
-
 def iqr(xs: list[float]) -> str:
     if len(xs) < 2:
         return ""
     q = statistics.quantiles(xs, n=4)
     return f"[{q[0]:.3f}-{q[2]:.3f}]"
-
-
-def check(label: str, ok: bool, detail: str) -> bool:
-    print(f"{'PASS' if ok else 'MISS'}  {label}: {detail}")
-    return ok
 
 
 def report(runs: dict[str, list[dict[str, Any]]], a: str, b: str) -> bool:

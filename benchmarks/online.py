@@ -64,6 +64,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _args import chosen_systems  # noqa: E402
 from _load import issue  # noqa: E402
 from _peers import (  # noqa: E402
     FloorBatcher,
@@ -72,6 +73,7 @@ from _peers import (  # noqa: E402
     MxbaiSync,
     RayServeBatcher,
 )
+from _report import check, med, percentile, rotated  # noqa: E402
 
 import batchkit  # noqa: E402
 
@@ -226,17 +228,7 @@ def threads_closed_loop(call: Callable[[Any], Any], total: int, threads: int) ->
     return elapsed
 
 
-def percentile(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
-
-
 # --------------------------------------------------------------------------- rounds
-
-
-def rotated(names: tuple[str, ...] | list[str], r: int) -> list[str]:
-    k = r % len(names)
-    return list(names[k:]) + list(names[:k])
 
 
 async def run_async(args: argparse.Namespace, only: set[str]) -> dict[str, dict[str, list[float]]]:
@@ -335,20 +327,11 @@ def run_threads(args: argparse.Namespace) -> dict[str, list[float]]:
 # --------------------------------------------------------------------------- report
 
 
-def med(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
-
-
 def spread(xs: list[float]) -> str:
     if len(xs) < 2:
         return ""
     q = statistics.quantiles(xs, n=4)
     return f"[{q[0]:.3g}-{q[2]:.3g}]"
-
-
-def check(label: str, ok: bool, detail: str) -> bool:
-    print(f"{'PASS' if ok else 'MISS'}  {label}: {detail}")
-    return ok
 
 
 def main() -> int:
@@ -364,10 +347,7 @@ def main() -> int:
     p.add_argument("--json", metavar="PATH", help="also write every sample to PATH")
     args = p.parse_args()
     only = set(args.only.split(","))
-    chosen = set(args.systems.split(","))
-    unknown = chosen - {*SYSTEMS, *PIPELINED}
-    if unknown:
-        p.error(f"unknown systems: {sorted(unknown)}")
+    chosen = chosen_systems(p, args.systems, (*SYSTEMS, *PIPELINED))
     args.systems = tuple(s for s in SYSTEMS if s in chosen)
     args.pipelined = tuple(s for s in PIPELINED if s in chosen)
     if args.quick:

@@ -94,6 +94,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _args import chosen_systems  # noqa: E402
 from _load import issue, poisson_arrivals  # noqa: E402
 from _peers import MinimalBatcher, MxbaiAsync, RayServeBatcher  # noqa: E402
+from _report import check, percentile, rotated  # noqa: E402
 
 import batchkit  # noqa: E402
 
@@ -409,13 +410,6 @@ async def settle(limit_s: float = 1.0) -> None:
         await asyncio.sleep(0.005)
 
 
-def percentile(xs: list[float], q: float) -> float:
-    if not xs:
-        return math.nan
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
-
-
 # --------------------------------------------------------------------------- the run
 
 
@@ -439,13 +433,6 @@ class Results:
     missing: dict[str, str]
     offered: dict[str, list[int]]
     device: dict[str, list[float]]
-
-
-def rotated(names: list[str], k: int) -> list[str]:
-    if not names:
-        return names
-    k %= len(names)
-    return names[k:] + names[:k]
 
 
 async def run(config: Config) -> Results:
@@ -543,11 +530,6 @@ def print_table(
 
 def number(x: float, spec: str) -> str:
     return "-" if math.isnan(x) else format(x, spec)
-
-
-def check(label: str, ok: bool, detail: str) -> bool:
-    print(f"{'PASS' if ok else 'MISS'}  {label}: {detail}")
-    return ok
 
 
 def report(res: Results, config: Config) -> bool:

@@ -63,6 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _args import chosen_systems  # noqa: E402
 from _load import issue  # noqa: E402
 from _peers import RayServeStreamBatcher  # noqa: E402
+from _report import check, med, percentile, rotated  # noqa: E402
 
 import batchkit  # noqa: E402
 
@@ -257,17 +258,7 @@ def device_back_to_back(items: list[Item]) -> float:
     return time.perf_counter() - t0
 
 
-def percentile(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
-
-
 # --------------------------------------------------------------------------- rounds
-
-
-def rotated(names: tuple[str, ...], r: int) -> list[str]:
-    k = r % len(names)
-    return list(names[k:]) + list(names[:k])
 
 
 Samples = dict[str, dict[str, list[float]]]
@@ -330,10 +321,6 @@ async def run(args: argparse.Namespace) -> Samples:
 # --------------------------------------------------------------------------- report
 
 
-def med(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
-
-
 def spread(xs: list[float], fmt: str = "{:.3g}") -> str:
     if len(xs) < 2:
         return ""
@@ -344,11 +331,6 @@ def spread(xs: list[float], fmt: str = "{:.3g}") -> str:
 def ratios(res: Samples, key: str, name: str, base: str) -> list[float]:
     """Per-repeat ratios ``name / base`` of one measure (same repeat, same items)."""
     return [x / y for x, y in zip(res[key][name], res[key][base])]
-
-
-def check(label: str, ok: bool, detail: str) -> bool:
-    print(f"{'PASS' if ok else 'MISS'}  {label}: {detail}")
-    return ok
 
 
 def report(res: Samples, systems: tuple[str, ...]) -> bool:
