@@ -11,7 +11,16 @@ recent batches. What makes it usable for admission decisions on a noisy machine:
 - a prediction adds a *margin*: the spread of the residuals (their 98th percentile
   over the window, which a few outliers do not reach), plus the *shift*, the smaller
   residual of the last 2 batches against the fit: a sudden slowdown shows there
-  after 2 batches, long before the fit has moved, while one outlier never does.
+  after 2 batches, long before the fit has moved, while one outlier never does;
+- a *stall* (a batch that took more than `STALL_RATIO` times its fitted time: a
+  collection, a page fault, a neighbour on the device) is left out of the spread,
+  as long as stalls stay rare (at most `STALL_SHARE` of the window, and one in a
+  window of a few batches): a stall cannot be predicted, and counting it in every
+  prediction would refuse work the device can do in time;
+- the model can be *refuted*: when `REFUTE_WINDOW` batches in a row take less than
+  `REFUTE_RATIO` of their fitted time (a device that got fast after a slow warm-up:
+  CUDA context, autotuning, compilation, caches), the older batches are forgotten
+  and the model learns again from the recent ones.
 
 The fit itself is recomputed every `REFIT_EVERY` batches (a few small numpy
 operations); the shift follows every batch.
@@ -31,6 +40,10 @@ HALF_LIFE = 16  # batches after which a sample weighs half as much in the fit
 REFIT_EVERY = 8  # batches between two fits
 SPREAD_QUANTILE = 0.98
 SHIFT_WINDOW = 2  # the newest batches whose smaller residual is the shift
+STALL_RATIO = 2.0  # a batch over this many times its fitted time is a stall
+STALL_SHARE = 0.1  # at most this share of the window is set aside as stalls
+REFUTE_RATIO = 0.5  # a batch under this share of its fitted time disagrees with the fit
+REFUTE_WINDOW = 2  # that many disagreeing batches in a row refute the model
 _HUBER_K = 2.0  # residuals beyond this many robust standard deviations are down-weighted
 
 
@@ -54,6 +67,20 @@ class LearnedLatency:
         samples: Batches the model was fitted to (the most recent ones).
         largest_size: The largest padded batch size among them (0: no limit).
         largest_cost: The largest batch cost among them (0: no limit).
+        stalls: Batches among them left out of the margin as stalls (they took more
+            than twice their fitted time, and were rare).
+        state: What admission does with the model: `"warming"` (fewer than 8
+            batches seen since start, or since the model was refuted: everything is
+            admitted, the fit fields are 0), `"serving"` (predicting), `"refusing"`
+            (it predicts that even a lone request on an idle device would be late:
+            it refuses, and probes), or `"probing"` (refusing, and a probe request
+            was let in to learn whether the prediction still holds).
+        refusing_since: When it began refusing with nothing ahead, on the
+            batcher's clock (`time.monotonic()` unless a `clock=` was given); None
+            unless refusing or probing.
+        probes: Requests let in as probes since it began refusing.
+        refuted: Times the model was found too slow and learned again (a slow
+            warm-up shows as one).
     """
 
     fixed_ms: float
@@ -63,6 +90,11 @@ class LearnedLatency:
     samples: int
     largest_size: float = 0.0
     largest_cost: float = 0.0
+    stalls: int = 0
+    state: str = "serving"
+    refusing_since: float | None = None
+    probes: int = 0
+    refuted: int = 0
 
     def predict_ms(self, size: float, cost: float = 0.0) -> float:
         """The predicted time of a batch, in milliseconds (margin included).
@@ -100,11 +132,18 @@ class BatchTimeLearner:
         self._since_fit = 0
         self._recent: deque[float] = deque(maxlen=SHIFT_WINDOW)  # residuals, ms
         self._model: LearnedLatency | None = None  # the fit with the whole margin
+        self._faster = 0  # newest batches in a row under REFUTE_RATIO of their fit
+        self.refuted = 0  # times the model was forgotten as too slow
 
     @property
     def ready(self) -> bool:
         """Whether enough batches were observed to predict."""
         return len(self._samples) >= MIN_SAMPLES
+
+    @property
+    def samples(self) -> int:
+        """Batches the model learns from now (at most `WINDOW`)."""
+        return len(self._samples)
 
     def observe(self, size: int, cost: float, seconds: float) -> None:
         """One batch ran.
@@ -114,11 +153,27 @@ class BatchTimeLearner:
             cost: The policy's cost of its keys (0 for a keyless policy).
             seconds: How long it took, from leaving the queue to its results.
         """
-        self._samples.append((float(size), float(cost), float(seconds)))
+        sample = (float(size), float(cost), float(seconds))
+        self._samples.append(sample)
         self._model = None
-        if self._fit is not None:
-            self._since_fit += 1
-            self._recent.append(_residual_ms(self._fit, self._samples[-1]))
+        if self._fit is None:
+            return
+        self._since_fit += 1
+        self._recent.append(_residual_ms(self._fit, sample))
+        fitted = self._fit.fit_ms(size, cost)
+        self._faster = self._faster + 1 if seconds * 1e3 < REFUTE_RATIO * fitted else 0
+        if self._faster >= REFUTE_WINDOW:
+            self._forget_all_but(REFUTE_WINDOW)
+
+    def _forget_all_but(self, newest: int) -> None:
+        """The fit is refuted: learn again from the `newest` batches alone."""
+        kept = list(self._samples)[-newest:]
+        self._samples.clear()
+        self._samples.extend(kept)
+        self._fit = self._model = None
+        self._recent.clear()
+        self._since_fit = self._faster = 0
+        self.refuted += 1
 
     def predict(self, size: float, cost: float = 0.0) -> float:
         """The predicted seconds of a batch, margin included (call only when `ready`).
@@ -149,16 +204,32 @@ class BatchTimeLearner:
         seconds = data[:, 2]
         ages = np.arange(len(data) - 1, -1, -1, dtype=float)
         coef = _robust_fit(design, seconds, 0.5 ** (ages / HALF_LIFE))
-        residuals = (seconds - design @ coef) * 1e3
-        spread = max(float(np.quantile(residuals, SPREAD_QUANTILE)), 0.0)
+        fitted = design @ coef
+        residuals = (seconds - fitted) * 1e3
+        spread_of, stalls = _without_stalls(residuals, seconds / np.maximum(fitted, 1e-12))
+        spread = max(float(np.quantile(spread_of, SPREAD_QUANTILE)), 0.0)
         a, b, c = (float(x) * 1e3 for x in coef)
         largest_size, largest_cost = (float(x) for x in data[:, :2].max(axis=0))
-        fit = LearnedLatency(a, b, c, spread, len(data), largest_size, largest_cost)
+        fit = LearnedLatency(
+            a, b, c, spread, len(data), largest_size, largest_cost, stalls=stalls
+        )
         self._fit = fit
         newest = list(self._samples)[-SHIFT_WINDOW:]
         self._recent = deque((_residual_ms(fit, s) for s in newest), maxlen=SHIFT_WINDOW)
         self._since_fit = 0
         self._model = None
+
+
+def _without_stalls(residuals: np.ndarray, ratios: np.ndarray) -> tuple[np.ndarray, int]:
+    """The residuals the spread is taken over, and how many were left out as stalls:
+    the largest ones of batches over `STALL_RATIO` times their fit, at most
+    `STALL_SHARE` of them (at least one)."""
+    allowed = max(1, int(STALL_SHARE * len(residuals)))
+    stalled = np.flatnonzero(ratios > STALL_RATIO)
+    if stalled.size == 0:
+        return residuals, 0
+    out = stalled[np.argsort(residuals[stalled])[::-1][:allowed]]
+    return np.delete(residuals, out), int(out.size)
 
 
 def _residual_ms(fit: LearnedLatency, sample: tuple[float, float, float]) -> float:

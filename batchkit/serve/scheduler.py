@@ -319,9 +319,8 @@ class Scheduler:
             raise QueueFull(
                 f"{self._placed} requests are waiting (max_queue_size={self.max_queue_size})"
             )
-        if self.target is not None:
-            self._check_latency([req], req.enqueued_at)
-        self._enqueue(req)
+        probe = self.target is not None and self._check_latency([req], req.enqueued_at)
+        self._enqueue(req, probe)
 
     def add_all(self, reqs: Sequence[Request]) -> None:
         """Enqueue several requests of one caller (one priority): all of them, or none.
@@ -344,24 +343,29 @@ class Scheduler:
                 f"{len(reqs)} items do not fit: {self._placed} requests are "
                 f"waiting (max_queue_size={limit})"
             )
-        if self.target is not None and reqs:
-            self._check_latency(reqs, reqs[0].enqueued_at)
+        probe = self.target is not None and bool(reqs)
+        probe = probe and self._check_latency(reqs, reqs[0].enqueued_at)
         for req in reqs:
-            self._enqueue(req)
+            self._enqueue(req, probe)
 
-    def _enqueue(self, req: Request) -> None:
+    def _enqueue(self, req: Request, probe: bool = False) -> None:
         self.stats.requests = req.seq = self.stats.requests + 1  # seq: arrival order
         self._place(req)
         self._placed += 1
         if self.target is not None:
-            self.target.entered(req)
+            self.target.entered(req, probe)
 
-    def _check_latency(self, reqs: Sequence[Request], now: float) -> None:
-        """Refuse requests predicted to be answered past the latency target."""
+    def _check_latency(self, reqs: Sequence[Request], now: float) -> bool:
+        """Refuse requests predicted to be answered past the latency target; True when
+        they are let in as a probe (see `LatencyTarget.check_admission`)."""
         assert self.target is not None
         try:
-            self.target.check_admission(
-                reqs, now, self._slots_free_at(now), self.policy.max_batch_size
+            return self.target.check_admission(
+                reqs,
+                now,
+                self._slots_free_at(now),
+                self.policy.max_batch_size,
+                idle=self.in_flight == 0 and self.num_waiting == 0,
             )
         except Overloaded:
             self.stats.overloaded += len(reqs)

@@ -14,10 +14,21 @@ that ran), the scheduler asks this object three questions:
 
 Until the model has seen enough batches, everything is admitted and nothing is
 dropped: a prediction needs evidence.
+
+A prediction can be wrong in the pessimistic direction, and a refusal is never
+checked by a batch that does not run: a slow first batch (CUDA context, autotuning,
+compilation) would otherwise lock the function out for good. So when it refuses a
+request that has nothing ahead of it (nothing waiting, nothing running), the target
+is *refusing*, and it lets one caller in as a *probe* at growing intervals (the
+target, doubled after each probe, at most `MAX_PROBE_INTERVAL_S`; at once again
+after a batch that ran within the target). A probe is not held to the target
+(it is never dropped); its batch teaches the model like any other, and a model that
+batches keep beating is refuted and learned again (`batchkit.serve.latency`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -29,6 +40,9 @@ from batchkit.serve.request import Request
 # The share of the target kept for what follows a batch's end and the model does not
 # see: resolving the caller's future, and its task or thread waking up.
 ANSWER_RESERVE = 0.02
+# While refusing with nothing ahead, a probe is let in after the target, then after
+# twice as long, and so on up to this (or the target, if longer).
+MAX_PROBE_INTERVAL_S = 1.0
 
 
 class LatencyTarget:
@@ -48,6 +62,13 @@ class LatencyTarget:
         self.reserve_s = target_s * ANSWER_RESERVE
         self.policy = policy
         self.learner = BatchTimeLearner()
+        # Refusing with nothing ahead since then (None: not refusing); the next probe
+        # is let in from `_next_probe_at`, after `_probe_interval` more each time.
+        self._refusing_since: float | None = None
+        self._next_probe_at = 0.0
+        self._probe_interval = target_s
+        self._probes = 0
+        self._probe_pending = False  # a probe was let in, and no batch observed since
         # Waiting requests per priority: [count, sum of each request's own cost], for
         # "how much work is ahead of a new request" without walking the queue.
         self._waiting: dict[int, list[float]] = {}
@@ -74,9 +95,24 @@ class LatencyTarget:
         """Whether the batch-time model has seen enough batches to predict."""
         return self.learner.ready
 
-    def model(self) -> LearnedLatency | None:
-        """The learned model in milliseconds; None until it has seen enough batches."""
-        return self.learner.snapshot()
+    def model(self) -> LearnedLatency:
+        """The learned model in milliseconds, with what admission does with it (its
+        `state`; while warming, only `samples` and `refuted` are set)."""
+        learner = self.learner
+        fit = learner.snapshot()
+        if fit is None:
+            return LearnedLatency(
+                0.0, 0.0, 0.0, 0.0, learner.samples, state="warming", refuted=learner.refuted
+            )
+        if self._refusing_since is None:
+            return dataclasses.replace(fit, refuted=learner.refuted)
+        return dataclasses.replace(
+            fit,
+            state="probing" if self._probe_pending else "refusing",
+            refusing_since=self._refusing_since,
+            probes=self._probes,
+            refuted=learner.refuted,
+        )
 
     # -- what a batch costs and takes ----------------------------------------------
     def batch_cost(self, keys: Sequence[float]) -> float:
@@ -106,19 +142,31 @@ class LatencyTarget:
         """
         keys = [r.key for r in requests]
         cost = self.batch_cost(keys)
+        if seconds + self.reserve_s <= self.target_s:
+            # A batch that would have been in time: if refusing, probe again at once.
+            self._next_probe_at = 0.0
+            self._probe_interval = self.target_s
+        self._probe_pending = False
         self.learner.observe(padded_size, cost, seconds)
+        if not self.learner.ready:  # refuted: everything is admitted while it learns
+            self._stop_refusing()
         own = sum(self.batch_cost([k]) for k in keys)
         if own > 0:
             self._packing += 0.1 * (cost / own - self._packing)
 
     # -- the work ahead ----------------------------------------------------------------
-    def entered(self, req: Request) -> None:
+    def entered(self, req: Request, probe: bool = False) -> None:
         """`req` now waits (its deadline set from its admission time).
 
         Args:
             req: An admitted request, its `enqueued_at` set.
+            probe: It was let in as a probe: no deadline binds it (it is never
+                dropped, nor does it hurry or cut its batch).
         """
-        req.deadline = req.enqueued_at + self.target_s - self.reserve_s
+        if probe:
+            req.deadline = math.inf
+        else:
+            req.deadline = req.enqueued_at + self.target_s - self.reserve_s
         counts = self._waiting.get(req.priority)
         if counts is None:
             counts = self._waiting[req.priority] = [0, 0.0]
@@ -144,7 +192,8 @@ class LatencyTarget:
         now: float,
         slots_free_at: Sequence[float],
         max_batch_size: int,
-    ) -> None:
+        idle: bool = False,
+    ) -> bool:
         """Refuse `reqs` (one caller's, one priority) if the last of them would be late.
 
         The work ahead is every waiting request of the same or a more urgent
@@ -157,12 +206,17 @@ class LatencyTarget:
             slots_free_at: When each of the `max_concurrent_batches` slots is free
                 (`now` for a free one, the predicted end of the batch running there).
             max_batch_size: The largest batch.
+            idle: Nothing waits and nothing runs: a refusal now rests on the model
+                alone, and a probe may be let in instead.
+
+        Returns:
+            True when they are let in as a probe (enter them with `probe=True`).
 
         Raises:
             Overloaded: The predicted answer of the last request is past the target.
         """
         if not self.ready or not reqs:
-            return
+            return False
         priority = reqs[0].priority
         ahead = cost = 0.0
         for p, (count, total) in self._waiting.items():
@@ -174,14 +228,37 @@ class LatencyTarget:
         cost *= self._packing  # (the batches' cost, not the sum of their items')
         finish = self._finish_time(items, cost, now, slots_free_at, max_batch_size)
         predicted = finish - now + self.reserve_s
-        if predicted > self.target_s:
-            raise Overloaded(
-                f"predicted {predicted * 1e3:.1f} ms to answer this request "
-                f"({int(ahead)} requests ahead of it), over the target "
-                f"max_latency_ms={self.target_s * 1e3:g}",
-                predicted_s=predicted,
-                target_s=self.target_s,
-            )
+        if predicted <= self.target_s:
+            if self._refusing_since is not None:
+                self._stop_refusing()
+            return False
+        if idle and len(reqs) <= max_batch_size:
+            if self._refusing_since is None:
+                self._refusing_since = now
+            if now >= self._next_probe_at:
+                self._let_in_probe(now)
+                return True
+        raise Overloaded(
+            f"predicted {predicted * 1e3:.1f} ms to answer this request "
+            f"({int(ahead)} requests ahead of it), over the target "
+            f"max_latency_ms={self.target_s * 1e3:g}",
+            predicted_s=predicted,
+            target_s=self.target_s,
+        )
+
+    def _let_in_probe(self, now: float) -> None:
+        self._probes += 1
+        self._probe_pending = True
+        self._next_probe_at = now + self._probe_interval
+        self._probe_interval = min(
+            2 * self._probe_interval, max(MAX_PROBE_INTERVAL_S, self.target_s)
+        )
+
+    def _stop_refusing(self) -> None:
+        self._refusing_since = None
+        self._probes = 0
+        self._next_probe_at = 0.0
+        self._probe_interval = self.target_s
 
     def _finish_time(
         self,
