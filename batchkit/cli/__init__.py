@@ -30,6 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module in COMMANDS:
         module.add_parser(commands)
+    for command in commands.choices.values():
+        # Each command keeps its own parser, so that an unknown option is reported with
+        # the command's usage (see main), not the top level's.
+        command.set_defaults(parser=command)
     return parser
 
 
@@ -55,7 +59,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        # parse_args would let the top-level parser report a command's unknown options,
+        # under its own usage; the command's parser says which options it takes.
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:
+            args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     except SystemExit as exc:  # argparse already printed usage and the error (or --help)
         return exc.code if isinstance(exc.code, int) else 2
     prog = f"batchkit {args.command}"

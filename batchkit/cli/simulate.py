@@ -6,6 +6,7 @@ import argparse
 import itertools
 import math
 import sys
+import warnings
 from typing import Any
 
 import numpy as np
@@ -22,9 +23,11 @@ from batchkit.cli._args import (
 )
 from batchkit.tools.progress import Progress
 from batchkit.tools.simulate import (
+    DEFAULT_MAX_WAIT_MS,
     POLICIES,
     LatencyModel,
     SimResult,
+    SimulationWarning,
     poisson_arrivals,
     read_lengths,
     read_trace,
@@ -63,7 +66,8 @@ def add_parser(commands: Any) -> None:
                    help="DynamicBatcher, StaticBatcher, BucketedBatcher or SortedBatcher "
                         "(default dynamic; bucketed and sorted need request lengths)")  # fmt: skip
     p.add_argument("--max-batch-size", type=int_list, default=[32], help="default 32")
-    p.add_argument("--max-wait-ms", type=float_list, default=[5.0], help="default 5")
+    p.add_argument("--max-wait-ms", type=float_list,
+                   help="default 5 (not for --policy static, which waits until full)")  # fmt: skip
     p.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True,
                    help="dynamic: an idle device takes a partial batch at once (default); "
                         "--no-eager waits for a full batch or --max-wait-ms even when idle, "
@@ -148,6 +152,11 @@ def _check_options(args: argparse.Namespace) -> None:
             raise CliError(
                 f"--policy {args.policy} groups requests by length: give {LENGTH_OPTIONS}"
             )
+    if args.policy == "static" and args.max_wait_ms is not None:
+        raise CliError(
+            "--max-wait-ms is not for --policy static: StaticBatcher has no max_wait_ms: it "
+            "waits until a batch is full"
+        )
     if args.policy == "static" and args.max_tokens is not None:
         raise CliError("--max-tokens is not for --policy static (a static batch is a fixed size)")
     if args.buckets is not None and args.policy != "bucketed":
@@ -211,13 +220,18 @@ def run(args: argparse.Namespace) -> int:
         source = f"{len(times)} Poisson arrivals at {args.rate:g} req/s (seed {args.seed})"
     keys, lengths_source = _keys(args, len(times), traced)
     cost: CostLike = "sum" if args.cost == "sum" else "padded"
-    combos = list(
-        itertools.product(args.max_batch_size, args.max_wait_ms, args.max_concurrent_batches)
-    )
+    waits: list[float | None] = list(args.max_wait_ms or [DEFAULT_MAX_WAIT_MS])
+    if args.policy == "static":
+        waits = [None]  # it has none (a wait given was refused above)
+    combos = list(itertools.product(args.max_batch_size, waits, args.max_concurrent_batches))
     results = []
-    with Progress(
-        "simulating", len(combos), enabled=sys.stderr.isatty() and len(combos) > 1
-    ) as bar:
+    with (
+        Progress("simulating", len(combos), enabled=sys.stderr.isatty() and len(combos) > 1) as bar,
+        warnings.catch_warnings(),
+    ):
+        # Printed below, once, in the report itself (SimResult.warnings), not as Python's
+        # warning lines on stderr for every row of a sweep.
+        warnings.simplefilter("ignore", SimulationWarning)
         for size, wait, slots in combos:
             results.append(
                 simulate(
@@ -227,7 +241,7 @@ def run(args: argparse.Namespace) -> int:
                     if args.eager
                     else DynamicBatcher(
                         size,
-                        wait,
+                        DEFAULT_MAX_WAIT_MS if wait is None else wait,
                         eager=False,
                         max_tokens=args.max_tokens,
                         cost=cost,
@@ -235,7 +249,7 @@ def run(args: argparse.Namespace) -> int:
                     ),
                     policy=args.policy,
                     max_batch_size=size,
-                    max_wait_ms=wait,
+                    max_wait_ms=wait if args.eager else None,
                     max_concurrent_batches=slots,
                     max_queue_size=args.max_queue_size,
                     max_latency_ms=args.max_latency_ms,
@@ -257,6 +271,8 @@ def run(args: argparse.Namespace) -> int:
             f"latency target {args.max_latency_ms:g} ms: requests predicted late are refused, "
             "waiting ones that can no longer be in time are shed (Overloaded)"
         )
+    for message in dict.fromkeys(w for r in results for w in r.warnings):
+        print(f"warning: {message}")
     if len(results) == 1:
         print(format_result(results[0]))
     else:
@@ -264,14 +280,15 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def format_table(combos: list[tuple[int, float, int]], results: list[SimResult]) -> str:
+def format_table(combos: list[tuple[int, float | None, int]], results: list[SimResult]) -> str:
     """One row per setting: the latency/throughput trade-off at a glance.
 
     With a latency target or a goodput threshold, each row adds the goodput (req/s
     and % of offered) and the requests refused and shed.
 
     Args:
-        combos: ``(max_batch_size, max_wait_ms, max_concurrent_batches)`` per run.
+        combos: ``(max_batch_size, max_wait_ms, max_concurrent_batches)`` per run
+            (``max_wait_ms`` None for a policy without one, shown as ``-``).
         results: The runs' results, in the same order.
     """
     good = any(r.goodput_ms is not None for r in results)
@@ -283,8 +300,9 @@ def format_table(combos: list[tuple[int, float, int]], results: list[SimResult])
         head += f"{'goodput':>9}{'good':>6}{'refused':>9}{'shed':>7}"
     lines = [head]
     for (size, wait, slots), r in zip(combos, results):
+        shown = "-" if wait is None else f"{wait:g}"
         row = (
-            f"{size:>9}{wait:>8g}{slots:>6}{r.throughput:>9,.0f}{r.latency.p50:>8.1f}"
+            f"{size:>9}{shown:>8}{slots:>6}{r.throughput:>9,.0f}{r.latency.p50:>8.1f}"
             f"{r.latency.p99:>8.1f}{r.latency.p999:>9.1f}{r.mean_batch_size:>7.1f}"
             f"{r.utilization:>6.0%}"
         )
@@ -323,21 +341,26 @@ def format_result(r: SimResult) -> str:
         outcomes.append(f"shed {r.shed} while waiting (Overloaded)")
     if r.rejected:
         outcomes.append(f"rejected {r.rejected} (QueueFull)")
-    lines = [
-        f"batcher: {r.batcher}, {r.max_concurrent_batches} concurrent batch(es)",
+    throughput = (
         f"throughput    {r.throughput:,.1f} req/s (offered {offered}; capacity at "
-        f"full batches {r.capacity:,.1f}; busy {r.utilization:.0%})",
-    ]
-    if r.goodput_ms is not None:
-        lines.append(
+        f"full batches {r.capacity:,.1f}; busy {r.utilization:.0%})"
+    )
+    lines = [f"batcher: {r.batcher}, {r.max_concurrent_batches} concurrent batch(es)"]
+    if r.goodput_ms is None:
+        lines += [throughput, ", ".join(outcomes)]
+    else:
+        # What was answered in time first: the throughput counts late answers too, and
+        # under a target that cannot be met it is the least telling number.
+        lines += [
             f"goodput       {r.goodput:,.1f} req/s answered within {r.goodput_ms:g} ms "
-            f"({r.goodput_fraction:.1%} of offered)"
-        )
+            f"({r.goodput_fraction:.1%} of offered)",
+            ", ".join(outcomes),
+            throughput,
+        ]
     lines += [
         f"latency ms    p50 {lat.p50:.2f}  p90 {lat.p90:.2f}  p99 {lat.p99:.2f}  "
         f"p99.9 {lat.p999:.2f}  max {lat.max:.2f}",
         f"queue wait ms p50 {wait.p50:.2f}  p99 {wait.p99:.2f}  max {wait.max:.2f}",
-        ", ".join(outcomes),
         f"batches       {r.batches:,}, mean size {r.mean_batch_size:.2f}; dispatched: "
         + ", ".join(f"{k} {v:,}" for k, v in sorted(r.dispatch_reasons.items())),
     ]

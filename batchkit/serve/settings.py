@@ -113,6 +113,24 @@ def is_positive_finite(value: object) -> bool:
     )
 
 
+def check_has_wait(policy: Batcher, max_wait_ms: float | None) -> None:
+    """Raise ValueError, naming the policy, when a wait is given to one that has none.
+
+    Args:
+        policy: The policy the wait is for.
+        max_wait_ms: The wait given, in milliseconds; None (none given) always passes.
+
+    Raises:
+        ValueError: `max_wait_ms` is given and the policy waits until a batch is full
+            ([`StaticBatcher`][batchkit.StaticBatcher]): silently ignoring it would
+            leave the user believing in a bound that does not exist.
+    """
+    if max_wait_ms is not None and policy.max_wait_s is None:
+        raise ValueError(
+            f"{type(policy).__name__} has no max_wait_ms: it waits until a batch is full"
+        )
+
+
 def reconfigured(policy: Batcher, max_batch_size: int | None, max_wait_ms: float | None) -> Batcher:
     """A copy of `policy` with the given settings (the same object if none is given).
 
@@ -128,8 +146,7 @@ def reconfigured(policy: Batcher, max_batch_size: int | None, max_wait_ms: float
     if max_batch_size is None and max_wait_ms is None:
         return policy
     kind = type(policy).__name__
-    if max_wait_ms is not None and policy.max_wait_s is None:
-        raise ValueError(f"{kind} has no max_wait_ms: it waits until a batch is full")
+    check_has_wait(policy, max_wait_ms)
     sizes: tuple[int, ...] = getattr(policy, "preferred_batch_sizes", ())
     if max_batch_size is not None and sizes and max_batch_size > sizes[-1]:
         raise ValueError(

@@ -24,6 +24,7 @@ import math
 import numbers
 import re
 import statistics
+import warnings
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +42,7 @@ from batchkit.errors import QueueFull
 from batchkit.serve.latency import LearnedLatency
 from batchkit.serve.request import DONE, new_request
 from batchkit.serve.scheduler import FormedBatch, Scheduler
+from batchkit.serve.settings import check_has_wait
 
 
 class LatencyModel:
@@ -479,7 +481,8 @@ class SimResult:
         max_latency_ms: the latency target the scheduler enforced; None for none.
         goodput_ms: the latency within which an answer counts for `goodput`
             (`max_latency_ms` unless given); None: every answer counts.
-        duration_s: first arrival to last batch end, in seconds.
+        duration_s: first arrival to the later of the last batch end and the last
+            arrival, in seconds.
         offered_rate: requests/s in the arrivals; NaN when they all share one time.
         throughput: served requests/s over `duration_s`.
         capacity: requests/s when every slot runs full batches back to back (with
@@ -505,6 +508,9 @@ class SimResult:
         latencies_s: each request's latency in seconds, in the order of the arrivals
             as given; NaN if it did not run (rejected, overloaded or shed).
         batch_log: `(start, end, size)` of every batch.
+        warnings: settings that make the run meaningless, in words (a latency target
+            or goodput threshold shorter than one batch's time); each was also
+            issued as a [`SimulationWarning`][batchkit.tools.simulate.SimulationWarning].
     """
 
     requests: int
@@ -535,6 +541,7 @@ class SimResult:
     max_concurrent_batches: int
     latencies_s: np.ndarray = field(repr=False)
     batch_log: list[tuple[float, float, int]] = field(repr=False)
+    warnings: tuple[str, ...] = ()
 
 
 def describe_batcher(policy: Batcher) -> str:
@@ -555,12 +562,13 @@ def describe_batcher(policy: Batcher) -> str:
 
 POLICIES = ("dynamic", "static", "bucketed", "sorted")
 DEFAULT_BUCKETS = 4  # equal-token buckets of a bucketed policy, at most one per length
+DEFAULT_MAX_WAIT_MS = 5.0  # a built policy's wait when none is given (as @batched's)
 
 
 def _make_batcher(
     policy: str,
     max_batch_size: int,
-    max_wait_ms: float,
+    max_wait_ms: float | None,
     max_tokens: int | None,
     cost: CostLike | BatchCost,
     keys: Sequence[float] | None,
@@ -578,20 +586,20 @@ def _make_batcher(
     key = None if keys is None else len
     if policy in ("bucketed", "sorted") and keys is None:
         raise ValueError(f"policy={policy!r} groups requests by length: pass keys=")
+    wait = DEFAULT_MAX_WAIT_MS if max_wait_ms is None else max_wait_ms
     if policy == "dynamic":
-        return DynamicBatcher(
-            max_batch_size, max_wait_ms, max_tokens=max_tokens, cost=cost, key=key
-        )
+        return DynamicBatcher(max_batch_size, wait, max_tokens=max_tokens, cost=cost, key=key)
     if policy == "static":
         if max_tokens is not None:
             raise ValueError(
                 "max_tokens is not for policy='static': a static batch is a fixed size"
             )
         static = StaticBatcher(max_batch_size)
+        check_has_wait(static, max_wait_ms)  # a wait it would ignore: refused, as configure does
         # It has no budget, but the latency model's cost term counts by this cost.
         static.cost, static.key = as_batch_cost(cost), key
         return static
-    options: dict[str, Any] = {"max_wait_ms": max_wait_ms, "max_tokens": max_tokens, "cost": cost}
+    options: dict[str, Any] = {"max_wait_ms": wait, "max_tokens": max_tokens, "cost": cost}
     if policy == "sorted":
         return SortedBatcher(batch_size=max_batch_size, **options)
     assert keys is not None
@@ -614,7 +622,7 @@ def simulate(
     batcher: Batcher | None = None,
     policy: str = "dynamic",
     max_batch_size: int = 32,
-    max_wait_ms: float = 5.0,
+    max_wait_ms: float | None = None,
     max_concurrent_batches: int = 1,
     max_queue_size: int | None = None,
     max_latency_ms: float | None = None,
@@ -654,7 +662,9 @@ def simulate(
             Built with `keys`, the policy has a key (as `@batched(key=len)`), so a
             latency target learns the cost term too.
         max_batch_size: the built policy's largest batch.
-        max_wait_ms: the built policy's wait, in milliseconds.
+        max_wait_ms: the built policy's wait, in milliseconds; None (the default):
+            5 ms for a policy that waits. Refused for `"static"` (a static batch
+            waits until full) and beside `batcher`, rather than ignored.
         max_concurrent_batches: batches that run at once, each as if alone.
         max_queue_size: waiting requests beyond this are rejected; None: unbounded.
         max_latency_ms: each request's latency target, in milliseconds, as
@@ -673,20 +683,30 @@ def simulate(
 
     Raises:
         ValueError: neither `rate` nor `arrivals`, `keys` of another length, a token
-            budget without `keys`, `max_tokens`/`cost` given with `batcher`, an
+            budget without `keys`, `max_wait_ms`/`max_tokens`/`cost` given with
+            `batcher`, `max_wait_ms` for `policy="static"`, an
             unknown `policy`, a bucketed or sorted policy without `keys`, a target
             or goodput threshold that is not a positive number, or a latency model
             whose batches take no time without `keys`; also when the policy's
             `select` picks nothing, or a batch's end overflows (the replay could
             never end).
+
+    Warns:
+        SimulationWarning: `max_latency_ms` or `goodput_ms` is shorter than the
+            quickest batch (one request alone): nothing can be in time, so the run's
+            throughput says nothing about the target (also in `SimResult.warnings`).
     """
     # Zero slots never dispatch: the replay would wait forever.
     check_positive_int("max_concurrent_batches", max_concurrent_batches)
     for name, value in (("max_latency_ms", max_latency_ms), ("goodput_ms", goodput_ms)):
         if value is not None and not (_is_number(value) and math.isfinite(value) and value > 0):
             raise ValueError(f"{name} must be a positive number of milliseconds, got {value!r}")
-    if batcher is not None and (max_tokens is not None or cost != "padded" or buckets is not None):
-        raise ValueError("max_tokens, cost and buckets are set on the batcher given, not here")
+    if batcher is not None and (
+        max_tokens is not None or cost != "padded" or buckets is not None or max_wait_ms is not None
+    ):
+        raise ValueError(
+            "max_wait_ms, max_tokens, cost and buckets are set on the batcher given, not here"
+        )
     if max_tokens is not None and keys is None:
         raise ValueError("max_tokens needs keys= (each request's length) to cut batches by")
     model = as_latency_model(latency)
@@ -724,7 +744,39 @@ def simulate(
     result = _summarise(sched, times, replay, model, policy_obj, keys, max_latency_ms, threshold)
     given = np.empty_like(result.latencies_s)  # back in the order the caller gave
     given[order] = result.latencies_s
-    return dataclasses.replace(result, latencies_s=given)
+    found = _target_warnings(model, policy_obj, keys, max_latency_ms, goodput_ms)
+    for message in found:
+        warnings.warn(message, SimulationWarning, stacklevel=2)
+    return dataclasses.replace(result, latencies_s=given, warnings=found)
+
+
+class SimulationWarning(UserWarning):
+    """A setting that makes a simulated run meaningless, such as a latency target
+    shorter than the quickest batch (`SimResult.warnings` holds the same text)."""
+
+
+def _target_warnings(
+    model: LatencyModel,
+    policy: Batcher,
+    keys: Sequence[float] | None,
+    max_latency_ms: float | None,
+    goodput_ms: float | None,
+) -> tuple[str, ...]:
+    """A warning for each threshold shorter than the quickest batch: one request alone,
+    the cheapest there is. Below it nothing can be in time, whatever the load."""
+    cheapest = 0.0 if keys is None else policy.cost.of([min(keys)])
+    quickest_ms = model.seconds(policy.padded_size(1), cheapest) * 1e3
+    found = []
+    for name, what, value in (
+        ("max_latency_ms", "the latency target", max_latency_ms),
+        ("goodput_ms", "the goodput threshold", goodput_ms),
+    ):
+        if value is not None and value < quickest_ms:
+            found.append(
+                f"{what} {name}={value:g} is shorter than one batch's time "
+                f"({quickest_ms:.4g} ms for a batch of one): no request can be answered in time"
+            )
+    return tuple(found)
 
 
 def _is_number(value: object) -> bool:
@@ -840,7 +892,9 @@ def _summarise(
     served_mask = ~np.isnan(done_at)
     latencies = done_at - times
     served = int(served_mask.sum())
-    end = float(np.nanmax(done_at)) if served else float(times[-1])
+    # Until the last arrival at least: when the tail is refused, the last answer comes
+    # early, and dividing by that span would make a few answers look like a high rate.
+    end = max(float(np.nanmax(done_at)), float(times[-1])) if served else float(times[-1])
     duration = max(end - float(times[0]), 1e-12)
     span = float(times[-1] - times[0])
     # Arrivals at one instant have no rate: NaN, not inf (which read as overload).

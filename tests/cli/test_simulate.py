@@ -302,3 +302,75 @@ def test_simulate_command_token_budget_errors(
 ) -> None:
     code, _, err = run(capsys, "simulate", "--rate", "100", "--requests", "10", *extra)
     assert_one_line_error(code, err, needle)
+
+
+def test_a_wait_for_the_static_policy_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="StaticBatcher has no max_wait_ms"):
+        simulate((1.0, 0.0), arrivals=np.zeros(4), policy="static", max_wait_ms=2)
+    with pytest.raises(ValueError, match="max_wait_ms, max_tokens, cost and buckets are set on"):
+        simulate((1.0, 0.0), arrivals=np.zeros(4), batcher=DynamicBatcher(4), max_wait_ms=2)
+    assert simulate((1.0, 0.0), arrivals=np.zeros(4), policy="static").served == 4
+
+
+def test_simulate_command_refuses_a_wait_for_the_static_policy(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["simulate", "--rate", "100", "--requests", "10", "--policy", "static"]
+    code, _, err = run(capsys, *argv, "--max-wait-ms", "2")
+    assert_one_line_error(code, err, "--max-wait-ms is not for --policy static")
+    code, out, _ = run(capsys, *argv, "--max-batch-size", "2,4")
+    assert code == 0
+    assert [row.split()[1] for row in out.splitlines()[2:4]] == ["-", "-"]  # no wait column
+
+
+def test_an_unknown_option_shows_the_commands_own_usage(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, _, err = run(capsys, "simulate", "--rate", "100", "--bogus")
+    assert code == 2
+    assert err.startswith("usage: batchkit simulate ")
+    assert err.strip().splitlines()[-1] == (
+        "batchkit simulate: error: unrecognized arguments: --bogus"
+    )
+
+
+def test_a_target_shorter_than_one_batch_warns_naming_it() -> None:
+    # A batch of one takes 5.5 ms: a 1 ms target can never be met.
+    with pytest.warns(sim.SimulationWarning, match="max_latency_ms=1 is shorter than one batch"):
+        r = simulate((5.0, 0.5), rate=1000, num_requests=500, max_latency_ms=1)
+    assert r.on_time == 0 and len(r.warnings) == 1 and "5.5 ms" in r.warnings[0]
+    with pytest.warns(sim.SimulationWarning, match="goodput_ms=2 is shorter"):
+        simulate((5.0, 0.5), rate=100, num_requests=50, goodput_ms=2)
+    # With keys, the quickest batch is the shortest request alone: 1 + 0.1 x 10 = 2 ms.
+    keys = [10.0, 50.0] * 10
+    with pytest.warns(sim.SimulationWarning, match=r"\(2 ms for a batch of one\)"):
+        simulate((1.0, 0.0, 0.1), rate=100, num_requests=20, keys=keys, max_latency_ms=1.5)
+
+
+def test_a_reachable_target_does_not_warn(recwarn: pytest.WarningsRecorder) -> None:
+    r = simulate((5.0, 0.5), rate=100, num_requests=200, max_latency_ms=5.5)
+    assert r.warnings == () and not [w for w in recwarn if w.category is sim.SimulationWarning]
+
+
+def test_throughput_of_a_refused_tail_counts_the_whole_span_of_arrivals() -> None:
+    # Every request after the first few is refused: the last answer comes early, yet the
+    # throughput is over the arrivals' span (2 s here), not over the time to that answer.
+    with pytest.warns(sim.SimulationWarning):
+        r = simulate((5.0, 0.5), arrivals=np.arange(2000) / 1000, max_latency_ms=1)
+    assert r.duration_s >= 1.999
+    assert r.throughput == pytest.approx(r.served / r.duration_s)
+
+
+def test_simulate_command_prints_the_warning_and_what_was_served_in_time_first(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, out, err = run(capsys, "simulate", "--rate", "1000", "--requests", "500",
+                         "--max-latency-ms", "1")  # fmt: skip
+    assert code == 0 and "SimulationWarning" not in err  # in the report, not as a Python warning
+    lines = out.splitlines()
+    warning = next(i for i, line in enumerate(lines) if line.startswith("warning: the latency"))
+    goodput = next(i for i, line in enumerate(lines) if line.startswith("goodput"))
+    served = next(i for i, line in enumerate(lines) if line.startswith("served"))
+    throughput = next(i for i, line in enumerate(lines) if line.startswith("throughput"))
+    assert warning < goodput < served < throughput
+    assert "max_latency_ms=1 is shorter than one batch's time (5.5 ms" in lines[warning]
