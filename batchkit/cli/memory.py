@@ -7,7 +7,9 @@ from typing import Any
 
 from batchkit.cli._args import CliError, fraction, positive_int
 from batchkit.tools.memory import (
+    COUNT_UNITS_HINT,
     DTYPE_BYTES,
+    SIZE_UNITS_HINT,
     dtype_bytes,
     format_bytes,
     memory_plan,
@@ -20,11 +22,13 @@ from batchkit.tools.memory import (
 NOTHING_FITS = 1
 
 
-def _bytes_arg(text: str) -> int:
+def _bytes_arg(text: str) -> str:
+    """The text, once it reads as a size: the report shows it beside the bytes it means."""
     try:
-        return parse_bytes(text)
+        parse_bytes(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def _count_arg(text: str) -> int:
@@ -39,6 +43,18 @@ def _count(n: int) -> str:
         if n >= scale:
             return f"{n / scale:.4g}{suffix}"
     return str(n)
+
+
+def _decimal_note(text: str) -> str:
+    """Said where the size was given in decimal units, which are easy to take for binary."""
+    power = {"kb": 3, "mb": 6, "gb": 9, "tb": 12}.get(text[-2:].lower())
+    if power is None:
+        return ""
+    unit = text[-2:]
+    return (
+        f" = {format_bytes(parse_bytes(text))} ({unit} is decimal: 1 {unit} = 10^{power} bytes,"
+        f" 1 {unit[0]}iB = 2^{power // 3 * 10})"
+    )
 
 
 def add_parser(commands: Any) -> None:
@@ -65,8 +81,11 @@ def add_parser(commands: Any) -> None:
     p.add_argument("--dtype", default="fp16", help=f"KV cache dtype (default fp16; {dtypes})")
     p.add_argument("--batch-size", type=positive_int, help="also show the cache of this batch")
     p.add_argument("--gpu-memory", type=_bytes_arg,
-                   help="device memory, e.g. 80GiB, 80G (binary) or 24GB (decimal)")  # fmt: skip
-    p.add_argument("--params", type=_count_arg, help="model parameters, e.g. 7B or 7e9")
+                   help=f"device memory with a unit, e.g. 80GiB or 24GB: {SIZE_UNITS_HINT}; "
+                        "a bare number is refused")  # fmt: skip
+    p.add_argument("--params", type=_count_arg,
+                   help=f"model parameters with a suffix, e.g. 7B: {COUNT_UNITS_HINT}; a bare "
+                        "number is refused")  # fmt: skip
     p.add_argument("--weight-dtype", help="weights dtype (default: --dtype)")
     p.add_argument(
         "--reserve",
@@ -136,6 +155,8 @@ def run(args: argparse.Namespace) -> int:
     if plan.gpu_bytes is None or plan.available_bytes is None or plan.max_batch_size is None:
         return 0
     usable = plan.gpu_bytes - plan.reserved_bytes
+    given = str(args.gpu_memory).replace(" ", "")
+    print(f"GPU memory {given} = {plan.gpu_bytes:,} bytes{_decimal_note(given)}")
     print(
         f"GPU {format_bytes(plan.gpu_bytes)}: reserve {args.reserve:.0%} "
         f"{format_bytes(plan.reserved_bytes)}, weights {format_bytes(plan.weight_bytes)} "

@@ -33,25 +33,32 @@ __all__ = [
 ]
 
 # Decimal suffixes (KB, MB, ...) are powers of 1000; binary ones (KiB, ...) and bare
-# letters (K, M, G, as nvidia-smi and free print them) are powers of 1024.
+# letters (K, M, G, as nvidia-smi and free print them) are powers of 1024. A number
+# without a unit is refused (see _parse): "24" is 24 GiB or 24 GB meant, never 24 bytes.
 _SIZE_UNITS = {
-    "": 1, "b": 1,
+    "b": 1,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
     "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
 }  # fmt: skip
-_COUNT_UNITS = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
-_NUMBER = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+_COUNT_UNITS = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+_NUMBER = re.compile(r"^\s*([0-9]*\.?[0-9]+(e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+SIZE_UNITS_HINT = "GiB or G (binary, 2^30 bytes), GB (decimal, 10^9 bytes), MiB, MB, ... or B"
+COUNT_UNITS_HINT = "B or G (10^9), M (10^6), K (10^3), T (10^12), or an exponent (7e9)"
 
 GiB = 2**30
 
 
-def _parse(text: str, units: dict[str, int], what: str) -> float:
+def _parse(text: str, units: dict[str, int], what: str, hint: str) -> float:
     match = _NUMBER.match(text)
-    unit = match.group(2).lower() if match else ""
-    if match is None or unit not in units:
+    if match is not None and not match.group(3) and not match.group(2):
+        # A bare "24" or "7" is a unit left out, far more often than 24 bytes or 7
+        # parameters meant: refuse it, saying which units there are.
+        raise ValueError(f"cannot read {text!r} as {what}: give a unit: {hint}")
+    unit = match.group(3).lower() if match else ""
+    if match is None or (unit and unit not in units):
         raise ValueError(f"cannot read {text!r} as {what}")
-    value = float(match.group(1)) * units[unit]
+    value = float(match.group(1)) * (units[unit] if unit else 1)
     if not math.isfinite(value):
         raise ValueError(f"cannot read {text!r} as {what}")
     return value
@@ -65,33 +72,45 @@ def _whole(text: str, value: float, unit: str) -> int:
 
 
 def parse_bytes(text: str) -> int:
-    """``"80GiB"``, ``"80G"`` (binary), ``"80GB"`` (decimal), ``"1.5TiB"``, ``"4096"`` -> bytes.
+    """``"80GiB"``, ``"80G"`` (binary), ``"80GB"`` (decimal), ``"1.5TiB"``, ``"4096B"`` -> bytes.
+
+    "GB" is decimal, as disk and GPU vendors count: ``24GB`` is 24 x 10^9 bytes, 22.35
+    GiB. A number with no unit is refused: ``"24"`` is nearly always 24 GiB or 24 GB
+    meant, not 24 bytes (write ``"24B"`` for bytes, ``"24e9"`` for 24 x 10^9).
 
     Args:
-        text: A number with an optional unit (any case): ``B``, ``KB``..``TB``
-            (powers of 1000), ``KiB``..``TiB`` or ``K``..``T`` (powers of 1024).
+        text: A number with a unit (any case): ``B``, ``KB``..``TB`` (powers of
+            1000), ``KiB``..``TiB`` or ``K``..``T`` (powers of 1024); or a number
+            written with an exponent (``2.4e10``), read as bytes.
 
     Returns:
         Whole bytes (a fraction is dropped).
 
     Raises:
-        ValueError: ``text`` is not a size, or is less than one byte.
+        ValueError: ``text`` is not a size, has no unit (the message lists the
+            units), or is less than one byte.
     """
-    value = _parse(text, _SIZE_UNITS, "a memory size (e.g. 80GiB, 24GB, 4096)")
+    value = _parse(
+        text, _SIZE_UNITS, "a memory size (e.g. 80GiB, 24GB, 4096B)", SIZE_UNITS_HINT
+    )
     return _whole(text, value, "byte")
 
 
 def parse_count(text: str) -> int:
     """``"7B"``, ``"7e9"``, ``"125M"``, ``"70b"`` -> a parameter count.
 
+    A number with neither a suffix nor an exponent is refused: ``"7"`` is nearly
+    always 7 billion meant, not 7 parameters.
+
     Args:
-        text: A number with an optional suffix (any case): ``K`` (10^3), ``M``
-            (10^6), ``B`` or ``G`` (10^9), ``T`` (10^12).
+        text: A number with a suffix (any case): ``K`` (10^3), ``M`` (10^6), ``B``
+            or ``G`` (10^9), ``T`` (10^12); or written with an exponent (``7e9``).
 
     Raises:
-        ValueError: ``text`` is not a count, or is less than one.
+        ValueError: ``text`` is not a count, has neither suffix nor exponent (the
+            message lists the suffixes), or is less than one.
     """
-    value = _parse(text, _COUNT_UNITS, "a parameter count (e.g. 7B, 125M, 7e9)")
+    value = _parse(text, _COUNT_UNITS, "a parameter count (e.g. 7B, 125M, 7e9)", COUNT_UNITS_HINT)
     return _whole(text, value, "parameter")
 
 
@@ -224,10 +243,12 @@ def memory_plan(
         seq_len: Tokens per sequence (prompt plus generated).
         dtype: The KV cache's (and activations') element type: ``"fp16"``,
             ``"bf16"``, ``"fp8"``, ``"int4"``, ... (see ``DTYPE_BYTES``).
-        gpu_memory: GPU memory, in bytes or as text (``"80GiB"``, ``"24GB"``);
+        gpu_memory: GPU memory, in bytes (a number) or as text with a unit
+            (``"80GiB"``; ``"24GB"`` is decimal, 24 x 10^9 bytes; see `parse_bytes`);
             ``None``: no batch size is planned.
-        params: The model's parameter count, as a number or text (``"7B"``,
-            ``"125M"``); ``None``: weights are not counted.
+        params: The model's parameter count, as a number or text with a suffix
+            (``"7B"``, ``"125M"``; see `parse_count`); ``None``: weights are not
+            counted.
         weight_dtype: The weights' element type; ``None``: ``dtype``.
         reserve: The fraction of ``gpu_memory`` kept free, in ``[0, 1)``.
         hidden_size: The model's hidden size, to count activations; ``None``: they

@@ -34,6 +34,27 @@ def test_memory_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert "largest batch: 29 sequences" in out
 
 
+@pytest.mark.parametrize(
+    ("option", "units"), [("--gpu-memory", "GiB or G"), ("--params", "B or G")]
+)
+def test_memory_refuses_a_bare_number_naming_the_units(
+    capsys: pytest.CaptureFixture[str], option: str, units: str
+) -> None:
+    code, _, err = run(capsys, *LLAMA, option, "24")
+    assert_one_line_error(code, err, option, "cannot read '24'", f"give a unit: {units}")
+
+
+def test_memory_says_a_decimal_size_is_decimal(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, *LLAMA, "--gpu-memory", "24GB", "--params", "7B")
+    assert code == 0
+    assert (
+        "GPU memory 24GB = 24,000,000,000 bytes = 22.35 GiB "
+        "(GB is decimal: 1 GB = 10^9 bytes, 1 GiB = 2^30)"
+    ) in out
+    code, out, _ = run(capsys, *LLAMA, "--gpu-memory", "24GiB")
+    assert "GPU memory 24GiB = 25,769,803,776 bytes\n" in out
+
+
 def test_memory_weights_that_do_not_fit(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, *LLAMA, "--gpu-memory", "8GiB", "--params", "7B")
     assert code == 1  # not 0: nothing fits (2 stays for bad arguments)
@@ -244,7 +265,8 @@ def test_memory_absurd_layers(capsys: pytest.CaptureFixture[str], dtype: str) ->
 
 
 @pytest.mark.parametrize(
-    ("option", "text", "unit"), [("--gpu-memory", "0.5", "byte"), ("--params", "0.1", "parameter")]
+    ("option", "text", "unit"),
+    [("--gpu-memory", "0.5B", "byte"), ("--params", "1e-1", "parameter")],
 )
 def test_sub_unit_sizes_name_what_was_given(
     capsys: pytest.CaptureFixture[str], option: str, text: str, unit: str

@@ -84,7 +84,7 @@ def test_shortfall_when_the_weights_fit() -> None:
 @pytest.mark.parametrize(
     ("text", "value"),
     [("80GiB", 80 * GiB), ("80G", 80 * GiB), ("80GB", 80 * 10**9), ("1.5 TiB", 3 * 2**39),
-     ("4096", 4096), ("512mib", 512 * 2**20)],
+     ("4096B", 4096), ("2.4e10", 24 * 10**9), ("512mib", 512 * 2**20)],
 )  # fmt: skip
 def test_parse_bytes(text: str, value: int) -> None:
     assert parse_bytes(text) == value
@@ -95,6 +95,26 @@ def test_parse_bytes(text: str, value: int) -> None:
 )
 def test_parse_count(text: str, value: int) -> None:
     assert parse_count(text) == value
+
+
+@pytest.mark.parametrize("text", ["24", "4096", "0.5", " 80 "])
+def test_a_size_without_a_unit_is_refused_naming_the_units(text: str) -> None:
+    with pytest.raises(ValueError, match=r"give a unit: GiB or G \(binary, 2\^30 bytes\), GB "):
+        parse_bytes(text)
+
+
+@pytest.mark.parametrize("text", ["7", "125", "70.5"])
+def test_a_count_without_a_suffix_is_refused_naming_the_suffixes(text: str) -> None:
+    with pytest.raises(ValueError, match=r"give a unit: B or G \(10\^9\), M"):
+        parse_count(text)
+
+
+def test_a_gpu_memory_in_text_needs_a_unit_but_a_number_is_bytes() -> None:
+    with pytest.raises(ValueError, match="give a unit"):
+        memory_plan(**LLAMA2_7B, seq_len=4096, gpu_memory="80")
+    with pytest.raises(ValueError, match="give a unit"):
+        memory_plan(**LLAMA2_7B, seq_len=4096, params="7")
+    assert memory_plan(**LLAMA2_7B, seq_len=4096, gpu_memory=80 * GiB).gpu_bytes == 80 * GiB
 
 
 @pytest.mark.parametrize("text", ["", "GiB", "80 parsecs", "-1GB", "nan", "1e999GB"])
