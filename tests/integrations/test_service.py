@@ -128,6 +128,7 @@ class GatedEncoder:
         self.inner = module.TinyEncoder()
         self.gate = threading.Event()
         self.tokenize = self.inner.tokenize
+        self.max_chars = self.inner.max_chars
 
     def __call__(self, batch: Any) -> Any:
         assert self.gate.wait(10), "the test never opened the gate"
