@@ -596,25 +596,27 @@ def _check_serving_options(
     check_latency_target(max_latency_ms)
 
 
+# The overloads state the defaults a caller gets (the API reference shows them); the
+# implementation takes None for "not given", to refuse a size or wait beside a batcher.
 @overload
 def batched(fn: Callable[[Any], R], /) -> BatchedFunction[R]: ...
 @overload
 def batched(
     *,
-    max_batch_size: int | None = ...,
-    max_wait_ms: float | None = ...,
-    batcher: Batcher | None = ...,
-    collate: Callable[[list[Any]], Any] | None = ...,
-    split: Callable[[Any], Sequence[Any]] | None = ...,
-    max_queue_size: int | None = ...,
-    max_concurrent_batches: int = ...,
-    when_full: Literal["reject", "block"] = ...,
-    oom_errors: tuple[type[BaseException], ...] | None = ...,
-    on_oom: OnOom | Literal[False] | None = ...,
-    isolate_errors: bool = ...,
-    batch_timeout: float | None = ...,
-    max_latency_ms: float | None = ...,
-    clock: Clock | None = ...,
+    max_batch_size: int | None = 32,
+    max_wait_ms: float | None = 5.0,
+    batcher: Batcher | None = None,
+    collate: Callable[[list[Any]], Any] | None = None,
+    split: Callable[[Any], Sequence[Any]] | None = None,
+    max_queue_size: int | None = None,
+    max_concurrent_batches: int = 1,
+    when_full: Literal["reject", "block"] = "reject",
+    oom_errors: tuple[type[BaseException], ...] | None = None,
+    on_oom: OnOom | Literal[False] | None = None,
+    isolate_errors: bool = False,
+    batch_timeout: float | None = None,
+    max_latency_ms: float | None = None,
+    clock: Clock | None = None,
 ) -> Callable[[Callable[[Any], R]], BatchedFunction[R]]: ...
 
 
