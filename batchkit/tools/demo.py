@@ -2,18 +2,26 @@
 at a time and then through ``@batched``; every batched result is checked against
 the one-at-a-time result, and throughput, latency and speed-up are reported.
 
+The baseline is a fair one-at-a-time server: one model worker takes the requests
+in the order they arrive (a FIFO queue, `ArrivalOrder`), one per model call. (Callers
+taking turns on a lock are no baseline: a thread that releases it often takes it
+again at once, so a few callers are served again and again while others wait, and
+the median latency says nothing.)
+
 torch is imported only when the demo runs: ``import batchkit`` never needs it.
 """
 
 from __future__ import annotations
 
+import queue
 import sys
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from types import TracebackType
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 
@@ -21,6 +29,74 @@ from batchkit.tools.progress import Progress
 
 TOLERANCE = 1e-4  # batched and one-at-a-time float32 results may differ by rounding only
 NEEDS_TORCH = 'batchkit demo needs torch: pip install "batchkit[torch]"'
+BASELINE = "one at a time: one model worker serves the requests in arrival order (FIFO)"
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+class ArrivalOrder(Generic[T, R]):
+    """A one-at-a-time server: callers from any thread, one worker, arrival order.
+
+    Each call joins a FIFO queue and blocks until the worker has run ``fn`` on its
+    item alone; the worker takes the items in the order the calls arrived. The fair
+    unbatched baseline: every caller waits for exactly the requests ahead of it.
+
+    Args:
+        fn: What the worker runs, on one item at a time.
+    """
+
+    def __init__(self, fn: Callable[[T], R]) -> None:
+        self._fn = fn
+        self._queue: queue.Queue[tuple[T, Future[R]] | None] = queue.Queue()
+        self._worker = threading.Thread(target=self._serve, name="one-at-a-time", daemon=True)
+        self._worker.start()
+
+    def __call__(self, item: T) -> R:
+        """``fn(item)``, run by the worker once the requests ahead of it are served.
+
+        Args:
+            item: One request.
+
+        Raises:
+            RuntimeError: The server is closed.
+            Exception: What ``fn`` raised for this item.
+        """
+        if not self._worker.is_alive():
+            raise RuntimeError("this one-at-a-time server is closed")
+        answer: Future[R] = Future()
+        self._queue.put((item, answer))
+        return answer.result()
+
+    @property
+    def waiting(self) -> int:
+        """Requests queued and not yet taken by the worker."""
+        return self._queue.qsize()
+
+    def _serve(self) -> None:
+        while (job := self._queue.get()) is not None:
+            item, answer = job
+            try:
+                answer.set_result(self._fn(item))
+            except Exception as exc:  # noqa: BLE001 - the caller's own error, raised in it
+                answer.set_exception(exc)
+
+    def close(self) -> None:
+        """Serve what is queued, then stop the worker (a second call does nothing)."""
+        if self._worker.is_alive():
+            self._queue.put(None)
+            self._worker.join()
+
+    def __enter__(self) -> ArrivalOrder[T, R]:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
 
 
 @dataclass(frozen=True)
@@ -62,6 +138,7 @@ class DemoResult:
         max_length: The longest request, in tokens.
         rows: One `DemoRow` per run (one at a time
             first).
+        baseline: What the one-at-a-time run is, in words (`BASELINE`).
         max_abs_diff: The largest absolute difference between a batched and a
             one-at-a-time result.
         dispatch_reasons: Batches of the batched run, by why each left.
@@ -74,6 +151,7 @@ class DemoResult:
     rows: list[DemoRow]
     max_abs_diff: float
     dispatch_reasons: dict[str, int]
+    baseline: str = BASELINE
 
     @property
     def ok(self) -> bool:
@@ -96,6 +174,7 @@ class DemoResult:
             f"max |batched - alone| = {self.max_abs_diff:.1e} "
             f"(dispatch reasons: {self.dispatch_reasons})"
         )
+        lines.append(f"{self.baseline}; @batched: BucketedBatcher, buckets 16/32/48, up to 32")
         return "\n".join(lines)
 
 
@@ -176,12 +255,10 @@ def run_demo(num_requests: int = 1024, callers: int = 64, *, progress: bool = Fa
     lengths = rng.integers(4, 48, num_requests)
     requests = [rng.integers(1, 1000, n).tolist() for n in lengths]
     model = build_model()
-    lock = threading.Lock()  # one model: unbatched callers take turns
 
     @torch.inference_mode()  # type: ignore[untyped-decorator, misc]
     def alone(ids: list[int]) -> Any:
-        with lock:
-            return model(torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.bool))[0]
+        return model(torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.bool))[0]
 
     @batched(batcher=BucketedBatcher([16, 32, 48], max_batch_size=32))
     @torch.inference_mode()  # type: ignore[untyped-decorator, misc]
@@ -189,8 +266,11 @@ def run_demo(num_requests: int = 1024, callers: int = 64, *, progress: bool = Fa
         padded = pad(batch, return_tensors="pt")
         return model(padded.data, padded.mask)
 
-    with Progress("one at a time", num_requests, enabled=progress) as bar:
-        expected, t_alone, lat_alone = _serve(alone, requests, callers, bar)
+    with (
+        Progress("one at a time", num_requests, enabled=progress) as bar,
+        ArrivalOrder(alone) as one_at_a_time,
+    ):
+        expected, t_alone, lat_alone = _serve(one_at_a_time, requests, callers, bar)
     with Progress("@batched (bucketed)", num_requests, enabled=progress) as bar:
         got, t_batched, lat_batched = _serve(embed, requests, callers, bar)
     stats = embed.stats()
