@@ -155,8 +155,11 @@ class BlockAllocator:
         Raises:
             OutOfBlocks: Fewer than ``n`` blocks are free; nothing was allocated.
             ValueError: ``n`` is negative.
+            TypeError: ``n`` is not an integer, or is a bool.
         """
         if type(n) is not int:
+            if isinstance(n, bool):  # an int to operator.index, but a flag, not a count
+                raise TypeError(f"allocate: a count of blocks is an int, got {n!r}")
             n = operator.index(n)
         free = self.num_free
         if n > free:
@@ -263,8 +266,16 @@ class BlockAllocator:
                 previous count).
 
         Raises:
-            ValueError: ``num_tokens`` is outside ``0 .. block_size``.
+            ValueError: ``num_tokens`` is outside ``0 .. block_size``, or ``block_id``
+                is not in this pool (a negative id does not count from the end) or is
+                free (``tokens_stored`` counts blocks in use only); nothing changed.
+            TypeError: ``block_id`` is not an integer.
         """
+        (block_id,) = self._checked((block_id,), "set_tokens_stored")
+        if self.refcounts[block_id] <= 0:
+            raise ValueError(
+                f"set_tokens_stored: block {block_id} is free; only a block in use holds tokens"
+            )
         if not 0 <= num_tokens <= self.block_size:
             raise ValueError(f"a block holds 0..{self.block_size} tokens, got {num_tokens}")
         self._stored_total += num_tokens - self.fill[block_id]

@@ -3,8 +3,9 @@
 A full block is keyed by a chain hash, a 128-bit BLAKE2b digest of its parent's
 digest and its own token ids, so one lookup per block finds the longest cached
 prefix. A hit is never trusted on the hash alone: the entry stores the block's
-tokens and its parent's block id, and both are compared, so a collision (or a parent
-block reused for other tokens) is a miss, never a wrong answer.
+tokens and which registration of its parent block it was computed after, and both
+are compared, so a collision (or a parent block since reused for other tokens) is a
+miss, never a wrong answer.
 
 Several blocks may hold the same contents (two sequences computed one prefix in the
 same step, before either was cached): each copy is registered, and so is everything
@@ -19,6 +20,7 @@ so no stale hash ever points at overwritten contents.
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -47,7 +49,12 @@ def block_digest(parent: bytes, tokens: Sequence[int]) -> bytes:
 class _Entry:
     digest: bytes
     parent_block: int  # NO_PARENT for a first block
+    # The parent's entry (its `serial`) this block's keys and values were computed
+    # after: the parent block may be handed out and cached again with other tokens
+    # while this entry stays, and its id alone would then match the wrong history.
+    parent_serial: int  # NO_PARENT for a first block
     tokens: tuple[int, ...]
+    serial: int  # this registration's own number, never reused
 
 
 class PrefixCache:
@@ -63,6 +70,7 @@ class PrefixCache:
         # Every copy of a digest, oldest registered first (an ordered set).
         self._by_digest: dict[bytes, dict[int, None]] = {}
         self._by_block: dict[int, _Entry] = {}
+        self._serials = itertools.count()
         self.queries = 0  # full prompt blocks looked up
         self.hits = 0  # ... and found
 
@@ -98,9 +106,10 @@ class PrefixCache:
         bs = self.block_size
         by_block = self._by_block
         # Block i of the prompt may be any cached copy whose tokens are the prompt's and
-        # whose registered parent is one of the verified copies of block i - 1.
-        verified: list[int] = [NO_PARENT]
-        deepest: list[int] = []
+        # that was computed after one of the verified copies of block i - 1 (that very
+        # registration of it: its serial, not just its block id).
+        verified: list[int] = [NO_PARENT]  # serials of the verified copies of block i - 1
+        deepest: list[int] = []  # their blocks
         parent = ROOT
         for i in range(max(max_blocks, 0)):
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
@@ -108,14 +117,15 @@ class PrefixCache:
             copies = self._by_digest.get(digest)
             if copies is None:
                 break
-            verified = [
+            blocks = [
                 block
                 for block in copies
-                if by_block[block].tokens == tokens and by_block[block].parent_block in verified
+                if by_block[block].tokens == tokens and by_block[block].parent_serial in verified
             ]  # none: a hash collision or a stale chain, recompute rather than guess
-            if not verified:
+            if not blocks:
                 break
-            deepest, parent = verified, digest
+            deepest, parent = blocks, digest
+            verified = [by_block[block].serial for block in blocks]
         hits: list[int] = []
         if deepest:  # walk back from the deepest copy: one chain, parent by parent
             block = deepest[0]
@@ -158,16 +168,18 @@ class PrefixCache:
         if block_id in self._by_block:
             return
         if parent_block == NO_PARENT:
-            parent = ROOT
+            parent, parent_serial = ROOT, NO_PARENT
         else:
             parent_entry = self._by_block.get(parent_block)
             if parent_entry is None:
                 return
-            parent = parent_entry.digest
+            parent, parent_serial = parent_entry.digest, parent_entry.serial
         tokens = tuple(tokens)
         digest = block_digest(parent, tokens)
         self._by_digest.setdefault(digest, {})[block_id] = None
-        self._by_block[block_id] = _Entry(digest, parent_block, tokens)
+        self._by_block[block_id] = _Entry(
+            digest, parent_block, parent_serial, tokens, next(self._serials)
+        )
 
     def forget(self, block_id: int) -> None:
         """Drop ``block_id``'s entry (it is about to hold other tokens); a no-op if it has none.

@@ -141,3 +141,29 @@ def test_release_and_retain_refuse_bad_ids_and_change_nothing() -> None:
     assert refcounts() == [1, 1, 0, 0] and alloc.num_free == 2
     alloc.release(np.array(blocks))  # numpy ids are fine
     assert alloc.num_free == 4
+
+
+def test_set_tokens_stored_refuses_blocks_outside_the_pool_or_free() -> None:
+    alloc = BlockAllocator(4, 2)
+    alloc.allocate(4)  # every block in use, holding nothing yet
+    outside = r"set_tokens_stored: block -1 is not in this pool \(0\.\.3\)"
+    with pytest.raises(ValueError, match=outside):
+        alloc.set_tokens_stored(-1, 2)  # was: wrote to block 3
+    with pytest.raises(ValueError, match="set_tokens_stored: block 4 is not in this pool"):
+        alloc.set_tokens_stored(4, 2)
+    assert alloc.fill == [0, 0, 0, 0] and alloc.tokens_stored == 0
+    alloc.release([2])
+    with pytest.raises(ValueError, match="set_tokens_stored: block 2 is free"):
+        alloc.set_tokens_stored(2, 2)  # was: counted in tokens_stored, no block in use holding it
+    assert alloc.tokens_stored == 0 and alloc.stats().internal_waste == 1.0
+    alloc.set_tokens_stored(3, 2)
+    assert alloc.tokens_stored == 2
+
+
+@pytest.mark.parametrize("bad", [True, False])
+def test_allocate_refuses_a_bool_as_a_count(bad: bool) -> None:
+    alloc = BlockAllocator(4, 2)
+    with pytest.raises(TypeError, match=f"allocate: a count of blocks is an int, got {bad}"):
+        alloc.allocate(bad)  # was: True allocated 1 block
+    assert alloc.num_free == 4
+    assert alloc.allocate(np.int64(2)) == [0, 1]  # integer-likes are counts

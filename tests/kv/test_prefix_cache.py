@@ -88,6 +88,23 @@ def test_hash_collisions_are_verified_not_trusted(monkeypatch: pytest.MonkeyPatc
     assert len(alloc.lookup_prefix([5, 6, 3, 4, 0])) == 1
 
 
+def test_a_hit_checks_what_the_parent_held_when_the_child_was_registered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(prefix_mod, "block_digest", lambda parent, tokens: b"same")
+    alloc = BlockAllocator(2, 2, prefix_caching=True)
+    assert alloc.prefix is not None
+    parent, child = alloc.allocate(2)
+    alloc.prefix.insert(parent, -1, [1, 2])  # one user's [1, 2] ...
+    alloc.prefix.insert(child, parent, [3, 4])  # ... and [3, 4] computed after it
+    alloc.release([parent])
+    assert alloc.allocate(1) == [parent]  # handed out again: it holds other tokens now
+    alloc.prefix.insert(parent, -1, [5, 6])  # another user's [5, 6], in the same block
+    # [3, 4]'s keys and values were computed after [1, 2]: after [5, 6] they are wrong
+    assert alloc.lookup_prefix([5, 6, 3, 4, 0]) == [parent]  # was [parent, child]
+    assert alloc.lookup_prefix([1, 2, 3, 4, 0]) == []
+
+
 def test_block_digest_is_128_bit_and_chained() -> None:
     d = prefix_mod.block_digest(b"", [1, 2])
     assert len(d) == 16
