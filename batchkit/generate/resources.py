@@ -55,18 +55,10 @@ class SeqResources:
                     f"{alloc.block_size}, the pool has {alloc.num_blocks}"
                 )
 
-    def blocks_to_start(self, seq: Sequence, chunk: int) -> int:
-        """Free blocks a waiting ``seq`` would take to start with (at most) ``chunk`` tokens,
-        its prefix-cache hit counted in (nothing is taken or counted as a lookup).
-
-        Args:
-            seq: A waiting sequence (paged mode).
-            chunk: The most tokens it would compute in its first step.
-        """
-        return self._start_plan(seq, chunk)[0]
-
     def _start_plan(self, seq: Sequence, chunk: int) -> tuple[int, list[int]]:
-        """(free blocks needed, prefix-cache hit) for ``seq`` to start with ``chunk`` tokens."""
+        """(free blocks needed, prefix-cache hit) for ``seq`` to start with ``chunk`` tokens:
+        the hit's free blocks are counted in (adopting them takes them from the pool), and
+        nothing is taken or counted as a lookup."""
         alloc = self.allocator
         assert alloc is not None
         hits = alloc.match_prefix(seq.token_ids)
@@ -107,14 +99,41 @@ class SeqResources:
         if seq.block_table is not None:
             self._tables.assign(seq.slot, seq.block_table.block_ids)
 
-    def num_blocks_held(self, seq: Sequence) -> int:
-        """Blocks in ``seq``'s table (some may be shared with other sequences).
+    def blocks_short_after_preempting(
+        self, seq: Sequence, chunk: int, victims: list[Sequence]
+    ) -> list[int]:
+        """Blocks a waiting ``seq`` would still lack to start with (at most) ``chunk``
+        tokens after preempting none, the first, the first two, ... of ``victims``
+        (``len(victims) + 1`` counts; 0 or less: it fits). Nothing is taken or freed.
+
+        Only blocks whose every reference the victims hold come free: one shared with a
+        sequence that keeps running (a prefix-cache hit) stays. Nor does a block of
+        ``seq``'s own prefix-cache hit count as gained: freed, it is taken back at once.
+        Always zeros in slotted mode.
 
         Args:
-            seq: The sequence.
+            seq: A waiting sequence.
+            chunk: The most tokens it would compute in its first step.
+            victims: Running sequences, in the order they would be preempted.
         """
-        table = seq.block_table
-        return 0 if table is None else len(table.block_ids)
+        alloc = self.allocator
+        if alloc is None:
+            return [0] * (len(victims) + 1)
+        need, hits = self._start_plan(seq, chunk)
+        short = need - alloc.num_free
+        out = [short]
+        kept = set(hits)
+        left: dict[int, int] = {}  # block -> references left after the preemptions so far
+        refcounts = alloc.refcounts
+        for victim in victims:
+            table = victim.block_table
+            for block in () if table is None else table.block_ids:
+                refs = left.get(block, refcounts[block]) - 1
+                left[block] = refs
+                if refs == 0 and block not in kept:
+                    short -= 1
+            out.append(short)
+        return out
 
     def grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Make room in ``seq``'s blocks for ``num_tokens`` more; False (nothing taken)

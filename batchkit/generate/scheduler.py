@@ -290,8 +290,10 @@ class Scheduler:
         waiting, running = self.waiting, self.running
         while waiting and running and step.budget > 0:
             head = waiting[0]
-            victims = sorted(
-                (s for s in running if s.priority > head.priority), key=_urgency_rank
+            victims = sorted(  # the least urgent first
+                (s for s in running if s.priority > head.priority),
+                key=_urgency_rank,
+                reverse=True,
             )
             if not victims or not self._free_room(head, victims, step):
                 return
@@ -299,28 +301,20 @@ class Scheduler:
                 return
 
     def _free_room(self, head: Sequence, victims: list[Sequence], step: _Step) -> bool:
-        """Preempt ``victims`` from the end (the least urgent first) until ``head`` has a
-        row and the blocks to start; False if all of them would not be enough. That is
-        checked first, against the rows and blocks they hold, so nobody is preempted in
-        vain unless some of their blocks are shared (a prefix-cache hit) and stay."""
-        alloc, res = self.allocator, self.resources
-        chunk = self._blocks_span(seq=head, step=step)
+        """Preempt the first of ``victims`` (the least urgent first) until ``head`` has a
+        row and the blocks to start; False, and nobody preempted, if all of them would
+        not be enough. A victim frees only the blocks nobody else holds: those it shares
+        with a sequence that stays (a prefix-cache hit) are not counted."""
         rows_short = len(self.running) + 1 - self.max_num_seqs
-        if rows_short > len(victims):
+        shorts = self.resources.blocks_short_after_preempting(
+            head, self._blocks_span(head, step), victims
+        )
+        # The fewest preemptions that give both a row and the blocks.
+        k = next((k for k, short in enumerate(shorts) if k >= rows_short and short <= 0), None)
+        if k is None:
             return False
-
-        def blocks_short() -> int:
-            return 0 if alloc is None else res.blocks_to_start(head, chunk) - alloc.num_free
-
-        short = blocks_short()
-        if short > 0 and short > sum(res.num_blocks_held(v) for v in victims):
-            return False  # (an upper bound: blocks shared with others are not freed)
-        while rows_short > 0 or short > 0:
-            if not victims:
-                return False
-            self._preempt(victims.pop(), step)
-            rows_short -= 1
-            short = blocks_short()
+        for victim in victims[:k]:
+            self._preempt(victim, step)
         return True
 
     def _admit(self, seq: Sequence, step: _Step) -> bool:

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import pytest
 
-from batchkit.generate import ContinuousBatcher, Scheduler, Sequence, StepBatch
+from batchkit.generate import ContinuousBatcher, Scheduler, SeqStatus, Sequence, StepBatch
 from batchkit.kv import BlockAllocator
 from tests.generate._toy import PagedToy, SlottedToy, solo
 
@@ -172,6 +172,58 @@ def test_nobody_is_preempted_when_that_would_not_make_room() -> None:
     assert sched.stats.preemptions == 0
     run_to_end(sched, model)
     assert_solo(urgent)
+
+
+@pytest.mark.parametrize(("urgent_priority", "preempted"), [(1, []), (-1, [1, 0])])
+def test_blocks_shared_with_a_more_urgent_sequence_are_not_counted_as_freed(
+    urgent_priority: int, preempted: list[int]
+) -> None:
+    # A less urgent sequence that shares its system-prompt blocks with a more urgent one
+    # frees only its own blocks: preempting it alone cannot make room. Before, it was
+    # counted as freeing all it held, preempted, and the urgent request waited anyway.
+    alloc = BlockAllocator(8, 4, prefix_caching=True)
+    sched, model = make(allocator=alloc), PagedToy(8, 4)
+    system = [1, 2, 3, 4, 5, 6, 7, 8]  # 2 full blocks
+    first = Sequence(0, system + [9], max_new_tokens=10, priority=0)  # 3 blocks
+    sched.add(first)
+    step(sched, model)
+    second = Sequence(1, system + [10, 11, 12, 13, 14], max_new_tokens=10, priority=5)
+    sched.add(second)
+    step(sched, model)  # shares the 2 system blocks, takes 2 of its own
+    assert alloc.num_free == 3 and [alloc.refcount(b) for b in range(5)] == [2, 2, 1, 1, 1]
+    urgent = Sequence(2, list(range(30, 53)), max_new_tokens=1, priority=urgent_priority)
+    sched.add(urgent)  # 23 tokens: 6 blocks
+    batch = step(sched, model)
+    assert sched.stats.preemptions == len(preempted)  # was 1 with priority 1
+    assert batch.released == preempted
+    if preempted:  # both less urgent: preempting both frees all 5 blocks
+        assert urgent.num_generated == 1
+    else:  # only the second is less urgent, and 2 of its 4 blocks would come free
+        assert second.status is SeqStatus.RUNNING and urgent.status is SeqStatus.WAITING
+        assert set(shares(batch)) == {0, 1}
+    run_to_end(sched, model)
+    assert_solo(first, second, urgent)
+
+
+def test_blocks_of_the_urgent_requests_own_prefix_hit_are_not_counted_as_freed() -> None:
+    # Preempting the only less urgent sequence frees its 3 blocks, but 2 of them are the
+    # urgent request's prefix-cache hit: it takes them back, so only 1 is gained.
+    alloc = BlockAllocator(8, 4, prefix_caching=True)
+    sched, model = make(allocator=alloc), PagedToy(8, 4)
+    system = [1, 2, 3, 4, 5, 6, 7, 8]
+    keeps = Sequence(0, list(range(40, 49)), max_new_tokens=3, priority=-5)  # 3 blocks
+    sched.add(keeps)
+    step(sched, model)
+    less = Sequence(1, system + [9], max_new_tokens=3, priority=5)  # 3 blocks
+    sched.add(less)
+    step(sched, model)
+    assert alloc.num_free == 2
+    urgent = Sequence(2, system + list(range(20, 36)), max_new_tokens=1)  # 2 cached + 4
+    sched.add(urgent)
+    assert set(shares(step(sched, model))) == {0, 1}  # it waits for blocks
+    assert sched.stats.preemptions == 0  # was 1: the hit's 2 blocks counted as gained
+    run_to_end(sched, model)
+    assert_solo(keeps, less, urgent)
 
 
 @pytest.mark.parametrize(("priorities", "victim"), [((1, 0), 0), ((0, 1), 1)])
