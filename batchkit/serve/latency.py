@@ -14,7 +14,7 @@ recent batches. What makes it usable for admission decisions on a noisy machine:
   after 2 batches, long before the fit has moved, while one outlier never does;
 - a *stall* (a batch that took more than `STALL_RATIO` times its fitted time: a
   collection, a page fault, a neighbour on the device) is left out of the spread,
-  as long as stalls stay rare (at most `STALL_SHARE` of the window, and one in a
+  as long as stalls stay rare (at most `STALL_SHARE` of the window, and two in a
   window of a few batches): a stall cannot be predicted, and counting it in every
   prediction would refuse work the device can do in time;
 - the model can be *refuted*: when `REFUTE_WINDOW` batches in a row take less than
@@ -203,11 +203,15 @@ class BatchTimeLearner:
         design = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]])
         seconds = data[:, 2]
         ages = np.arange(len(data) - 1, -1, -1, dtype=float)
-        coef = _robust_fit(design, seconds, 0.5 ** (ages / HALF_LIFE))
-        fitted = design @ coef
-        residuals = (seconds - fitted) * 1e3
-        spread_of, stalls = _without_stalls(residuals, seconds / np.maximum(fitted, 1e-12))
-        spread = max(float(np.quantile(spread_of, SPREAD_QUANTILE)), 0.0)
+        recency = 0.5 ** (ages / HALF_LIFE)
+        coef = _robust_fit(design, seconds, recency)
+        stalled = _stalls(seconds, design @ coef)
+        if stalled.size:  # fitted again without them, which still pull a short window
+            recency[stalled] = 0.0
+            coef = _robust_fit(design, seconds, recency)
+        residuals = np.delete((seconds - design @ coef) * 1e3, stalled)
+        spread = max(float(np.quantile(residuals, SPREAD_QUANTILE)), 0.0)
+        stalls = int(stalled.size)
         a, b, c = (float(x) * 1e3 for x in coef)
         largest_size, largest_cost = (float(x) for x in data[:, :2].max(axis=0))
         fit = LearnedLatency(
@@ -220,16 +224,14 @@ class BatchTimeLearner:
         self._model = None
 
 
-def _without_stalls(residuals: np.ndarray, ratios: np.ndarray) -> tuple[np.ndarray, int]:
-    """The residuals the spread is taken over, and how many were left out as stalls:
-    the largest ones of batches over `STALL_RATIO` times their fit, at most
-    `STALL_SHARE` of them (at least one)."""
-    allowed = max(1, int(STALL_SHARE * len(residuals)))
-    stalled = np.flatnonzero(ratios > STALL_RATIO)
-    if stalled.size == 0:
-        return residuals, 0
-    out = stalled[np.argsort(residuals[stalled])[::-1][:allowed]]
-    return np.delete(residuals, out), int(out.size)
+def _stalls(seconds: np.ndarray, fitted: np.ndarray) -> np.ndarray:
+    """The indices of the batches set aside as stalls: the slowest of those over
+    `STALL_RATIO` times their fit, at most `STALL_SHARE` of them (two in a short
+    window: a slow first batch or two)."""
+    allowed = max(2, int(STALL_SHARE * len(seconds)))
+    ratios = seconds / np.maximum(fitted, 1e-12)
+    over = np.flatnonzero(ratios > STALL_RATIO)
+    return over[np.argsort(ratios[over])[::-1][:allowed]]
 
 
 def _residual_ms(fit: LearnedLatency, sample: tuple[float, float, float]) -> float:

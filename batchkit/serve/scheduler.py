@@ -260,6 +260,11 @@ class Scheduler:
         # error is raised from poll().
         self.on_select_failed: Callable[[list[Request]], None] | None = None
         self._cap_successes: dict[Hashable, int] = {}
+        # Under a latency target: a batch ran past its predicted end, so the schedule
+        # the waiting requests were admitted on slipped; and when a batch still
+        # running late may next make the waiting ones be judged again.
+        self._slipped = False
+        self._next_recheck = 0.0
         self.stats = StatsRecorder()
 
     def set_policy(self, policy: Batcher) -> None:
@@ -587,15 +592,38 @@ class Scheduler:
         return self._take(*chosen, now)
 
     def _shed_hopeless(self, now: float) -> None:
-        """Drop the waiting requests that would be late even alone in the next batch."""
+        """Drop the waiting requests that would be late even alone in the next batch;
+        and, once the schedule slipped, those the work ahead of them makes late."""
         target = self.target
         assert target is not None
-        start = min(self._slots_free_at(now))
+        slots = self._slots_free_at(now)
+        start = min(slots)
         shed: list[Request] = []
         for bucket in self.buckets.values():
             if bucket.live:
                 shed += bucket.shed_fronts(lambda req: target.hopeless(req, start))
+        if self._slipped or self._running_late(now):
+            self._slipped = False
+            for name, bucket in self.buckets.items():
+                if bucket.live:
+                    waiting = bucket.candidates(None)
+                    late = target.behind_schedule(waiting, now, slots, self._limit(name))
+                    if late:
+                        bucket.drop_waiting(late)
+                        shed += late
         self._shed(shed, start)
+
+    def _running_late(self, now: float) -> bool:
+        """Whether a running batch is past its predicted end (checked again at most
+        every tenth of the target while it runs on)."""
+        assert self.target is not None
+        if now < self._next_recheck:
+            return False
+        for batch in self.running.values():
+            if batch.expected_end is not None and now > batch.expected_end:
+                self._next_recheck = now + self.target.target_s / 10
+                return True
+        return False
 
     def _shed_overdue_front(self, name: Hashable, bucket: Bucket, now: float) -> None:
         """Drop the oldest requests whose deadline a full batch leaving now would miss,
@@ -697,8 +725,11 @@ class Scheduler:
         del self.running[id(batch)]
         elapsed = now - batch.dispatched_at
         self.stats.batch_latency.append(elapsed)
-        if clean and self.target is not None:
-            self.target.observe(batch.requests, batch.padded_size, elapsed)
+        if self.target is not None:
+            if clean:
+                self.target.observe(batch.requests, batch.padded_size, elapsed)
+            if batch.expected_end is not None and now > batch.expected_end:
+                self._slipped = True
 
     @property
     def drained(self) -> bool:

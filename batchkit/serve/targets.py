@@ -294,6 +294,46 @@ class LatencyTarget:
         """
         return start + self.batch_seconds([req]) > req.deadline
 
+    def behind_schedule(
+        self,
+        waiting: Sequence[Request],
+        now: float,
+        slots_free_at: Sequence[float],
+        max_batch_size: int,
+    ) -> list[Request]:
+        """The waiting requests that the work ahead of them now makes late.
+
+        Admission let each request in on a schedule; a batch that ran long (a stall,
+        a slowdown) delays everything behind it. Each request is judged as at
+        admission, by the requests ahead of it in `waiting` that stay (the late ones
+        are taken out of the work ahead), in full batches on the slots as they free
+        up. It is called when a batch ran past its predicted end, so that what can no
+        longer be in time is answered then, not at its deadline.
+
+        Args:
+            waiting: Waiting requests of one bucket, in service order.
+            now: The current time.
+            slots_free_at: When each batch slot is free.
+            max_batch_size: The largest batch.
+
+        Returns:
+            The requests to drop, in service order.
+        """
+        late: list[Request] = []
+        kept = 0
+        cost = 0.0
+        for req in waiting:
+            own = self.batch_cost([req.key])
+            total = (cost + own) * self._packing
+            if self._finish_time(kept + 1, total, now, slots_free_at, max_batch_size) > (
+                req.deadline
+            ):
+                late.append(req)
+            else:
+                kept += 1
+                cost += own
+        return late
+
     def overloaded_error(self, req: Request, start: float) -> Overloaded:
         """The error of a waiting request dropped as `hopeless`.
 

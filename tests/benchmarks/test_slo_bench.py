@@ -28,15 +28,22 @@ def slo() -> ModuleType:
     return load_script("slo", "slo_bench_under_test")
 
 
-def tiny(slo: ModuleType, systems: tuple[str, ...], loads: tuple[float, ...]) -> Any:
-    return slo.Config(systems, loads=loads, warm_s=0.05, segment_s=0.25, grace_s=0.15)
+def tiny(
+    slo: ModuleType,
+    systems: tuple[str, ...],
+    loads: tuple[float, ...],
+    streams: tuple[str, ...] = ("shift",),
+) -> Any:
+    return slo.Config(
+        systems, loads=loads, warm_s=0.05, segment_s=0.25, grace_s=0.15, streams=streams
+    )
 
 
 def assert_accounted(slo: ModuleType, res: Any, config: Any) -> None:
     """Every cell: in time + late + refused = offered, and the figures derive from it."""
     for name, columns in res.cells.items():
         assert set(columns) == {
-            slo.column(seg, load) for seg in ("light", "heavy") for load in config.loads
+            slo.column(seg, load) for seg in config.measured() for load in config.loads
         }
         for col, cells in columns.items():
             assert len(cells) == config.repeats
@@ -138,3 +145,25 @@ def test_unknown_system_is_refused_by_name() -> None:
     )
     assert done.returncode == 2
     assert "unknown systems: ['triton']" in done.stderr
+
+
+def test_the_warmup_and_stall_streams_slow_their_devices_as_the_method_says(
+    slo: ModuleType,
+) -> None:
+    assert [slo.slowdown("warmup", k) for k in range(4)] == [20, 20, 1, 1]
+    stalls = [k for k in range(200) if slo.slowdown("stall", k) != 1]
+    assert stalls == [49, 99, 149, 199] and slo.slowdown("stall", 49) == 10
+    assert slo.capacity("stall") == pytest.approx(16 * 50 / (0.026 * (49 + 10)))
+    config = tiny(slo, ("target",), (1.0,), streams=("warmup", "stall"))
+    assert config.measured() == ["warmup", "stall"]
+    assert config.segments("warmup")[1][2] == slo.WARMUP_UNCOUNTED_S  # the first second
+
+
+@pytest.mark.skipif(not hasattr(batchkit, "Overloaded"), reason="no max_latency_ms here")
+def test_the_warmup_and_stall_streams_account_for_every_request(slo: ModuleType) -> None:
+    config = tiny(slo, ("target",), (1.5,), streams=("warmup", "stall"))
+    res = asyncio.run(slo.run(config))
+    assert_accounted(slo, res, config)
+    # Once the slow first batches are over, a target that refused everything after
+    # them (the model locked on their time) would answer nothing in time here.
+    assert res.cells["target"]["warmup 1.5x"][0].in_time > 0

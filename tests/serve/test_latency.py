@@ -89,3 +89,34 @@ def test_negative_slopes_are_never_fitted() -> None:
     model = learned(samples).snapshot()
     assert model is not None
     assert model.per_item_ms >= 0 and model.fixed_ms >= 0
+
+
+def test_one_or_two_slow_first_batches_are_left_out_of_the_margin() -> None:
+    # A GPU's first batches (context, autotuning): 20x their usual time.
+    sizes = (1, 4, 9, 16, 2, 8, 12, 6)
+    slow = [(n, 0.0, 20 * device(n)) for n in sizes[:2]]
+    learner = learned(slow + [(n, 0.0, device(n)) for n in sizes[2:]])
+    model = learner.snapshot()
+    assert model is not None and model.stalls == 2
+    assert model.margin_ms < 1.0
+    assert learner.predict(8) < 1.1 * device(8)
+
+
+def test_stalls_that_are_the_rule_count_in_the_margin() -> None:
+    # Every other batch 3x: that is how the device behaves, not a stall to set aside.
+    learner = learned([(8, 0.0, device(8) * (3 if k % 2 else 1)) for k in range(32)])
+    model = learner.snapshot()
+    assert model is not None and model.stalls <= 3
+    assert learner.predict(8) >= 2.5 * device(8)
+
+
+def test_a_model_that_batches_keep_beating_is_learned_again() -> None:
+    learner = learned([(8, 0.0, 0.150)] * MIN_SAMPLES)  # a slow warm-up, fitted
+    assert learner.predict(8) == pytest.approx(0.150)
+    learner.observe(8, 0.0, 0.002)  # one fast batch: could be luck
+    assert learner.ready and learner.refuted == 0
+    learner.observe(8, 0.0, 0.002)  # two: the slow model is wrong
+    assert not learner.ready and learner.refuted == 1 and learner.samples == 2
+    for _ in range(MIN_SAMPLES - 2):
+        learner.observe(8, 0.0, 0.002)
+    assert learner.predict(8) == pytest.approx(0.002)

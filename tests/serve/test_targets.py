@@ -139,6 +139,25 @@ def test_a_waiting_request_that_can_no_longer_be_in_time_is_dropped() -> None:
     assert sched.stats.shed == 1 and sched.num_waiting == 0
 
 
+def test_requests_a_stall_makes_late_are_dropped_when_it_shows_not_at_their_deadline() -> None:
+    sched, now = taught(max_wait_ms=1000)
+    shed: list[Request] = []
+    sched.on_shed = shed.extend
+    for _ in range(16):
+        add(sched, now)
+    busy, _ = sched.poll(now)  # predicted to end at 26 ms; it stalls
+    assert busy is not None
+    waiting = [add(sched, now) for _ in range(46)]  # in time: 52, 78 and 102 ms
+    with pytest.raises(Overloaded):
+        add(sched, now)
+    assert sched.poll(now + 0.020) == (None, None) and not shed
+    assert sched.poll(now + 0.060) == (None, None)  # 34 ms past its predicted end
+    # From 60 ms, a full batch ends at 86 ms and a batch of 6 at 102: the other 24
+    # cannot be in time (their deadline 102.9 ms), and are told so now.
+    assert shed == waiting[22:] and sched.num_waiting == 22
+    assert all("waited 60.0 ms" in str(r.error) for r in shed)
+
+
 def test_a_batch_leaves_before_its_max_wait_when_waiting_would_make_it_late() -> None:
     sched, now = taught(max_wait_ms=1000, max_concurrent_batches=2)
     for _ in range(16):
@@ -159,12 +178,16 @@ def test_a_batch_is_cut_so_that_its_oldest_member_is_in_time() -> None:
         add(sched, now - 0.03)
     busy, _ = sched.poll(now - 0.03)
     assert busy is not None
+    shed: list[Request] = []
+    sched.on_shed = shed.extend
     reqs = [add(sched, now) for _ in range(10)]
     sched.finish(busy, now + 0.085)
     batch, _ = sched.poll(now + 0.085)
     # 85 ms waited; a batch of 7 ends at 102 ms, a batch of 8 at 103.
     assert batch is not None and batch.requests == reqs[:7]
-    assert sched.num_waiting == 3
+    # The busy batch ran 59 ms past its predicted end: the three that cannot be in
+    # time behind the seven are answered now, not at their deadline.
+    assert shed == reqs[7:] and sched.num_waiting == 0
 
 
 def test_with_a_full_batch_behind_them_the_oldest_are_dropped_not_the_batch_cut() -> None:
@@ -182,7 +205,8 @@ def test_with_a_full_batch_behind_them_the_oldest_are_dropped_not_the_batch_cut(
     # 7 of the 8 old ones could go in a batch of 7 (102 ms); but 16 newer ones wait
     # behind them: a full batch of those is in time, a batch cut for the old is not.
     assert batch is not None and batch.requests == new
-    assert shed == old and all(isinstance(r.error, Overloaded) for r in old)
+    assert sorted(shed, key=lambda r: r.seq) == old
+    assert all(isinstance(r.error, Overloaded) for r in old)
 
 
 def test_the_learned_model_is_in_the_stats() -> None:
