@@ -581,7 +581,7 @@ def print_table(
     print(f"{'':<24} " + " ".join(loads for _ in segments))
 
     def row(label: str, cells: list[str]) -> None:
-        groups = ["".join(f"{c:>7}" for c in cells[k * n : (k + 1) * n]) for k in range(len(segments))]
+        groups = ["".join(f"{c:>7}" for c in cells[k : k + n]) for k in range(0, len(cells), n)]
         print(f"{label:<24} " + " ".join(groups))
 
     for name in config.systems:
