@@ -191,13 +191,15 @@ class LatencyModel:
                 device's typical time.
 
         Raises:
-            ValueError: `learned` is None (the target has not seen enough batches
-                yet), or its coefficients are not finite numbers >= 0, or all 0.
+            ValueError: `learned` is None (no latency target) or still warming up
+                (it has not seen enough batches yet), or its coefficients are not
+                finite numbers >= 0, or all 0.
         """
-        if learned is None:
+        if learned is None or learned.state == "warming":
             raise ValueError(
-                "no learned latency model yet: stats.latency_model is None until a "
-                "latency target (max_latency_ms) has seen enough batches"
+                "no learned latency model yet: stats.latency_model is None without a "
+                "latency target (max_latency_ms), and its state is 'warming' until "
+                "the target has seen enough batches"
             )
         fixed = learned.fixed_ms + (learned.margin_ms if with_margin else 0.0)
         model = cls.linear(fixed, learned.per_item_ms, learned.per_cost_ms)

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+import batchkit
 from batchkit.batchers import DynamicBatcher
 from batchkit.serve import LearnedLatency
 from batchkit.tools.simulate import (
@@ -181,6 +182,14 @@ def test_fit_online_then_simulate_reproduces_the_batches() -> None:
 def test_a_missing_learned_model_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="no learned latency model yet"):
         LatencyModel.from_learned(None)
+
+
+def test_a_model_still_warming_up_is_a_clear_error() -> None:
+    f = batchkit.batched(max_latency_ms=100)(lambda xs: xs)
+    f(1)  # one batch: the target's model is warming up
+    with pytest.raises(ValueError, match="no learned latency model yet.*'warming'"):
+        LatencyModel.from_learned(f.stats().latency_model)
+    f.close()
 
 
 @pytest.mark.parametrize("policy", POLICIES)
