@@ -5,12 +5,15 @@ waiting ones join, with chunked prefill, a token budget, and (with a
 `BlockAllocator`) paged KV memory with preemption by recompute.
 The scheduler core (``Scheduler``) is pure and usable on its own. Listeners
 (``add_listener``) get a ``StepEvent`` per step and a ``FinishEvent`` per answered
-request (``batchkit.metrics`` exports them to Prometheus).
+request (``batchkit.metrics`` exports them to Prometheus). ``submit(..., sampling=Sampling(...))``
+samples a request with its own generator; step functions pick tokens with
+``next_tokens``.
 """
 
 from batchkit.generate.batcher import ContinuousBatcher
 from batchkit.generate.handle import GenerationHandle
 from batchkit.generate.observe import FinishEvent, GenerationListener, StepEvent
+from batchkit.generate.sampling import Sampling, TokenSampler, next_tokens
 from batchkit.generate.scheduler import Scheduler
 from batchkit.generate.sequence import ScheduledSeq, SeqStatus, Sequence, StepBatch
 from batchkit.generate.stats import GenerationStats
@@ -21,10 +24,13 @@ __all__ = [
     "GenerationHandle",
     "GenerationListener",
     "GenerationStats",
+    "Sampling",
     "ScheduledSeq",
     "Scheduler",
     "SeqStatus",
     "Sequence",
     "StepBatch",
     "StepEvent",
+    "TokenSampler",
+    "next_tokens",
 ]

@@ -13,11 +13,13 @@ import inspect
 import operator
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from batchkit.errors import BatcherClosed, QueueFull
 from batchkit.generate.driver import LoopDriver, StepDriver, StepFn, ThreadDriver
 from batchkit.generate.handle import GenerationHandle
 from batchkit.generate.observe import GenerationListener, StepObserver
+from batchkit.generate.sampling import Sampling
 from batchkit.generate.scheduler import Scheduler
 from batchkit.generate.sequence import Sequence
 from batchkit.generate.stats import GenerationStats
@@ -66,16 +68,18 @@ class ContinuousBatcher:
             the whole token budget.
         max_queue_size: The most requests waiting at once; a submit past it raises
             [`QueueFull`][batchkit.QueueFull]. ``None``: unbounded.
-        eos_token_id: A token that ends every request (added to each request's
-            ``stop_token_ids``); ``None``: none.
+        eos_token_id: A token (or several: an iterable of ids, as a Hugging Face
+            ``generation_config`` may list) that ends every request, added to each
+            request's ``stop_token_ids``; ``None``: none.
         name: The batcher's name in errors, logs and events (default: ``step_fn``'s
             ``__name__``).
         clock: Seconds, monotonic; for timeouts and latencies (inject a fake one in
             tests).
 
     Raises:
-        ValueError: A limit is not a positive int, or ``max_prefill_chunk`` exceeds
-            ``max_num_batched_tokens``.
+        ValueError: A limit is not a positive int, ``max_prefill_chunk`` exceeds
+            ``max_num_batched_tokens``, or an ``eos_token_id`` is outside ``[0, 2**63)``.
+        TypeError: An ``eos_token_id`` is not an integer.
     """
 
     def __init__(
@@ -85,7 +89,7 @@ class ContinuousBatcher:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
         allocator: BlockAllocator | None = None,
-        eos_token_id: int | None = None,
+        eos_token_id: int | Iterable[int] | None = None,
         max_model_len: int | None = None,
         max_prefill_chunk: int | None = None,
         max_queue_size: int | None = None,
@@ -97,6 +101,8 @@ class ContinuousBatcher:
         # (not "name or ...": mypy would type the right side, and so the name, as optional)
         self.name = name if name else getattr(step_fn, "__name__", "ContinuousBatcher")
         self.eos_token_id = eos_token_id
+        eos: Any = () if eos_token_id is None else eos_token_id
+        self._eos = frozenset(token_ids([eos] if is_index(eos) else eos, "eos_token_id"))
         self.max_queue_size = max_queue_size
         self.clock = clock
         self.sched = Scheduler(
@@ -129,6 +135,7 @@ class ContinuousBatcher:
         stop_token_ids: Iterable[int] = (),
         priority: int = 0,
         timeout: float | None = None,
+        sampling: Sampling | None = None,
     ) -> GenerationHandle:
         """Queue one prompt; returns its handle at once.
 
@@ -143,6 +150,9 @@ class ContinuousBatcher:
             timeout: Seconds the request may wait before it first runs; then it fails
                 with [`RequestTimeout`][batchkit.RequestTimeout]. ``None``: no limit.
                 Once running, it is not timed.
+            sampling: How its tokens are picked (temperature, top-k, top-p, seed),
+                on ``StepBatch.seqs[i].sampling`` / ``.sampler`` for the step
+                function; ``None``: greedy.
 
         Returns:
             The request's [`GenerationHandle`][batchkit.GenerationHandle].
@@ -151,20 +161,23 @@ class ContinuousBatcher:
             ValueError: A request that can never fit (an empty prompt, no room within
                 ``max_model_len`` or the KV pool), a token id outside ``[0, 2**63)``,
                 or a bad ``timeout``.
-            TypeError: ``priority`` is not an int, or a token id is not an integer.
+            TypeError: ``priority`` is not an int, a token id is not an integer, or
+                ``sampling`` is not a [`Sampling`][batchkit.generate.Sampling].
             QueueFull: ``max_queue_size`` requests are already waiting.
             BatcherClosed: The batcher is closed.
         """
         if type(priority) is not int:
             raise TypeError(f"priority must be an int, got {type(priority).__name__}")
+        if sampling is not None and not isinstance(sampling, Sampling):
+            raise TypeError(
+                f"sampling must be None or a batchkit.generate.Sampling, got {sampling!r}"
+            )
         if type(max_new_tokens) is not int and is_index(max_new_tokens):
             max_new_tokens = operator.index(max_new_tokens)  # numpy / torch integers
         if timeout is not None and not (isinstance(timeout, (int, float)) and timeout >= 0):
             # (NaN fails ">= 0" too: a NaN deadline would disable every later one)
             raise ValueError(f"timeout must be None or a number of seconds >= 0, got {timeout!r}")
-        stops = frozenset(token_ids(stop_token_ids, "stop_token_ids"))
-        if self.eos_token_id is not None:
-            stops |= {self.eos_token_id}
+        stops = frozenset(token_ids(stop_token_ids, "stop_token_ids")) | self._eos
         prompt = token_ids(prompt_ids, "prompt_ids")
         driver = self._driver
         with self._lock:
@@ -183,6 +196,7 @@ class ContinuousBatcher:
                 priority=priority,
                 arrival_time=now,
                 deadline=None if timeout is None else now + timeout,
+                sampling=sampling,
             )
             self.sched.add(seq)  # ValueError here if it can never fit
             seq.outcome = Outcome(self._waiters)

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from batchkit.generate.sampling import Sampling, TokenSampler, sampler_for
 from batchkit.generate.waiters import Outcome
 from batchkit.kv.block_table import BlockTable
 from batchkit.kv.layout import StepLayout, build_decode_layout, build_layout
@@ -38,6 +39,7 @@ class Sequence:
         arrival_time: When it arrived, in seconds (for the latency statistics).
         deadline: The time by which it must have started, or it times out (see
             [`Scheduler.expire`][batchkit.generate.Scheduler.expire]); ``None``: never.
+        sampling: How it picks its tokens; ``None``: greedy.
     """
 
     __slots__ = (
@@ -64,6 +66,8 @@ class Sequence:
         "handle",
         "outcome",
         "error",
+        "sampling",
+        "sampler",
     )
 
     def __init__(
@@ -76,6 +80,7 @@ class Sequence:
         priority: int = 0,
         arrival_time: float = 0.0,
         deadline: float | None = None,
+        sampling: Sampling | None = None,
     ) -> None:
         self.request_id = request_id
         self.token_ids = prompt_ids  # prompt, then every generated token
@@ -101,6 +106,10 @@ class Sequence:
         self.handle: Any = None  # the driver's GenerationHandle, if any
         self.outcome: Outcome | None = None  # the driver's: who waits for this request
         self.error: BaseException | None = None  # why it failed alone (a bad step result)
+        self.sampling = sampling
+        # Its own generator, kept for its whole life: a preempted sequence recomputes
+        # its tokens, it does not draw them again.
+        self.sampler: TokenSampler | None = sampler_for(sampling)
 
     @property
     def num_tokens(self) -> int:
@@ -135,7 +144,10 @@ class ScheduledSeq:
     Compute tokens ``token_ids[start : start + num_tokens]`` (the earlier ``start``
     are computed already); if ``sample``, return its next token, else ``None``.
     ``token_ids`` is the live list: read it, do not change it. The scheduler builds
-    it; ``slot`` and ``block_ids`` are the sequence's row and (paged mode) KV blocks.
+    it; ``slot`` and ``block_ids`` are the sequence's row and (paged mode) KV blocks;
+    ``sampling`` is the request's [`Sampling`][batchkit.generate.Sampling] (``None``:
+    greedy) and ``sampler`` its [`TokenSampler`][batchkit.generate.TokenSampler]
+    (``None`` when greedy), for [`next_tokens`][batchkit.generate.next_tokens].
 
     Args:
         seq: The scheduled sequence.
@@ -143,7 +155,17 @@ class ScheduledSeq:
         num_tokens: Tokens it computes this step.
     """
 
-    __slots__ = ("request_id", "token_ids", "start", "num_tokens", "slot", "block_ids", "seq")
+    __slots__ = (
+        "request_id",
+        "token_ids",
+        "start",
+        "num_tokens",
+        "slot",
+        "block_ids",
+        "seq",
+        "sampling",
+        "sampler",
+    )
 
     def __init__(self, seq: Sequence, start: int, num_tokens: int) -> None:
         self.seq = seq
@@ -154,6 +176,8 @@ class ScheduledSeq:
         self.slot = seq.slot
         table = seq.block_table
         self.block_ids: list[int] | None = None if table is None else table.block_ids
+        self.sampling = seq.sampling
+        self.sampler = seq.sampler
 
     @property
     def sample(self) -> bool:
