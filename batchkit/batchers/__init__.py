@@ -1,9 +1,10 @@
-"""Batching policies: which items go together, and when."""
+"""Batching policies: which items go together, and when (online, offline, streamed)."""
 
 from batchkit.batchers.base import Batch, Batcher
 from batchkit.batchers.bucketed import BucketedBatcher
 from batchkit.batchers.cost import BatchCost
 from batchkit.batchers.dynamic import DynamicBatcher
+from batchkit.batchers.packing import PackingBatcher
 from batchkit.batchers.sampler import BatchSampler
 from batchkit.batchers.sorted import SortedBatcher
 from batchkit.batchers.static import StaticBatcher
@@ -15,6 +16,7 @@ __all__ = [
     "Batcher",
     "BucketedBatcher",
     "DynamicBatcher",
+    "PackingBatcher",
     "SortedBatcher",
     "StaticBatcher",
 ]

@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 # Re-exported: @batched and the simulator import it from here.
 from batchkit.batchers.checks import check_positive_int as check_positive_int
 from batchkit.batchers.cost import PADDED, BatchCost, CostLike, as_batch_cost
-from batchkit.batchers.sampler import BatchSampler
+from batchkit.batchers.sampler import BatchSampler, check_non_negative_int, check_rank
+from batchkit.batchers.stream import stream_batches
 
 if TYPE_CHECKING:
     import numpy as np
@@ -292,6 +293,57 @@ class Batcher:
         """Whether waiting requests leave at once when no batch is running."""
         return self.max_wait_s is not None
 
+    def arrange(
+        self,
+        batches: list[list[int]],
+        keys: Sequence[float],
+        *,
+        world_size: int,
+        rng: np.random.Generator | None,
+    ) -> list[list[int]]:
+        """The batches in the order ranks take them: batch `i` goes to rank `i % world_size`.
+
+        A sampler and [`stream`][batchkit.Batcher.stream] call it on each epoch's (or
+        buffer's) batches; by default it shuffles their order with `rng`. The caller
+        evens the count out to a multiple of `world_size` afterwards.
+
+        Args:
+            batches: batches of positions in `keys`.
+            keys: every position's key.
+            world_size: how many ranks take one batch each per step.
+            rng: the epoch's random generator; None: keep the order.
+        """
+        if rng is None:
+            return batches
+        return [batches[i] for i in rng.permutation(len(batches)).tolist()]
+
+    def plan(
+        self,
+        keys: np.ndarray,
+        *,
+        shuffled: bool,
+        world_size: int,
+        rng: np.random.Generator | None,
+    ) -> list[np.ndarray]:
+        """A sampler's batches of positions in `keys`, in the order ranks take them.
+
+        [`index_batches`][batchkit.Batcher.index_batches] then
+        [`arrange`][batchkit.Batcher.arrange]; a policy may compute both at once on
+        arrays (`PackingBatcher` does).
+
+        Args:
+            keys: every position's key, in the sampler's order.
+            shuffled: the keys come in a random order.
+            world_size: how many ranks take one batch each per step.
+            rng: the epoch's random generator; None: keep the order.
+        """
+        import numpy as np  # (numpy is imported only for annotations at module level)
+
+        listed = keys.tolist()
+        batches = self.index_batches(listed, shuffled=shuffled)
+        arranged = self.arrange(batches, listed, world_size=world_size, rng=rng)
+        return [np.asarray(b, dtype=np.int64) for b in arranged]
+
     # -- offline ----------------------------------------------------------
     def index_batches(self, keys: Sequence[float], *, shuffled: bool = False) -> list[list[int]]:
         """Batches of positions in `keys`, cut by this policy's rules.
@@ -355,6 +407,68 @@ class Batcher:
             seed=seed,
             drop_last=drop_last,
         )
+
+    def stream(
+        self,
+        items: Iterable[T],
+        *,
+        buffer_size: int = 10_000,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        shuffle: bool = True,
+        sync_buckets: bool = False,
+        drop_last: bool = False,
+    ) -> Iterator[Batch[T]]:
+        """Batches of an iterable too large to hold, read lazily into a bounded buffer.
+
+        The buffer is filled with up to `buffer_size` items, shuffled under `seed`,
+        cut into batches by this policy's rules (as
+        [`batches`][batchkit.Batcher.batches] would cut it) and handed out in steps
+        of one batch per rank; batches that do not fill a step wait for the next
+        fill. Every rank reads the whole stream, runs the same steps and keeps batch
+        `rank` of each, so all ranks get the same number of batches and each item
+        goes to one rank. At the end the last steps are evened out like a sampler's
+        (`drop_last`). Inside a `DataLoader` with workers, give each worker its own
+        shard: `rank=rank * num_workers + worker_id`, `world_size=world_size *
+        num_workers` (see the guide).
+
+        Args:
+            items: any iterable (read once, one item at a time).
+            buffer_size: the most items held at once, read but not yet handed out.
+            seed: the seed every rank shares (use `seed + epoch` for a new order).
+            rank: this process's (or worker's) shard, in `[0, world_size)`.
+            world_size: how many shards share the stream.
+            shuffle: shuffle within each fill of the buffer, and the order of steps.
+            sync_buckets: every step's batches come from one bucket (`bucket_of`),
+                so no rank waits for a longer bucket than the others' (a no-op for a
+                policy without buckets).
+            drop_last: at the end, drop the batches that do not fill a step instead
+                of repeating some.
+
+        Returns:
+            An iterator of this rank's [`Batch`][batchkit.Batch]es; their `indices`
+            are the items' positions in the stream. Nothing is read before the
+            first batch is asked for.
+
+        Raises:
+            ValueError: `buffer_size` or `world_size` below 1, a `rank` outside
+                `[0, world_size)`, or a negative `seed`.
+        """
+        check_positive_int("buffer_size", buffer_size)
+        check_rank(rank, world_size)
+        batches = stream_batches(
+            self,
+            items,
+            buffer_size=buffer_size,
+            seed=check_non_negative_int("seed", seed),
+            rank=rank,
+            world_size=world_size,
+            shuffle=bool(shuffle),
+            sync_buckets=bool(sync_buckets),
+            drop_last=bool(drop_last),
+        )
+        return (Batch(batch, indices) for batch, indices in batches)
 
     def __repr__(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))

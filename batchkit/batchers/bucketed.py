@@ -94,6 +94,39 @@ class BucketedBatcher(Batcher):
         check_positive_int("num_buckets", num_buckets)
         return cls(equal_token_boundaries(lengths, num_buckets), **options)
 
+    @classmethod
+    def from_sample(
+        cls,
+        sample_lengths: Sequence[int] | np.ndarray,
+        *,
+        num_buckets: int,
+        max_tokens: int | None = None,
+        **options: Any,
+    ) -> Self:
+        """A policy whose `num_buckets` boundaries are a sample's quantiles.
+
+        Each bucket holds about the same number of the sample's items (Lhotse's
+        duration buckets balance the same way), which suits a stream: every bucket
+        fills at about the same rate, so a bounded buffer holds batches of every
+        bucket. The last boundary is the sample's maximum; a longer item later forms a
+        bucket of its own. ([`from_lengths`][batchkit.BucketedBatcher.from_lengths]
+        balances the buckets' tokens instead.)
+
+        Args:
+            sample_lengths: a sample of the keys (ints >= 0), e.g. the first
+                thousands of a stream's lengths.
+            num_buckets: how many boundaries (at most the sample's distinct lengths).
+            max_tokens: the budget of each batch (by `cost`); None: no budget.
+            **options: the constructor's other arguments (`max_batch_size`, `cost`, ...).
+
+        Raises:
+            ValueError: `num_buckets` not a positive int or above the sample's
+                distinct lengths, or bad lengths.
+        """
+        check_positive_int("num_buckets", num_buckets)
+        bounds = _boundaries(sample_lengths, num_buckets, by_tokens=False)
+        return cls(bounds, max_tokens=max_tokens, **options)
+
     def bucket_of(self, key: float) -> Hashable:
         """Index of the first boundary >= `key` (`len(boundaries)` above the last).
 
@@ -137,6 +170,14 @@ def equal_token_boundaries(lengths: Sequence[int] | np.ndarray, num_buckets: int
         ValueError: fewer distinct lengths than `num_buckets`.
     """
     check_positive_int("num_buckets", num_buckets)
+    return _boundaries(lengths, num_buckets, by_tokens=True)
+
+
+def _boundaries(
+    lengths: Sequence[int] | np.ndarray, num_buckets: int, *, by_tokens: bool
+) -> list[int]:
+    """Boundaries where the sorted sample's running mass (tokens, or items) reaches
+    each `j / num_buckets` of the whole, kept distinct; the last is the maximum."""
     values, counts = np.unique(
         np.asarray(check_lengths(lengths), dtype=np.int64), return_counts=True
     )
@@ -145,7 +186,7 @@ def equal_token_boundaries(lengths: Sequence[int] | np.ndarray, num_buckets: int
             f"num_buckets={num_buckets} needs at least that many distinct lengths; "
             f"the sample has {len(values)}"
         )
-    cumulative = np.cumsum(values * counts)
+    cumulative = np.cumsum(values * counts if by_tokens else counts)
     targets = cumulative[-1] * np.arange(1, num_buckets) / num_buckets
     picks = np.searchsorted(cumulative, targets, side="left").tolist()
     # keep the k-1 inner boundaries distinct and below the maximum: each at least one

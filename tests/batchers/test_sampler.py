@@ -228,7 +228,12 @@ def test_bad_arguments(kwargs: dict[str, object], error: type[Exception]) -> Non
         ({"epoch": -1, "batches_yielded": 0}, "epoch"),
         ({"epoch": 0, "batches_yielded": 99}, "only 2 batches"),
         ({"epoch": 0, "batches_yielded": 0, "seed": 5}, "seed=5"),
-        ({"epoch": 0, "batches_yielded": 0, "world_size": 2}, "world_size=2"),
+        ({"epoch": 0, "batches_yielded": 0, "num_samples": 4}, "num_samples=4"),
+        ({"epoch": 0, "batches_yielded": 0, "world_size": 0}, "world_size"),
+        (
+            {"epoch": 0, "batches_yielded": 0, "world_size": 2, "batches_digest": "0" * 16},
+            "other batches",
+        ),
     ],
 )
 def test_bad_state(state: dict[str, int], match: str) -> None:

@@ -1,0 +1,167 @@
+"""Streams: a policy's batches from an iterable too large to hold, in a bounded buffer.
+
+`policy.stream(items, buffer_size=...)` reads `items` lazily into a buffer of at most
+`buffer_size` items, shuffles each fill under the seed, cuts it into batches by the
+policy's own rules and hands them out in steps of one batch per rank. Every rank
+runs the same steps from the same seed and keeps its own batch of each, so the ranks
+agree without talking to each other, and all get the same number of batches.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Hashable, Iterable, Iterator, Sequence
+from typing import Any, Protocol, TypeVar
+
+import numpy as np
+
+from batchkit.batchers.sampler import even_out
+
+T = TypeVar("T")
+
+
+class StreamPolicy(Protocol):
+    """What a stream needs from a policy (every `Batcher` has it)."""
+
+    def index_batches(self, keys: Sequence[float], *, shuffled: bool = False) -> list[list[int]]:
+        """Batches of positions in `keys`, cut by the policy's rules.
+
+        Args:
+            keys: every item's key.
+            shuffled: the keys come in a random order.
+        """
+        ...
+
+    def arrange(
+        self,
+        batches: list[list[int]],
+        keys: Sequence[float],
+        *,
+        world_size: int,
+        rng: np.random.Generator | None,
+    ) -> list[list[int]]:
+        """The batches in the order ranks take them.
+
+        Args:
+            batches: batches of positions in `keys`.
+            keys: every position's key.
+            world_size: how many ranks take one batch each per step.
+            rng: the random generator; None: keep the order.
+        """
+        ...
+
+    def keys_of(self, items: Sequence[Any]) -> list[float]:
+        """Every item's key.
+
+        Args:
+            items: the items.
+        """
+        ...
+
+    def bucket_of(self, key: float) -> Hashable:
+        """The bucket of an item with this key.
+
+        Args:
+            key: the item's key.
+        """
+        ...
+
+
+def stream_batches(
+    policy: StreamPolicy,
+    items: Iterable[T],
+    *,
+    buffer_size: int,
+    seed: int,
+    rank: int,
+    world_size: int,
+    shuffle: bool,
+    sync_buckets: bool,
+    drop_last: bool,
+) -> Iterator[tuple[list[T], list[int]]]:
+    """This rank's batches of `items`, as (items, their positions in the stream).
+
+    Each round fills the buffer to `buffer_size` items (less the items of batches
+    still held back), shuffles what it read, batches it, and yields every full step
+    (`world_size` batches, one per rank): a group's last batches that do not fill a
+    step wait for the next round. Groups are the policy's buckets with `sync_buckets`
+    (a step never mixes buckets), else one. At the end of `items` the last steps are
+    evened out like a sampler's epoch (batches repeated from the start of the group,
+    or dropped with `drop_last`).
+
+    Args:
+        policy: the batching policy.
+        items: any iterable, read once, lazily.
+        buffer_size: the most items held at once (read, not yet handed out).
+        seed: the seed every rank shares.
+        rank: this rank, in `[0, world_size)`.
+        world_size: how many ranks share the stream.
+        shuffle: shuffle each fill of the buffer and the order of its steps.
+        sync_buckets: every step's batches come from one bucket.
+        drop_last: at the end, drop batches that do not fill a step instead of
+            repeating some.
+    """
+    rng = np.random.default_rng(seed)
+    source = iter(items)
+    held: dict[int, tuple[T, float]] = {}  # stream position -> (item, key), not yet handed out
+    waiting: dict[Hashable, list[list[int]]] = {}  # group -> batches held back for a step
+    read = 0  # items read so far: the next item's stream position
+    exhausted = False
+    while not exhausted or waiting:
+        room = buffer_size - len(held)
+        chunk = list(itertools.islice(source, room)) if room > 0 else []
+        exhausted = exhausted or (room > 0 and len(chunk) < room)
+        positions = list(range(read, read + len(chunk)))
+        read += len(chunk)
+        if shuffle and chunk:
+            order = rng.permutation(len(chunk)).tolist()
+            chunk, positions = [chunk[i] for i in order], [positions[i] for i in order]
+        keys = policy.keys_of(chunk)
+        held.update(zip(positions, zip(chunk, keys)))
+        for batch in policy.index_batches(keys):
+            members = [positions[p] for p in batch]
+            group = policy.bucket_of(held[members[0]][1]) if sync_buckets else None
+            waiting.setdefault(group, []).append(members)
+        stuck = room <= 0  # held-back batches fill the buffer: they go, buckets mixed
+        if stuck:
+            waiting = {None: [b for batches in waiting.values() for b in batches]}
+        steps: list[list[list[int]]] = []
+        for group in list(waiting):
+            ordered = _arranged(policy, waiting.pop(group), held, world_size, rng, shuffle)
+            full = len(ordered) - len(ordered) % world_size
+            if exhausted or (stuck and full == 0):
+                ordered = even_out(ordered, world_size, drop_last)
+                full = len(ordered)
+            elif ordered[full:]:
+                waiting[group] = ordered[full:]
+            steps += [ordered[s : s + world_size] for s in range(0, full, world_size)]
+        if shuffle and len(steps) > 1:
+            steps = [steps[i] for i in rng.permutation(len(steps)).tolist()]
+        for step in steps:
+            mine = step[rank]
+            yield [held[i][0] for i in mine], list(mine)
+            for batch in step:  # every rank is done with the step: free its items
+                for i in batch:
+                    held.pop(i, None)
+        if exhausted and not waiting:
+            return
+
+
+def _arranged(
+    policy: StreamPolicy,
+    batches: list[list[int]],
+    held: dict[int, tuple[Any, float]],
+    world_size: int,
+    rng: np.random.Generator,
+    shuffle: bool,
+) -> list[list[int]]:
+    """`batches` (of stream positions) in the order the policy's `arrange` gives them."""
+    flat = [i for b in batches for i in b]
+    keys = [held[i][1] for i in flat]
+    local: list[list[int]] = []
+    start = 0
+    for b in batches:
+        local.append(list(range(start, start + len(b))))
+        start += len(b)
+    arranged = policy.arrange(local, keys, world_size=world_size, rng=rng if shuffle else None)
+    return [[flat[p] for p in b] for b in arranged]
