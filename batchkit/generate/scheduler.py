@@ -26,6 +26,7 @@ given back by its `SeqResources`; the drivers
 from __future__ import annotations
 
 import heapq
+import operator
 from collections import deque
 
 from batchkit.generate.resources import SeqResources
@@ -210,9 +211,11 @@ class Scheduler:
         Call [`update`][batchkit.generate.Scheduler.update] with its tokens (or
         [`fail_step`][batchkit.generate.Scheduler.fail_step]) before the next one.
 
-        In order: waiting requests more urgent than some running sequence (preempting
-        less urgent ones for their row and blocks); the running sequences; then other
-        waiting ones, unless the step preempted for lack of blocks.
+        Scheduled in this order: waiting requests more urgent than some running
+        sequence (preempting less urgent ones for their row and blocks); the running
+        sequences; then other waiting ones, unless the step preempted for lack of
+        blocks. The batch lists them in row order (by ``slot``), whatever the order
+        they were scheduled in.
 
         Raises:
             RuntimeError: The last step's results were not applied yet.
@@ -230,6 +233,9 @@ class Scheduler:
                     break
 
         scheduled, alloc, res = step.scheduled, self.allocator, self.resources
+        # Row order, so that the batch depends on which rows run, not on how they came
+        # to: a full batch's rows are 0 .. max_num_seqs-1, its per-row state as it is.
+        scheduled.sort(key=_slot_of)
         batch = StepBatch(scheduled, res.take_released(), self.stats.steps)
         if alloc is not None:
             batch.block_size = alloc.block_size
@@ -553,6 +559,9 @@ class Scheduler:
             Those aborted.
         """
         return self.fail(list(self.waiting) + list(self.running), reason)
+
+
+_slot_of = operator.attrgetter("slot")  # a scheduled sequence's row (a step's sort key)
 
 
 def _urgency_rank(seq: Sequence) -> tuple[int, int]:

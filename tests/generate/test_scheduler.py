@@ -8,6 +8,8 @@ import weakref
 from collections.abc import Callable
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from batchkit.generate import ContinuousBatcher, Scheduler, SeqStatus, Sequence, StepBatch
 from batchkit.kv import BlockAllocator
@@ -285,3 +287,50 @@ def test_two_preempted_equals_do_not_take_turns_forever() -> None:
     run_to_end(sched, model)
     assert_solo(*seqs)
     assert sched.stats.preemptions == 1
+
+
+# -- the batch's order -----------------------------------------------------------------
+def test_an_urgent_request_admitted_into_a_later_row_is_listed_in_row_order() -> None:
+    sched, model = make(max_num_seqs=2), SlottedToy()
+    for i in range(2):
+        sched.add(Sequence(i, [1, 2 + i], max_new_tokens=5, priority=1))
+    step(sched, model)
+    sched.add(Sequence(2, [5], max_new_tokens=3, priority=0))  # takes request 1's row 1
+    batch = step(sched, model)
+    assert [(s.request_id, s.slot) for s in batch.seqs] == [(0, 0), (2, 1)]  # was 2 first
+
+
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 3), st.integers(1, 12), st.integers(1, 6), st.integers(-1, 1)),
+        min_size=1,
+        max_size=8,
+    ),
+    st.booleans(),
+)
+def test_every_batch_lists_its_sequences_in_row_order(
+    requests: list[tuple[int, int, int, int]], paged: bool
+) -> None:
+    """Arrivals over time with priorities (urgent admissions, preemptions, finished rows
+    reused): every batch is in row order, its block tables row by row its sequences'
+    blocks, and every output what the request generates alone."""
+    alloc = BlockAllocator(8, 2, prefix_caching=True) if paged else None
+    sched = make(max_num_seqs=3, budget=8, allocator=alloc, cap=4)
+    model: Callable[[StepBatch], list[int | None]] = PagedToy(8, 2) if paged else SlottedToy()
+    seqs = [
+        Sequence(i, [1 + (i + j) % 5 for j in range(length)], max_new_tokens=new, priority=p)
+        for i, (_, length, new, p) in enumerate(requests)
+    ]
+    arrivals = sorted(zip((r[0] for r in requests), seqs), key=lambda a: a[0])
+    for t in range(1000):
+        while arrivals and arrivals[0][0] <= t:
+            sched.add(arrivals.pop(0)[1])
+        if not (arrivals or sched.has_work):
+            break
+        batch = step(sched, model)
+        slots = [s.slot for s in batch.seqs]
+        assert slots == sorted(slots)
+        if batch.block_tables is not None:
+            for row, s in zip(batch.block_tables.tolist(), batch.seqs):
+                assert row[: len(s.block_ids or [])] == s.block_ids
+    assert_solo(*seqs)
