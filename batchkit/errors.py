@@ -27,6 +27,13 @@ class BatchTimeout(BatchkitError, TimeoutError):
     request did start."""
 
 
+class BatchInterrupted(BatchkitError):
+    """The batch function raised `SystemExit`, `KeyboardInterrupt` or another
+    `BaseException` that is not an `Exception` on a worker thread. There it is no
+    real exit or Ctrl-C, and passed on as it is it would stop every asyncio caller's
+    event loop; so the batch's callers get this error, caused by it (`__cause__`),
+    and serving goes on."""
+
 
 class Overloaded(QueueFull):
     """The request would miss its latency target (`max_latency_ms`): refused at once,

@@ -3,6 +3,7 @@ threads or an event loop); its errors, statistics and events."""
 
 from batchkit.errors import (
     BatcherClosed,
+    BatchInterrupted,
     BatchkitError,
     BatchTimeout,
     Overloaded,
@@ -21,6 +22,7 @@ from batchkit.serve.stats import DispatchReason, Stats
 __all__ = [
     "END",
     "BatchEvent",
+    "BatchInterrupted",
     "BatchTimeout",
     "BatchedFunction",
     "BatcherClosed",

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import pickle
+import sys
 import threading
 import time
 import weakref
@@ -534,6 +536,29 @@ class BatchedFunction(Generic[R]):
 
     def __repr__(self) -> str:
         return f"<batched {self.__qualname__} {self.options.policy!r}>"
+
+    def __reduce__(self) -> str:
+        """Pickled by reference to its module-level name, as a function is: the
+        receiving process (a `multiprocessing` worker, say) imports the module and
+        gets its own batched function there, with its own queue and workers.
+
+        Raises:
+            pickle.PicklingError: It is not reachable by its name in its module (one
+                made inside a function, or a method's per-instance function).
+        """
+        module_name = getattr(self.fn, "__module__", None) or "__main__"
+        qualname: str = self.__qualname__
+        found: Any = sys.modules.get(module_name)
+        for part in qualname.split("."):
+            found = getattr(found, part, None)
+        if found is not self:
+            raise pickle.PicklingError(
+                f"cannot pickle batched function {qualname!r}: it is pickled by "
+                f"reference to its module-level name, and {module_name}.{qualname} "
+                "is not it. Define it with @batched at module level, or send the items "
+                "and call it in the receiving process"
+            )
+        return qualname
 
 
 OnOom = Callable[[], None]

@@ -3,13 +3,16 @@ from asyncio (awaiting, never blocking the loop), with its timeout and cancellat
 
 Plain functions over a `batchkit.serve.core.ServingCore`; both drivers use them. A
 `timeout` bounds the wait before the item starts running, read on the batcher's
-clock.
+clock; it is checked before anything is queued (`checked_timeout`), so a call refused
+for its `timeout` never runs its item.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
+import numbers
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
@@ -17,6 +20,34 @@ from batchkit.errors import RequestTimeout
 from batchkit.serve.channels import LoopChannel, Message, ThreadChannel
 from batchkit.serve.core import ServingCore
 from batchkit.serve.request import Request, new_request
+
+
+def checked_timeout(timeout: object) -> float | None:
+    """A caller's `timeout` as the bound it means, checked before anything is queued.
+
+    Args:
+        timeout: Seconds (a real number >= 0); None or `math.inf` for no bound.
+
+    Returns:
+        The seconds as a float, or None for no bound.
+
+    Raises:
+        TypeError: `timeout` is not a real number (a `bool` or a string neither).
+        ValueError: It is NaN or negative.
+    """
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        raise TypeError(
+            f"timeout must be a number of seconds or None, got {type(timeout).__name__}"
+        )
+    seconds = float(timeout)
+    if not seconds >= 0.0:  # (NaN too: every comparison with it is False)
+        raise ValueError(
+            f"timeout must be a number of seconds >= 0 (None or math.inf for no bound), "
+            f"got {timeout!r}"
+        )
+    return None if seconds == math.inf else seconds
 
 
 def _started(core: ServingCore, timeout: float | None) -> float:
@@ -44,7 +75,10 @@ def call(core: ServingCore, item: Any, priority: int, timeout: float | None) -> 
 
     Raises:
         RequestTimeout: It did not start within `timeout`.
+        TypeError: `timeout` is not a number (nothing was queued).
+        ValueError: `timeout` is NaN or negative (nothing was queued).
     """
+    timeout = checked_timeout(timeout)
     req = core.make_request(item, priority, None)
     left = timeout
     if core.admission is None:
@@ -76,7 +110,12 @@ def call_many(
 
     Returns:
         One result per item, in input order.
+
+    Raises:
+        TypeError: `timeout` is not a number (nothing was queued).
+        ValueError: `timeout` is NaN or negative (nothing was queued).
     """
+    timeout = checked_timeout(timeout)
     reqs = [core.make_request(x, priority, None) for x in items]
     # Every item's timeout runs from this call, as if each were called alone now (a
     # blocked enqueue included): at the deadline, items not yet started are withdrawn.
@@ -166,7 +205,13 @@ def bind_acall(core: ServingCore, lane: LockFreeLane | None) -> AsyncCall:
 
         Returns:
             The item's result.
+
+        Raises:
+            TypeError: `timeout` is not a number (nothing was queued).
+            ValueError: `timeout` is NaN or negative (nothing was queued).
         """
+        if timeout is not None:
+            timeout = checked_timeout(timeout)
         loop = asyncio.get_running_loop()
         if lane is not None and loop is lane.owner_loop and type(priority) is int and not priority:
             # The usual call, taken here rather than in a method of the lane: one call
@@ -208,7 +253,12 @@ async def amap(
 
     Returns:
         One result per item, in input order.
+
+    Raises:
+        TypeError: `timeout` is not a number (nothing was queued).
+        ValueError: `timeout` is NaN or negative (nothing was queued).
     """
+    timeout = checked_timeout(timeout)
     loop = asyncio.get_running_loop()
     reqs = [core.make_request(x, priority, loop) for x in items]
     started = _started(core, timeout)
@@ -300,6 +350,7 @@ class ThreadStream(Iterator[Any]):
     def __init__(
         self, core: ServingCore, item: Any, priority: int, timeout: float | None
     ) -> None:
+        timeout = checked_timeout(timeout)
         self._core = core
         self._channel = ThreadChannel()
         self._req = core.make_request(item, priority, None, channel=self._channel)
@@ -366,6 +417,7 @@ class LoopStream(AsyncIterator[Any]):
     def __init__(
         self, core: ServingCore, item: Any, priority: int, timeout: float | None
     ) -> None:
+        timeout = checked_timeout(timeout)
         loop = asyncio.get_running_loop()
         self._core = core
         self._channel = LoopChannel(loop)

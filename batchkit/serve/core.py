@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,6 +36,44 @@ LoopCheck = Callable[["asyncio.AbstractEventLoop | None"], None]
 
 def _nothing() -> None:
     pass
+
+
+# -- os.fork() ---------------------------------------------------------------------
+# A child process has only the thread that forked. Every core's lock is taken around
+# the fork, so that no lock is left held by a thread the child does not have, and the
+# child's drivers are told (`ServingCore.forked`) that their threads are gone.
+_cores: weakref.WeakSet[ServingCore] = weakref.WeakSet()
+_held_at_fork: list[ServingCore] = []
+
+
+def _before_fork() -> None:
+    held = sorted(_cores, key=id)  # one order for every fork: no two forks cross
+    for core in held:
+        core.lock.acquire()
+    _held_at_fork[:] = held
+
+
+def _after_fork_in_parent() -> None:
+    for core in reversed(_held_at_fork):
+        core.lock.release()
+    _held_at_fork.clear()
+
+
+def _after_fork_in_child() -> None:
+    for core in reversed(_held_at_fork):
+        try:
+            core.forked()
+        finally:
+            core.lock.release()
+    _held_at_fork.clear()
+
+
+if hasattr(os, "register_at_fork"):  # (POSIX only)
+    os.register_at_fork(
+        before=_before_fork,
+        after_in_parent=_after_fork_in_parent,
+        after_in_child=_after_fork_in_child,
+    )
 
 
 class ServingCore:
@@ -67,6 +107,8 @@ class ServingCore:
         self.check_loop: LoopCheck | None = None
         # settings_changed(): under the lock, after configure() changed something.
         self.settings_changed: Callable[[], None] = _nothing
+        # forked(): under the lock, in a child process just forked (see _before_fork).
+        self.forked: Callable[[], None] = _nothing
         # Kept by the driver: worker threads stuck in a timed-out call, and whether
         # they are still replaced (see ThreadDriver).
         self.abandoned_workers = 0
@@ -79,6 +121,7 @@ class ServingCore:
             self.sched.on_room = self._room_freed_locked
         self.sched.on_shed = self._shed_locked
         self.sched.on_select_failed = deliver  # (their error set: the policy's)
+        _cores.add(self)
 
     # -- admission -----------------------------------------------------------
     def _takes_bulk_arrivals(self) -> bool:

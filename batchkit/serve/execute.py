@@ -28,11 +28,13 @@ from __future__ import annotations
 import itertools
 import logging
 import traceback
-from collections.abc import Generator, Iterable, Sequence
+from collections.abc import Generator, Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from enum import Enum
 from typing import Any
 
-from batchkit.errors import BatchTimeout
+from batchkit.collate.stack import unstack
+from batchkit.errors import BatchInterrupted, BatchTimeout
 from batchkit.serve.options import OomRecovery, Options
 from batchkit.serve.request import Request
 
@@ -71,6 +73,28 @@ def release_frames(exc: BaseException, *, drop_traceback: bool) -> None:
             if drop_traceback:
                 current.__traceback__ = None
         pending += (current.__cause__, current.__context__)
+
+
+def contained(exc: BaseException, name: str) -> BaseException:
+    """What the callers get for `exc`, raised by a batch function on a worker thread.
+
+    An `Exception` as it is. A `SystemExit`, `KeyboardInterrupt` or other
+    `BaseException` there is no real exit or Ctrl-C (those reach the main thread), and
+    handed on as it is it would stop every caller's event loop (asyncio re-raises them
+    out of the loop): it becomes a `BatchInterrupted` caused by it, and serving goes on.
+
+    Args:
+        exc: What the batch function raised.
+        name: The function's name, for the message.
+    """
+    if isinstance(exc, Exception):
+        return exc
+    error = BatchInterrupted(
+        f"{name}: the batch function raised {type(exc).__name__}({exc}) on a worker thread; "
+        f"its callers get this error instead (the {type(exc).__name__} is its __cause__)"
+    )
+    error.__cause__ = exc
+    return error
 
 
 class BatchRun:
@@ -301,11 +325,20 @@ def per_item_results(output: Any, padded: int, options: Options, name: str) -> S
         options: The function's options (`split`).
         name: The function's name, for error messages.
 
+    A mapping (`{"logits": t, "hidden": h}`, a Hugging Face `ModelOutput`) whose
+    values each lead with the batch dimension is split per item as
+    [`unstack`][batchkit.unstack] does: each result is a mapping of the same keys.
+    Iterating a mapping would hand out its keys, and a set its members in no order, as
+    results.
+
     Raises:
-        TypeError: The results have no `len()`.
-        ValueError: There are not `padded` of them.
+        TypeError: The results have no `len()`, or are a set.
+        ValueError: There are not `padded` of them, or a mapping's values disagree on
+            the batch size.
     """
     results = options.split(output) if options.split is not None else output
+    if type(results) is not list:  # (the usual result: checked first, at no cost)
+        results = _per_item(results, name)
     try:
         count = len(results)
     except TypeError:
@@ -316,3 +349,22 @@ def per_item_results(output: Any, padded: int, options: Options, name: str) -> S
     if count != padded:
         raise ValueError(f"{name} returned {count} results for a batch of {padded} items")
     return results  # type: ignore[no-any-return]
+
+
+def _per_item(results: Any, name: str) -> Any:
+    """`results` as a sequence of per-item results: a mapping split per item, a set
+    refused; anything else as it is."""
+    if isinstance(results, Mapping):
+        try:
+            return unstack(results)
+        except ValueError as exc:
+            raise ValueError(
+                f"{name} returned a {type(results).__name__} whose values do not all lead "
+                f"with the batch dimension, so it cannot be split per item: {exc}"
+            ) from None
+    if isinstance(results, AbstractSet):
+        raise TypeError(
+            f"{name} returned a {type(results).__name__}, whose order is arbitrary: return "
+            "a list (or a tensor) of results in the order of the items"
+        )
+    return results

@@ -16,12 +16,13 @@ applied to them.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 from batchkit.serve.channels import END, Channel
-from batchkit.serve.execute import BatchRun, start_run
+from batchkit.serve.execute import BatchRun, contained, start_run
 from batchkit.serve.options import Clock, Options
 from batchkit.serve.request import Request
 
@@ -198,7 +199,7 @@ def run_stream_sync(
             if stream.take(entries, clock):
                 break
     except BaseException as exc:  # noqa: BLE001 - the worker must survive anything
-        error = exc
+        error = contained(exc, name)
     finally:
         _close(generator)
     return stream.ended(error)
@@ -212,6 +213,9 @@ async def run_stream_async(
     clock: Clock,
 ) -> BatchRun:
     """Iterate an async generator batch function; raises only a cancellation.
+
+    Anything else it raises, a `BaseException` too, fails its open streams with that
+    exception itself (the task running the batch does not fail).
 
     Args:
         fn: The async generator function.
@@ -234,7 +238,9 @@ async def run_stream_async(
         async for entries in generator:
             if stream.take(entries, clock):
                 break
-    except Exception as exc:  # noqa: BLE001 - a failing batch must not kill the loop
+    except asyncio.CancelledError:
+        raise  # (this batch's task is cancelled: its streams are settled by the driver)
+    except BaseException as exc:  # noqa: BLE001 - its streams get it, not the task
         error = exc
     finally:
         await _aclose(generator)

@@ -15,30 +15,33 @@ import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from batchkit.errors import BatcherClosed
 from batchkit.serve import callers
 from batchkit.serve.callers import AsyncCall
 from batchkit.serve.core import ServingCore
-from batchkit.serve.execute import BatchRun, Outcome, run_steps, start_run
+from batchkit.serve.execute import BatchRun, Outcome, contained, run_steps, start_run
 from batchkit.serve.request import deliver
 from batchkit.serve.scheduler import FormedBatch
 from batchkit.serve.streaming import run_stream_sync
 from batchkit.serve.watchdog import Watchdog
 
 
-def call_sync(fn: Callable[[Any], Any], argument: Any) -> Outcome:
+def call_sync(fn: Callable[[Any], Any], argument: Any, name: str) -> Outcome:
     """Call `fn(argument)`; its output or what it raised (the worker survives anything).
 
     Args:
         fn: The batch function.
         argument: The batch, as collated.
+        name: The function's name, for messages.
 
     Returns:
-        `(True, output)`, or `(False, exception)`.
+        `(True, output)`, or `(False, exception)`: a `SystemExit` or
+        `KeyboardInterrupt` as a `BatchInterrupted` (see `contained`).
     """
     try:
         return True, fn(argument)
     except BaseException as exc:  # noqa: BLE001 - the worker must survive anything
-        return False, exc
+        return False, contained(exc, name)
 
 
 class Worker:
@@ -81,6 +84,7 @@ class ThreadDriver:
             self.watchdog = Watchdog(core.lock, core.clock, timeout, self._expired, core.name)
         core.wake = self._wake_locked
         core.settings_changed = self._settings_changed_locked
+        core.forked = self._forked_locked
         # One item from asyncio (the function runs on a worker thread, never on the
         # loop): the callers' coroutine itself, so that a call is one coroutine.
         self.acall: AsyncCall = callers.bind_acall(core, None)
@@ -105,6 +109,24 @@ class ThreadDriver:
         if self.workers:  # (none yet: the first call starts them)
             self._start_workers_locked()
         self.cond.notify_all()  # a larger size or limit may make a batch ready now
+
+    def _forked_locked(self) -> None:
+        """In a child process just forked, under the lock: the parent's worker and
+        watchdog threads are not here. The batches they ran fail (they run on in the
+        parent only) and free their slots; the next call starts fresh workers."""
+        core = self.core
+        self.workers = []
+        self.idle_workers = 0
+        core.abandoned_workers = 0
+        core.healthy = True
+        if self.watchdog is not None:
+            self.watchdog.forked_locked()
+        error = BatcherClosed(
+            f"{core.name}: the process forked while this request's batch ran; it runs on "
+            "in the parent process only"
+        )
+        for batch in list(core.sched.running.values()):
+            deliver(core.abandon_locked(batch, error))
 
     def _work(self, worker: Worker) -> None:
         """One worker: take a batch, run and settle it, repeat; sleep when there is none."""
@@ -211,11 +233,11 @@ class ThreadDriver:
         """One call of the function, watched when there is a `batch_timeout`."""
         watchdog = self.watchdog
         if watchdog is None:
-            return call_sync(self.fn, argument)
+            return call_sync(self.fn, argument, self.core.name)
         with self.cond:
             watchdog.call_started_locked(worker)
         try:
-            return call_sync(self.fn, argument)
+            return call_sync(self.fn, argument, self.core.name)
         finally:
             with self.cond:
                 watchdog.call_ended_locked(worker)

@@ -73,6 +73,12 @@ class Watchdog:
         self._stopped = True
         self.cond.notify()
 
+    def forked_locked(self) -> None:
+        """Under the lock, in a child process just forked: the watchdog thread is not
+        here, nor the calls it watched; the next watched call starts a new thread."""
+        self._thread = None
+        self._deadlines.clear()
+
     def join(self) -> None:
         """Wait for the watchdog thread to exit (after `stop_locked`)."""
         if self._thread is not None and self._thread is not threading.current_thread():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -615,3 +616,123 @@ def test_an_async_function_survives_a_failing_policy_select() -> None:
         await f.aclose()
 
     asyncio.run(main())
+
+
+# -- a caller's timeout is checked before anything is queued -----------------------
+BAD_TIMEOUTS = [
+    (float("nan"), ValueError),
+    (-1.0, ValueError),
+    (-math.inf, ValueError),
+    ("1", TypeError),
+    (True, TypeError),
+    ([1], TypeError),
+]
+
+
+@pytest.mark.parametrize(("timeout", "error"), BAD_TIMEOUTS)
+def test_a_bad_timeout_is_refused_and_nothing_runs(timeout, error) -> None:
+    rec = Recorder()
+    f = batchkit.batched(max_batch_size=8, max_wait_ms=1)(rec)
+    gen = batchkit.batched(max_batch_size=8, max_wait_ms=1)(streaming_model)
+
+    async def from_asyncio() -> None:
+        with pytest.raises(error, match="timeout"):
+            await f.acall("a", timeout=timeout)
+        with pytest.raises(error, match="timeout"):
+            await f.amap(["b", "c"], timeout=timeout)
+        with pytest.raises(error, match="timeout"):
+            gen.astream("d", timeout=timeout)
+
+    with pytest.raises(error, match="timeout"):
+        f("e", timeout=timeout)
+    with pytest.raises(error, match="timeout"):
+        f.map(["f", "g"], timeout=timeout)
+    with pytest.raises(error, match="timeout"):
+        gen.stream("h", timeout=timeout)
+    asyncio.run(from_asyncio())
+    assert f("ok") == "OK2"  # the batch it runs in holds nothing refused before
+    assert rec.batches == [["ok"]]
+    assert f.stats().requests == 1 and gen.stats().requests == 0
+    f.close()
+    gen.close()
+
+
+def streaming_model(xs):
+    yield [x.upper() for x in xs]
+
+
+def test_an_infinite_timeout_is_no_bound_on_both_faces() -> None:
+    f = batchkit.batched(max_batch_size=8, max_wait_ms=1)(model)
+    gen = batchkit.batched(max_batch_size=8, max_wait_ms=1)(streaming_model)
+
+    async def from_asyncio():
+        chunks = [c async for c in gen.astream("d", timeout=math.inf)]
+        return (
+            await f.acall("a", timeout=math.inf),
+            await f.amap(["b"], timeout=math.inf),
+            chunks,
+        )
+
+    assert f("x", timeout=math.inf) == "X1"
+    assert f.map(["y", "zz"], timeout=math.inf) == ["Y1", "ZZ2"]
+    assert list(gen.stream("s", timeout=math.inf)) == ["S"]
+    assert asyncio.run(from_asyncio()) == ("A1", ["B1"], ["D"])
+    assert f.stats().timeouts == 0
+    f.close()
+    gen.close()
+
+
+# -- how a batch function's output is split per item -------------------------------
+def test_a_mapping_result_is_split_per_item() -> None:
+    np = pytest.importorskip("numpy")
+
+    def forward(xs):
+        x = np.asarray(xs, dtype=float)
+        return {"logits": x * 10, "hidden": np.stack([x, -x], axis=1)}
+
+    f = batchkit.batched(batcher=StaticBatcher(2))(forward)
+    with ThreadPoolExecutor(2) as pool:
+        one, two = pool.map(f, [1, 2])
+    assert set(one) == set(two) == {"logits", "hidden"}  # mappings, not the keys
+    assert (one["logits"], two["logits"]) == (10.0, 20.0)
+    assert list(one["hidden"]) == [1.0, -1.0] and list(two["hidden"]) == [2.0, -2.0]
+    f.close()
+
+
+def test_a_mapping_whose_values_do_not_lead_with_the_batch_is_refused() -> None:
+    np = pytest.importorskip("numpy")
+    def forward(xs):
+        return {"logits": np.zeros((len(xs), 3)), "pooled": np.zeros(3)}  # not per item
+
+    f = batchkit.batched(max_batch_size=2)(forward)
+    with pytest.raises(ValueError, match="returned a dict whose values do not all lead"):
+        f.map([1, 2])
+    f.close()
+
+
+def test_a_set_result_is_refused() -> None:
+    f = batchkit.batched(max_batch_size=4)(lambda xs: {x * 2 for x in xs})
+    with pytest.raises(TypeError, match="returned a set, whose order is arbitrary"):
+        f.map([1, 2, 3])
+    f.close()
+
+
+# -- pickling: by reference to the module-level name --------------------------------
+@batchkit.batched(max_batch_size=4)
+def module_level_double(xs):
+    return [x * 2 for x in xs]
+
+
+def test_a_module_level_batched_function_pickles_by_reference() -> None:
+    import pickle
+
+    assert pickle.loads(pickle.dumps(module_level_double)) is module_level_double
+    assert module_level_double(4) == 8  # (its queue and workers are untouched)
+
+
+def test_a_batched_function_not_at_module_level_refuses_to_pickle_saying_what_to_do() -> None:
+    import pickle
+
+    local = batchkit.batched(max_batch_size=4)(model)  # model's own name is not it
+    with pytest.raises(pickle.PicklingError, match="module-level name.*Define it with @batched"):
+        pickle.dumps(local)

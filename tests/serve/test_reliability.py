@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -300,3 +304,88 @@ def test_an_output_that_iterates_fewer_results_than_its_len_fails_its_callers() 
     stats = f.stats()
     assert stats.batches == 1 and stats.failed == 3
     f.close()
+
+
+# -- what a sync batch function's SystemExit / KeyboardInterrupt does ---------------
+@pytest.mark.parametrize("raised", [SystemExit(3), KeyboardInterrupt()], ids=repr)
+def test_an_exit_from_a_sync_batch_function_does_not_stop_the_callers_loop(raised) -> None:
+    def forward(xs):
+        if "bad" in xs:
+            raise raised
+        return [x.upper() for x in xs]
+
+    f = batchkit.batched(max_batch_size=4, max_wait_ms=1)(forward)
+
+    async def main():
+        (error,) = await asyncio.gather(f.acall("bad"), return_exceptions=True)
+        return error, await f.acall("good")  # the loop, and serving, go on
+
+    error, after = asyncio.run(main())
+    assert isinstance(error, batchkit.BatchInterrupted) and error.__cause__ is raised
+    assert after == "GOOD"
+    with pytest.raises(batchkit.BatchInterrupted, match=type(raised).__name__):
+        f("bad")  # a thread caller gets the same
+    assert f("fine") == "FINE"
+    f.close()
+
+
+# -- os.fork(): the child serves with fresh workers ---------------------------------
+FORK_SCRIPT = """
+import asyncio, os, sys, threading, time
+import batchkit
+
+@batchkit.batched(max_batch_size=4, max_wait_ms=1)
+def double(xs):
+    return [x * 2 for x in xs]
+
+@batchkit.batched(max_batch_size=4, max_wait_ms=1, batch_timeout=5)
+def watched(xs):
+    return [x * 2 for x in xs]
+
+@batchkit.batched(max_batch_size=4, max_wait_ms=1)
+async def adouble(xs):
+    return [x * 2 for x in xs]
+
+release = threading.Event()
+
+@batchkit.batched(max_batch_size=4, max_wait_ms=1)
+def slow(xs):
+    release.wait(5)
+    return [x * 2 for x in xs]
+
+assert double(1) == 2 and watched(1) == 2 and asyncio.run(adouble.acall(1)) == 2
+running = threading.Thread(target=lambda: slow(1))  # its batch runs while we fork
+running.start()
+while slow.stats().in_flight == 0:
+    time.sleep(0.001)
+pid = os.fork()
+if pid == 0:
+    code = 1
+    try:
+        assert double(21) == 42
+        assert asyncio.run(double.acall(21)) == 42
+        assert watched(21) == 42
+        assert asyncio.run(adouble.acall(21)) == 42
+        release.set()  # (the child's event: nobody waits on it here)
+        assert slow(21) == 42  # the parent's running batch does not hold the slot here
+        code = 0
+    finally:
+        os._exit(code)
+release.set()
+running.join()
+_, status = os.waitpid(pid, 0)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_serves_with_fresh_workers() -> None:
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-c", FORK_SCRIPT],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=30,  # a hang in the child fails here
+    )
+    assert done.returncode == 0, done.stderr

@@ -320,3 +320,58 @@ def test_stats_time_a_stream_to_its_first_chunk_and_its_batch_to_the_last() -> N
     stats = three.stats()
     assert stats.time_to_first_chunk.count == 1 == stats.batch_latency.count
     assert 0 < stats.time_to_first_chunk.max < stats.batch_latency.max
+
+
+class Abort(BaseException):
+    """A BaseException that is not an Exception, as a generator may raise."""
+
+
+def test_an_async_generator_base_exception_reaches_its_streams_as_itself(caplog) -> None:
+    @batchkit.batched(max_batch_size=4, max_wait_ms=1)
+    async def gen(xs):
+        yield [x * 10 for x in xs]
+        if 2 in xs:
+            raise Abort("stop")
+
+    async def read(x):
+        got = []
+        try:
+            async for chunk in gen.astream(x):
+                got.append(chunk)
+        except Abort as exc:
+            return got, exc
+        return got, None
+
+    async def main():
+        first = await asyncio.gather(read(1), read(2))
+        return first, await read(3)  # serving goes on
+
+    with caplog.at_level("ERROR"):
+        ((got1, err1), (got2, err2)), (got3, err3) = asyncio.run(main())
+        import gc
+
+        gc.collect()  # an unretrieved task exception is logged when the task is freed
+    assert (got1, got2) == ([10], [20])
+    assert isinstance(err1, Abort) and err1 is err2 and str(err1) == "stop"
+    assert (got3, err3) == ([30], None)
+    assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
+
+
+def test_a_sync_generator_exit_reaches_its_streams_as_batch_interrupted() -> None:
+    @batchkit.batched(max_batch_size=4, max_wait_ms=1)
+    def gen(xs):
+        yield list(xs)
+        raise SystemExit(2)
+
+    async def read(x):
+        got = []
+        with pytest.raises(batchkit.BatchInterrupted) as info:
+            async for chunk in gen.astream(x):
+                got.append(chunk)
+        return got, info.value
+
+    got, error = asyncio.run(read("a"))  # the loop is not stopped
+    assert got == ["a"] and isinstance(error.__cause__, SystemExit)
+    with pytest.raises(batchkit.BatchInterrupted):
+        list(gen.stream("b"))
+    gen.close()
