@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from batchkit.batchers.base import Batcher
+from batchkit.batchers.checks import positive_count
 
 Clock = Callable[[], float]
 
@@ -93,3 +94,11 @@ class Options:
     streaming: bool = False
     batch_timeout: float | None = None
     max_latency_s: float | None = None
+
+    def __post_init__(self) -> None:
+        # The counts are stored as ints whatever number type they came as (a YAML or
+        # JSON config gives 4.0): every later comparison and report sees an int.
+        queue = positive_count("max_queue_size", self.max_queue_size, allow_none=True)
+        concurrent = positive_count("max_concurrent_batches", self.max_concurrent_batches)
+        object.__setattr__(self, "max_queue_size", queue)  # frozen: set once, here
+        object.__setattr__(self, "max_concurrent_batches", concurrent)

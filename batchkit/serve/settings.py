@@ -12,7 +12,8 @@ import copy
 import math
 from dataclasses import dataclass
 
-from batchkit.batchers.base import Batcher, check_positive_int
+from batchkit.batchers.base import Batcher
+from batchkit.batchers.checks import check_positive_int, positive_count
 
 
 @dataclass(frozen=True)
@@ -68,17 +69,25 @@ def check_settings(
     max_concurrent_batches: int | None,
     max_queue_size: int | None,
     max_latency_ms: float | None = None,
-) -> None:
+) -> tuple[int | None, float | None, int | None, int | None, float | None]:
     """Raise ValueError, naming the setting, for a value no policy could take.
 
     Args:
-        max_batch_size: A positive int, or None (not changed).
+        max_batch_size: A positive int (or a whole-number float such as `8.0`, as a
+            YAML or JSON config gives it: `reconfigured` stores it as an int), or
+            None (not changed).
         max_wait_ms: A finite number of milliseconds >= 0, or None.
         max_concurrent_batches: A positive int, or None.
         max_queue_size: A positive int, or None.
         max_latency_ms: A finite number of milliseconds > 0, or None.
+
+    Returns:
+        The settings in the order given, the counts as ints (`8.0` becomes `8`):
+        the values to store.
     """
-    check_positive_int("max_batch_size", max_batch_size, allow_none=True)
+    batch = positive_count("max_batch_size", max_batch_size, allow_none=True)
+    # These two reach the scheduler as the caller gave them (a float there breaks its
+    # slot arithmetic), so only ints pass until the caller stores what this returns.
     check_positive_int("max_concurrent_batches", max_concurrent_batches, allow_none=True)
     check_positive_int("max_queue_size", max_queue_size, allow_none=True)
     if max_wait_ms is not None and (
@@ -88,6 +97,7 @@ def check_settings(
     ):
         raise ValueError(f"max_wait_ms must be a finite number >= 0, got {max_wait_ms!r}")
     check_latency_target(max_latency_ms)
+    return batch, max_wait_ms, max_concurrent_batches, max_queue_size, max_latency_ms
 
 
 def check_latency_target(max_latency_ms: float | None) -> None:
@@ -136,7 +146,8 @@ def reconfigured(policy: Batcher, max_batch_size: int | None, max_wait_ms: float
 
     Args:
         policy: The policy in force (never changed in place: it may be shared).
-        max_batch_size: Its new largest batch; None leaves it.
+        max_batch_size: Its new largest batch (a whole-number float is stored as an
+            int); None leaves it.
         max_wait_ms: Its new longest wait, in milliseconds; None leaves it.
 
     Raises:
@@ -145,6 +156,7 @@ def reconfigured(policy: Batcher, max_batch_size: int | None, max_wait_ms: float
     """
     if max_batch_size is None and max_wait_ms is None:
         return policy
+    max_batch_size = positive_count("max_batch_size", max_batch_size, allow_none=True)
     kind = type(policy).__name__
     check_has_wait(policy, max_wait_ms)
     sizes: tuple[int, ...] = getattr(policy, "preferred_batch_sizes", ())

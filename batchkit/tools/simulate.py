@@ -32,7 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from batchkit.batchers.base import Batcher, check_positive_int
+from batchkit.batchers.base import Batcher
+from batchkit.batchers.checks import positive_count
 from batchkit.batchers.bucketed import BucketedBatcher
 from batchkit.batchers.cost import BatchCost, CostLike, as_batch_cost
 from batchkit.batchers.dynamic import DynamicBatcher
@@ -419,7 +420,7 @@ def sample_lengths(spec: str, count: int, seed: int = 0) -> list[int]:
         a, b = (float(v) for v in params.split(","))
     except ValueError:
         raise ValueError(f"{name} takes two numbers ({name}:X,Y), got {spec!r}") from None
-    check_positive_int("count", count)
+    count = positive_count("count", count)
     rng = np.random.default_rng(seed)
     if name == "uniform":
         if not (a.is_integer() and b.is_integer() and 0 <= a <= b):
@@ -698,8 +699,12 @@ def simulate(
             quickest batch (one request alone): nothing can be in time, so the run's
             throughput says nothing about the target (also in `SimResult.warnings`).
     """
-    # Zero slots never dispatch: the replay would wait forever.
-    check_positive_int("max_concurrent_batches", max_concurrent_batches)
+    # Zero slots never dispatch: the replay would wait forever. (Counts from a YAML or
+    # JSON config may come as 4.0: taken, and used as ints from here on.)
+    max_concurrent_batches = positive_count("max_concurrent_batches", max_concurrent_batches)
+    max_queue_size = positive_count("max_queue_size", max_queue_size, allow_none=True)
+    max_batch_size = positive_count("max_batch_size", max_batch_size)
+    max_tokens = positive_count("max_tokens", max_tokens, allow_none=True)
     for name, value in (("max_latency_ms", max_latency_ms), ("goodput_ms", goodput_ms)):
         if value is not None and not (_is_number(value) and math.isfinite(value) and value > 0):
             raise ValueError(f"{name} must be a positive number of milliseconds, got {value!r}")

@@ -374,3 +374,16 @@ def test_simulate_command_prints_the_warning_and_what_was_served_in_time_first(
     throughput = next(i for i, line in enumerate(lines) if line.startswith("throughput"))
     assert warning < goodput < served < throughput
     assert "max_latency_ms=1 is shorter than one batch's time (5.5 ms" in lines[warning]
+
+
+def test_whole_number_float_counts_are_taken_as_ints() -> None:
+    # As a YAML or JSON config gives them: 16.0 is 16, and the result reports ints.
+    as_floats = simulate((2.0, 0.5), rate=500, num_requests=300, max_batch_size=16.0,
+                         max_concurrent_batches=2.0, max_queue_size=100.0)  # fmt: skip
+    as_ints = simulate((2.0, 0.5), rate=500, num_requests=300, max_batch_size=16,
+                       max_concurrent_batches=2, max_queue_size=100)  # fmt: skip
+    assert type(as_floats.max_concurrent_batches) is int
+    assert as_floats.batch_log == as_ints.batch_log
+    assert "max_batch_size=16," in as_floats.batcher
+    with pytest.raises(ValueError, match="max_batch_size must be a positive int"):
+        simulate((2.0, 0.5), rate=500, num_requests=10, max_batch_size=16.5)

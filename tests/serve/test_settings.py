@@ -193,3 +193,33 @@ def test_a_queue_bound_set_live_refuses_past_it_on_an_event_loop() -> None:
         await f.aclose()
 
     asyncio.run(main())
+
+
+def test_a_whole_number_float_batch_size_is_taken_and_stored_as_an_int() -> None:
+    f = batchkit.batched(max_batch_size=8, max_wait_ms=3)(lambda xs: xs)
+    settings = f.configure(max_batch_size=4.0)  # as a YAML or JSON config gives it
+    assert type(settings.max_batch_size) is int and settings.max_batch_size == 4
+    with pytest.raises(ValueError, match="max_batch_size must be a positive int"):
+        f.configure(max_batch_size=4.5)
+    assert f.configure().max_batch_size == 4
+    f.close()
+
+
+def test_check_settings_returns_the_counts_as_ints() -> None:
+    from batchkit.serve.settings import check_settings, reconfigured
+
+    assert check_settings(16.0, 2.5, 2, 100, 50.0) == (16, 2.5, 2, 100, 50.0)
+    batch = check_settings(16.0, None, None, None)[0]
+    assert type(batch) is int
+    changed = reconfigured(DynamicBatcher(32, 5), 16.0, None)  # type: ignore[arg-type]
+    assert type(changed.max_batch_size) is int and changed.max_batch_size == 16
+
+
+def test_options_store_their_counts_as_ints() -> None:
+    from batchkit.serve.options import Options
+
+    options = Options(DynamicBatcher(8), max_queue_size=64.0, max_concurrent_batches=2.0)  # type: ignore[arg-type]
+    assert type(options.max_queue_size) is int and options.max_queue_size == 64
+    assert type(options.max_concurrent_batches) is int and options.max_concurrent_batches == 2
+    with pytest.raises(ValueError, match="max_concurrent_batches"):
+        Options(DynamicBatcher(8), max_concurrent_batches=1.5)  # type: ignore[arg-type]

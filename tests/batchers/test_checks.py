@@ -1,0 +1,49 @@
+"""Counts: ints and whole-number floats (as YAML and JSON configs give them) are taken
+and stored as ints; other floats, bools and numbers below 1 are refused by name."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from batchkit.batchers.checks import check_positive_int, positive_count
+
+
+@pytest.mark.parametrize("value", [1, 4, 4.0, 1.0, np.float32(8), np.int64(3), 2.0**60])
+def test_a_whole_number_is_taken_as_a_plain_int(value: object) -> None:
+    count = positive_count("max_batch_size", value)
+    assert type(count) is int and count == value
+
+
+@pytest.mark.parametrize(
+    "value", [1.5, 0.0, -2.0, 0, math.nan, math.inf, True, False, "4", None, np.float64(2.5)]
+)
+def test_anything_else_is_refused_naming_the_argument(value: object) -> None:
+    with pytest.raises(ValueError, match=r"max_batch_size must be a positive int .* got "):
+        positive_count("max_batch_size", value)
+
+
+def test_none_passes_only_when_allowed() -> None:
+    assert positive_count("max_queue_size", None, allow_none=True) is None
+    with pytest.raises(ValueError, match="max_queue_size"):
+        positive_count("max_queue_size", None)
+
+
+def test_the_refusal_quotes_the_value_given() -> None:
+    with pytest.raises(ValueError, match=r"got 0\.0$"):
+        positive_count("max_batch_size", 0.0)
+
+
+@given(st.integers(min_value=1, max_value=2**53))
+def test_an_int_and_its_float_give_the_same_count(n: int) -> None:
+    assert positive_count("n", n) == positive_count("n", float(n)) == n
+
+
+def test_the_strict_check_still_takes_ints_only() -> None:
+    check_positive_int("window", 3)
+    with pytest.raises(ValueError, match="window must be a positive int"):
+        check_positive_int("window", 3.0)
