@@ -35,9 +35,10 @@ class PackingBatcher(Batcher):
       models.
     - As a sampler ([`sampler`][batchkit.Batcher.sampler]) and in
       [`stream`][batchkit.Batcher.stream], every rank gets the same number of
-      batches, each index exactly once (a batch is split in two rather than an index
-      repeated, while there are at least as many items as ranks), and each step's
-      batches (one per rank) carry about the same tokens.
+      batches, each index exactly once (batches are split in two to reach a multiple
+      of the ranks rather than an index repeated; only when there are fewer items
+      than that multiple are some repeated, or dropped with `drop_last`), and each
+      step's batches (one per rank) carry about the same tokens.
 
     With the default `cost="sum"`, integer keys and no `max_batch_size`, packing runs
     over a table of the open batches' free room (vectorized: a million lengths in well
@@ -49,7 +50,8 @@ class PackingBatcher(Batcher):
         cost: what `max_tokens` bounds: `"sum"` (the default), `"padded"` or a callable
             `cost(keys) -> number` ([`as_batch_cost`][batchkit.batchers.cost.as_batch_cost]).
         max_batch_size: the most items in one batch; None: the budget alone decides
-            (online, at most `max_tokens` items per batch).
+            (online, at most `max_tokens` items per batch; zero-length items, which
+            cost nothing, go in batches of at most `max_tokens` of their own).
         max_wait_ms: online, how long the oldest waiting request may wait, in
             milliseconds.
 
@@ -154,6 +156,7 @@ class PackingBatcher(Batcher):
         open batches for every item)."""
         budget = self.max_tokens
         assert budget is not None
+        limit = self.max_batch_size if self.size_limited else len(keys)
         order = sorted(range(len(keys)), key=lambda i: -keys[i])  # stable: ties in order
         batches: list[list[int]] = []
         open_: list[int] = []  # batches that may still take an item
@@ -161,7 +164,7 @@ class PackingBatcher(Batcher):
             best, best_cost = -1, -1.0
             for b in open_:
                 members = batches[b]
-                if len(members) >= self.max_batch_size:
+                if len(members) >= limit:
                     continue
                 cost = self.cost.of([keys[j] for j in members] + [keys[i]])
                 if best_cost < cost <= budget:
@@ -231,14 +234,18 @@ def _split_to_multiple(
     need = -len(batches) % world_size
     if need == 0:
         return batches
-    sizes = np.fromiter((len(b) for b in batches), dtype=np.int64, count=len(batches))
-    chosen = [b for b in np.argsort(-sizes, kind="stable")[:need].tolist() if sizes[b] >= 2]
+    sizes = [len(b) for b in batches]
     batches = list(batches)
-    for b in chosen:
+    for _ in range(need):
+        b = int(np.argmax(sizes))
+        if sizes[b] < 2:
+            break
         # alternate the items, longest first, so the halves carry about equal tokens
         members = batches[b][np.argsort(-keys[batches[b]], kind="stable")]
         batches[b] = members[0::2]
         batches.append(members[1::2])
+        sizes[b] = len(batches[b])
+        sizes.append(len(batches[-1]))
     return batches
 
 
