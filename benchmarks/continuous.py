@@ -218,10 +218,11 @@ CHAT_USER = (16, 64)
 CHAT_REPLY = (16, 128)
 CHAT_THINK = 2 * CHAT_ACTIVE
 CHAT_NUM_SEQS = 16
-# Pools, in blocks of BLOCK tokens. The open conversations' histories hold at most 752
-# full blocks (printed): CHAT_POOL leaves half as much again for the running sequences'
-# new blocks and what the pool cannot tell is dead (finished conversations); the goal is
-# measured there. CHAT_SHORT_POOL leaves a fifth: least recently freed first then evicts
+# Pools, in blocks of BLOCK tokens. The open conversations' histories hold at most 786
+# full blocks (printed): CHAT_POOL leaves about half as much again (1.47x) for the running
+# sequences' new blocks and what the pool cannot tell is dead (finished conversations);
+# the goal is measured there. CHAT_SHORT_POOL leaves a seventh (1.14x): least recently
+# freed first then evicts
 # the histories of conversations about to come back, while dead ones, freed later, stay.
 CHAT_POOL = 1152
 CHAT_SHORT_POOL = 896
