@@ -40,7 +40,8 @@ APP_PATH = ROOT / "examples" / "service" / "app.py"
 
 TARGET_MS = 500.0
 # What a served request's latency at the client may add to the target: the HTTP work
-# the target does not cover (accepting, parsing and tokenizing before admission;
+# the target does not cover (accepting and parsing before admission: tokenising is
+# part of the batch;
 # serialising 384 floats and the client reading them after: a few ms, as the
 # refusals show), and, on a small CPU shared with other work, a batch that runs past
 # its predicted time (the batcher's margin is an upper estimate of most batches, not
@@ -193,7 +194,7 @@ def test_past_capacity_refuses_with_503_and_serves_within_target(service: Servic
         f" 503 p50 {percentile(refused_ms, 0.5):.0f} ms; {batches} batches,"
         f" {len(served) / max(batches, 1):.1f} served each; learned: fixed"
         f" {model['fixed_ms']:.1f} ms + {model['per_item_ms']:.2f} ms/item"
-        f" + {model['per_cost_ms']:.3f} ms/token + margin {model['margin_ms']:.1f} ms"
+        f" + {model['per_cost_ms']:.3f} ms/char + margin {model['margin_ms']:.1f} ms"
         f" ({model['samples']} batches)"
     )
 
