@@ -98,6 +98,7 @@ class LoopDriver:
         core.wake = self.wake
         core.check_loop = self._check_loop_locked
         core.settings_changed = self._settings_changed_locked
+        core.forked = self._forked_locked
         # One item from asyncio: the callers' coroutine, taking the lock-free lane when
         # it can (the checked path binds the loop under the lock: see check_loop).
         self.acall: AsyncCall = callers.bind_acall(core, self)
@@ -146,6 +147,28 @@ class LoopDriver:
             self.poll_due = False
             self._timer = None
             self._drained = None
+
+    def _forked_locked(self) -> None:
+        """In a child process just forked, under the lock: the loop it served is the
+        parent's (its thread is not here; asyncio itself does not carry a running loop
+        across a fork). What waited or ran there fails with `BatcherClosed`, and the
+        next caller's loop is bound afresh."""
+        if self.loop is None:
+            return
+        core = self.core
+        error = BatcherClosed(
+            f"{core.name}: the process forked; the event loop this request was served on "
+            "runs on in the parent process only"
+        )
+        core.fail_all_locked(error)
+        for batch in list(core.sched.running.values()):
+            deliver(core.abandon_locked(batch, error))
+        self.loop = self.owner_loop = None
+        core.sched.lock_free_thread = None
+        self.poll_due = False
+        self._timer = None
+        self._tasks = set()
+        self._drained = None
 
     def _check_loop_locked(self, loop: asyncio.AbstractEventLoop | None) -> None:
         if loop is not self.loop:

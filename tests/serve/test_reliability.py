@@ -353,11 +353,19 @@ def slow(xs):
     release.wait(5)
     return [x * 2 for x in xs]
 
+@batchkit.batched(max_batch_size=4, max_wait_ms=1)
+async def served(xs):
+    return [x * 2 for x in xs]
+
 assert double(1) == 2 and watched(1) == 2 and asyncio.run(adouble.acall(1)) == 2
 running = threading.Thread(target=lambda: slow(1))  # its batch runs while we fork
 running.start()
 while slow.stats().in_flight == 0:
     time.sleep(0.001)
+# An async function serving a loop that runs on another thread at the fork.
+loop = asyncio.new_event_loop()
+threading.Thread(target=loop.run_forever, daemon=True).start()
+assert asyncio.run_coroutine_threadsafe(served.acall(1), loop).result(5) == 2
 pid = os.fork()
 if pid == 0:
     code = 1
@@ -366,6 +374,7 @@ if pid == 0:
         assert asyncio.run(double.acall(21)) == 42
         assert watched(21) == 42
         assert asyncio.run(adouble.acall(21)) == 42
+        assert asyncio.run(served.acall(21)) == 42  # the parent's loop is not here
         release.set()  # (the child's event: nobody waits on it here)
         assert slow(21) == 42  # the parent's running batch does not hold the slot here
         code = 0
@@ -373,6 +382,7 @@ if pid == 0:
         os._exit(code)
 release.set()
 running.join()
+assert asyncio.run_coroutine_threadsafe(served.acall(2), loop).result(5) == 4
 _, status = os.waitpid(pid, 0)
 sys.exit(os.waitstatus_to_exitcode(status))
 """
