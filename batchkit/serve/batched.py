@@ -133,9 +133,14 @@ class BatchedFunction(Generic[R]):
     Every call takes `priority` (an `int`: lower values are served first, then
     arrival order; default 0) and `timeout` (seconds the item may wait before its
     batch starts, else [`RequestTimeout`][batchkit.RequestTimeout]; None, the
-    default, waits as long as it takes; with `when_full="block"` the wait for queue
-    room counts too). Once its batch has started, an item is no longer bounded by
-    `timeout` (`batch_timeout` bounds the call).
+    default, or `math.inf` waits as long as it takes; with `when_full="block"` the
+    wait for queue room counts too; NaN, a negative number or a non-number is refused
+    before anything is queued). Once its batch has started, an item is no longer
+    bounded by `timeout` (`batch_timeout` bounds the call).
+
+    A batched function defined at module level pickles by reference to its name (as
+    a function does), so `multiprocessing` can send it; a process that unpickles it
+    uses its own. After `os.fork()` the child starts its own workers.
 
     It is also a context manager (`with`, `async with`) that closes it on exit.
     """
@@ -227,8 +232,11 @@ class BatchedFunction(Generic[R]):
             QueueFull: `max_queue_size` requests wait (with `when_full="reject"`).
             BatcherClosed: The function is closed, or closed before serving the item.
             BatchTimeout: The item's batch ran past `batch_timeout`.
-            TypeError: The function is a generator function (use `stream`), or
-                `priority` is not an `int`.
+            TypeError: The function is a generator function (use `stream`),
+                `priority` is not an `int`, or `timeout` is not a number.
+            ValueError: `timeout` is NaN or negative; nothing was queued.
+            BatchInterrupted: The batch function raised `SystemExit` or
+                `KeyboardInterrupt` (its `__cause__`) on its worker thread.
             Exception: Whatever the batch function raised for this item.
         """
         if self.streams:
@@ -272,7 +280,11 @@ class BatchedFunction(Generic[R]):
             BatchTimeout: The item's batch ran past `batch_timeout`.
             RuntimeError: An async function already serves another running event
                 loop (it serves one loop at a time).
-            TypeError: The function is a generator function (use `astream`).
+            TypeError: The function is a generator function (use `astream`), or
+                `timeout` is not a number.
+            ValueError: `timeout` is NaN or negative; nothing was queued.
+            BatchInterrupted: A sync batch function raised `SystemExit` or
+                `KeyboardInterrupt` (its `__cause__`) on its worker thread.
         """
         if self.streams:
             raise self._streams_error()
@@ -309,7 +321,8 @@ class BatchedFunction(Generic[R]):
                 `timeout`.
             BatcherClosed: The function is closed.
             TypeError: The function is not a generator function, or is an async one
-                (use `astream`).
+                (use `astream`), or `timeout` is not a number.
+            ValueError: `timeout` is NaN or negative; nothing was queued.
         """
         if not self.streams:
             raise self._plain_error("stream")
@@ -341,7 +354,9 @@ class BatchedFunction(Generic[R]):
             QueueFull: `max_queue_size` requests wait (with `when_full="reject"`).
             BatcherClosed: The function is closed.
             RuntimeError: No event loop is running in this thread.
-            TypeError: The function is not a generator function.
+            TypeError: The function is not a generator function, or `timeout` is not
+                a number.
+            ValueError: `timeout` is NaN or negative; nothing was queued.
         """
         if not self.streams:
             raise self._plain_error("astream")
@@ -372,7 +387,9 @@ class BatchedFunction(Generic[R]):
             QueueFull: The items do not all fit in the queue (`max_queue_size`, with
                 `when_full="reject"`): none of them was queued.
             BatcherClosed: The function is closed.
-            TypeError: The function is async (use `amap`) or a generator function.
+            TypeError: The function is async (use `amap`) or a generator function,
+                or `timeout` is not a number.
+            ValueError: `timeout` is NaN or negative; nothing was queued.
             Exception: The first failed item's error, in input order.
         """
         if self.streams:
@@ -399,7 +416,9 @@ class BatchedFunction(Generic[R]):
             QueueFull: The items do not all fit in the queue (`max_queue_size`, with
                 `when_full="reject"`): none of them was queued.
             BatcherClosed: The function is closed.
-            TypeError: The function is a generator function.
+            TypeError: The function is a generator function, or `timeout` is not a
+                number.
+            ValueError: `timeout` is NaN or negative; nothing was queued.
             Exception: The first failed item's error, in input order, once every
                 item has finished.
         """
@@ -690,8 +709,10 @@ def batched(
         fn: The batch function. It is called with the batch (a list of items, or
             what `collate` made of it) and returns one result per item, in order (a
             sequence whose `len()` is the batch's size, or whatever `split` turns into
-            one). A result that is an exception instance is raised to that item's
-            caller alone. Under a policy with strict batch sizes the batch is padded
+            one; a mapping of batch-leading arrays, such as a Hugging Face
+            `ModelOutput`, is split per item as [`unstack`][batchkit.unstack] does,
+            and a set is refused). A result that is an exception instance is raised
+            to that item's caller alone. Under a policy with strict batch sizes the batch is padded
             up by repeating its last item, and the padding's results are dropped. Sync,
             async, generator and async generator functions all work. Positional only;
             omit it to get a decorator that takes the options.
