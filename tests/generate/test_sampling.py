@@ -50,9 +50,12 @@ def test_bad_sampling_values_are_refused_naming_the_field(
 
 
 def test_submit_refuses_a_sampling_that_is_not_a_sampling() -> None:
-    with ContinuousBatcher(_stateless_step, max_num_seqs=2) as b:
-        with pytest.raises(TypeError, match="sampling must be None or a batchkit.generate.Sampling"):
-            b.submit([1, 2], max_new_tokens=2, sampling={"temperature": 0.5})  # type: ignore[arg-type]
+    match = "sampling must be None or a batchkit.generate.Sampling"
+    with (
+        ContinuousBatcher(_stateless_step, max_num_seqs=2) as b,
+        pytest.raises(TypeError, match=match),
+    ):
+        b.submit([1, 2], max_new_tokens=2, sampling={"temperature": 0.5})  # type: ignore[arg-type]
 
 
 def _logits(history: list[int]) -> np.ndarray:

@@ -1,0 +1,195 @@
+"""Attention over a whole step's packed sequences at once, through batchkit's paged pool.
+
+A step computes ``T`` tokens of ``B`` sequences (a
+[`StepLayout`][batchkit.StepLayout]). Looping over the sequences, as the reference
+[`paged_attention`][batchkit.kv.paged_attention] does, costs a few small kernels per
+sequence per layer; here a [`StepPlan`][batchkit.integrations.transformers.StepPlan],
+built once per step on the host, turns the layout into gather indices and masks so
+that each layer runs two batched attentions: one over every decoding sequence (one
+query each) and one over every prefilling sequence (their chunks padded to the
+longest). Keys and values are read straight from the pool's blocks; the pool layout
+is batchkit's (``[num_blocks, block_size, num_kv_heads, head_dim]`` per layer), so the
+reference kernel reads the same cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from batchkit.kv.layout import StepLayout
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionGroup:
+    """Sequences attended together: their queries padded to ``Q`` rows, keys to ``L``.
+
+    Attributes:
+        query_rows: Int64 ``[G * Q]``, the step row of each padded query (padding
+            repeats a real row; its output is dropped).
+        key_slots: Int64 ``[G, L]``, the pool slot of each key (padding reads slot 0,
+            masked out).
+        mask: Bool ``[G, 1, Q, L]``, True where a query may see a key.
+        valid: Int64 ``[n]``, the padded query positions (in ``[0, G * Q)``) that are
+            real, in step-row order...
+        rows: Int64 ``[n]``, ...and the step rows they answer.
+    """
+
+    query_rows: torch.Tensor
+    key_slots: torch.Tensor
+    mask: torch.Tensor
+    valid: torch.Tensor
+    rows: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """One step's attention work, on the device: where keys go, and who attends to what.
+
+    Attributes:
+        slot_mapping: Int64 ``[T]``, the pool slot each new key/value is written to.
+        groups: The batched attentions of each layer (decoding sequences, then
+            prefilling ones; a group with no sequence is left out).
+        num_tokens: ``T``.
+    """
+
+    slot_mapping: torch.Tensor
+    groups: tuple[AttentionGroup, ...]
+    num_tokens: int
+
+
+def plan_step(layout: StepLayout, block_size: int, device: Any = None) -> StepPlan:
+    """The [`StepPlan`][batchkit.integrations.transformers.StepPlan] of a step's layout.
+
+    Work is per sequence and a few array operations per group; nothing per token in
+    Python.
+
+    Args:
+        layout: The step's layout, host (numpy) arrays.
+        block_size: Tokens per block of the pool.
+        device: Where the plan's tensors go (the model's device).
+
+    Returns:
+        The plan.
+    """
+    cu_q = np.asarray(layout.cu_seqlens_q, dtype=np.int64)
+    seq_lens = np.asarray(layout.seq_lens, dtype=np.int64)
+    tables = np.asarray(layout.block_tables, dtype=np.int64)
+    num_q = cu_q[1:] - cu_q[:-1]
+    decode = np.flatnonzero(num_q == 1)
+    prefill = np.flatnonzero(num_q > 1)
+    groups = tuple(
+        _group(members, cu_q, num_q, seq_lens, tables, block_size, device)
+        for members in (decode, prefill)
+        if len(members)
+    )
+    slots = torch.from_numpy(np.asarray(layout.slot_mapping, dtype=np.int64)).to(device)
+    return StepPlan(slot_mapping=slots, groups=groups, num_tokens=int(cu_q[-1]))
+
+
+def _group(
+    members: np.ndarray,
+    cu_q: np.ndarray,
+    num_q: np.ndarray,
+    seq_lens: np.ndarray,
+    tables: np.ndarray,
+    block_size: int,
+    device: Any,
+) -> AttentionGroup:
+    nq, lens, first = num_q[members], seq_lens[members], cu_q[members]
+    width_q, width_k = int(nq.max()), int(lens.max())
+    i = np.arange(width_q)
+    j = np.arange(width_k)
+    real_q = i[None, :] < nq[:, None]  # [G, Q]
+    query_rows = first[:, None] + np.where(real_q, i[None, :], 0)
+    # key j of a sequence sits in its block j // block_size, at offset j % block_size
+    blocks = tables[members][:, j // block_size]  # [G, L]; -1 past its last block
+    key_slots = np.where(j[None, :] < lens[:, None], blocks * block_size + j % block_size, 0)
+    # query i sees the keys up to its own position, lens - nq + i
+    last_key = (lens - nq)[:, None] + i[None, :]  # [G, Q]
+    mask = j[None, None, :] <= last_key[:, :, None]
+    mask[~real_q] = False
+    mask[~real_q, 0] = True  # a padded query sees one key: no all-masked row (NaN)
+    valid = np.flatnonzero(real_q.reshape(-1))
+    rows = query_rows.reshape(-1)[valid]
+
+    def put(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+
+    return AttentionGroup(
+        query_rows=put(query_rows.reshape(-1)),
+        key_slots=put(key_slots),
+        mask=put(mask[:, None]),
+        valid=put(valid),
+        rows=put(rows),
+    )
+
+
+def write_step_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    plan: StepPlan,
+) -> None:  # fmt: skip
+    """In place: store this step's keys and values ``[T, num_kv_heads, head_dim]`` at
+    their slots of the pool (``[num_blocks, block_size, num_kv_heads, head_dim]``).
+
+    Args:
+        k_cache: One layer's key pool (contiguous).
+        v_cache: Its value pool, shaped like ``k_cache``.
+        key: This step's keys, one row per token.
+        value: This step's values, shaped like ``key``.
+        plan: The step's plan.
+    """
+    flat = (-1, *k_cache.shape[2:])
+    k_cache.view(flat).index_copy_(0, plan.slot_mapping, key.to(k_cache.dtype))
+    v_cache.view(flat).index_copy_(0, plan.slot_mapping, value.to(v_cache.dtype))
+
+
+def packed_paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: StepPlan,
+    *,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Causal attention of this step's queries over the pool, every sequence at once.
+
+    Equal to [`paged_attention`][batchkit.kv.paged_attention] on the same layout (up
+    to float rounding); write this step's keys first
+    ([`write_step_kv`][batchkit.integrations.transformers.write_step_kv]).
+
+    Args:
+        query: ``[T, num_heads, head_dim]``.
+        k_cache: One layer's key pool, ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        v_cache: Its value pool, shaped like ``k_cache``.
+        plan: The step's plan.
+        scale: The softmax scale; ``None``: ``1 / sqrt(head_dim)``.
+
+    Returns:
+        ``[T, num_heads, head_dim]``.
+
+    Raises:
+        ValueError: ``num_heads`` is not a multiple of ``num_kv_heads``.
+    """
+    heads, kv_heads = int(query.shape[1]), int(k_cache.shape[2])
+    if heads % kv_heads:
+        raise ValueError(f"num_heads={heads} is not a multiple of num_kv_heads={kv_heads}")
+    flat = (-1, *k_cache.shape[2:])
+    keys, values = k_cache.view(flat), v_cache.view(flat)
+    out = query.new_empty(query.shape)
+    for g in plan.groups:
+        size, width_k = g.key_slots.shape
+        q = query.index_select(0, g.query_rows).view(size, -1, heads, query.shape[2])
+        k = keys[g.key_slots].transpose(1, 2)  # [G, kv_heads, L, D]
+        v = values[g.key_slots].transpose(1, 2)
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2).to(k.dtype), k, v, attn_mask=g.mask, scale=scale,
+            enable_gqa=heads != kv_heads,
+        )  # fmt: skip
+        o = o.transpose(1, 2).reshape(-1, heads, query.shape[2])  # [G * Q, H, D]
+        out.index_copy_(0, g.rows, o.index_select(0, g.valid).to(out.dtype))
+    return out

@@ -1,0 +1,74 @@
+"""The packed paged attention (every sequence of a step at once) equals batchkit's reference
+paged attention (one sequence at a time) on any step: decodes, chunks from any start,
+grouped-query heads, blocks scattered through the pool."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+torch = pytest.importorskip("torch")
+
+from batchkit.integrations.transformers import (  # noqa: E402
+    packed_paged_attention,
+    plan_step,
+    write_step_kv,
+)
+from batchkit.kv import build_layout, paged_attention, write_kv  # noqa: E402
+
+BLOCK = 4
+NUM_BLOCKS = 40
+
+chunks = st.lists(
+    st.tuples(st.integers(0, 20), st.integers(1, 9)),  # (start, num_tokens)
+    min_size=1,
+    max_size=6,
+)
+
+
+@settings(max_examples=40)
+@given(
+    chunks=chunks,
+    kv_heads=st.sampled_from([1, 2, 4]),
+    group=st.sampled_from([1, 2]),
+    seed=st.integers(0, 99),
+)
+def test_packed_attention_equals_the_reference_on_any_step(
+    chunks: list[tuple[int, int]], kv_heads: int, group: int, seed: int
+) -> None:
+    rng = np.random.default_rng(seed)
+    heads, dim = kv_heads * group, 8
+    need = [-(-(s + n) // BLOCK) for s, n in chunks]
+    if sum(need) > NUM_BLOCKS:
+        return
+    free = rng.permutation(NUM_BLOCKS).tolist()  # blocks scattered through the pool
+    block_ids = [[free.pop() for _ in range(k)] for k in need]
+    tokens = [list(range(s + n)) for s, n in chunks]
+    layout = build_layout(tokens, [s for s, _ in chunks], [n for _, n in chunks], block_ids, BLOCK)
+    shape = (NUM_BLOCKS, BLOCK, kv_heads, dim)
+    k_cache = torch.tensor(rng.normal(size=shape))  # the earlier tokens' keys: any values
+    v_cache = torch.tensor(rng.normal(size=shape))
+    t = layout.num_tokens
+    q = torch.tensor(rng.normal(size=(t, heads, dim)))
+    k = torch.tensor(rng.normal(size=(t, kv_heads, dim)))
+    v = torch.tensor(rng.normal(size=(t, kv_heads, dim)))
+
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    write_kv(ref_k, ref_v, k, v, torch.from_numpy(layout.slot_mapping))
+    want = paged_attention(q, ref_k, ref_v, layout.to_torch(), scale=0.3)
+
+    plan = plan_step(layout, BLOCK)
+    write_step_kv(k_cache, v_cache, k, v, plan)
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+    got = packed_paged_attention(q, k_cache, v_cache, plan, scale=0.3)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+def test_heads_that_are_not_a_multiple_of_the_kv_heads_are_refused() -> None:
+    layout = build_layout([[1, 2]], [0], [2], [[0]], BLOCK)
+    plan = plan_step(layout, BLOCK)
+    cache = torch.zeros(2, BLOCK, 2, 8)
+    with pytest.raises(ValueError, match="num_heads=3 is not a multiple of num_kv_heads=2"):
+        packed_paged_attention(torch.zeros(2, 3, 8), cache, cache, plan)
