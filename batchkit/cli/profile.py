@@ -12,9 +12,23 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from batchkit.cli._args import CliError, int_list, non_negative_int, positive_float, positive_int
+from batchkit.cli._args import (
+    CliError,
+    int_list,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 from batchkit.cli._args import shape as shape_arg
-from batchkit.tools.profile import DEFAULT_BATCH_SIZES, ProfilePoint, ProfileResult, profile
+from batchkit.tools.profile import (
+    DEFAULT_BATCH_SIZES,
+    DEFAULT_MAX_REPEATS,
+    DEFAULT_TIME_BUDGET_S,
+    ProfilePoint,
+    ProfileResult,
+    profile,
+)
 from batchkit.tools.progress import Progress
 
 NEEDS_MATPLOTLIB = '--plot needs matplotlib: pip install "batchkit[plot]" (or matplotlib)'
@@ -32,10 +46,11 @@ def add_parser(commands: Any) -> None:
         description=(
             "Call MODULE:CALLABLE on batches of shape [B, *input-shape] (a numpy array, or a "
             "torch tensor with --framework torch) for each batch size: warm-up runs, then "
-            "timed runs (median and p10-p90 spread; CUDA-synchronised on GPU). Prints latency "
-            "and throughput per size, the knee (the smallest size within 5% of the peak "
-            "throughput), a warning when the spread leaves the knee in doubt, and settings "
-            "for --sla-ms."
+            "timed rounds, every size once a round, until the knee settles or --budget-s "
+            "runs out (CUDA-synchronised on GPU). Prints each size's median latency with its "
+            "95%% confidence interval and p10-p90 spread, the throughput, the knee (the "
+            "smallest size within 5%% of the peak throughput) and settings for --sla-ms; "
+            "when the timings leave the knee in doubt, the range it may be in and no settings."
         ),
     )
     p.add_argument("target", metavar="MODULE:CALLABLE",
@@ -50,7 +65,14 @@ def add_parser(commands: Any) -> None:
     p.add_argument("--dtype", default="float32", help="element type (default float32)")
     p.add_argument("--device", help="torch device (default cuda if available, else cpu)")
     p.add_argument("--warmup", type=non_negative_int, default=2, help="untimed runs (default 2)")
-    p.add_argument("--repeats", type=positive_int, default=5, help="timed runs (default 5)")
+    p.add_argument("--repeats", type=positive_int, default=5,
+                   help="the fewest timed runs per size (default 5)")  # fmt: skip
+    p.add_argument("--max-repeats", type=positive_int, default=DEFAULT_MAX_REPEATS,
+                   help=f"the most timed runs per size (default {DEFAULT_MAX_REPEATS})",
+                   )  # fmt: skip
+    p.add_argument("--budget-s", type=non_negative_float, default=DEFAULT_TIME_BUDGET_S,
+                   help="seconds of timed rounds after which no new one starts, settled or "
+                        f"not (default {DEFAULT_TIME_BUDGET_S:g})")  # fmt: skip
     p.add_argument("--sla-ms", type=positive_float, help="latency target for the recommendation")
     p.add_argument("--json", type=Path, metavar="OUT.json",
                    help="save the profile (read by 'batchkit simulate --profile')")  # fmt: skip
@@ -127,9 +149,11 @@ def run(args: argparse.Namespace) -> int:
     """
     if args.plot is not None:
         _check_plot_backend()  # fail before the sweep, not after it
+    if args.max_repeats < args.repeats:
+        raise CliError(f"--max-repeats {args.max_repeats} is below --repeats {args.repeats}")
     fn = load_callable(args.target)
     show = sys.stderr.isatty()
-    total = len(set(args.batch_sizes)) * (args.warmup + args.repeats)
+    total = len(set(args.batch_sizes)) * (args.warmup + args.max_repeats)
     with Progress("profiling", total, enabled=show) as bar:
         try:
             result = profile(
@@ -141,9 +165,11 @@ def run(args: argparse.Namespace) -> int:
                 device=args.device,
                 warmup=args.warmup,
                 repeats=args.repeats,
+                max_repeats=args.max_repeats,
+                time_budget_s=args.budget_s,
                 sla_ms=args.sla_ms,
                 name=args.target,
-                on_step=lambda done, _total: bar.set(done),
+                on_step=lambda done, total: bar.set(done * bar.total // total),
             )
         except RuntimeError as exc:  # the callable failed on a batch: say which, in one line
             raise CliError(str(exc)) from None
@@ -158,7 +184,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def format_profile(result: ProfileResult) -> str:
-    """The printed report.
+    """The printed report: the table, the knee and how sure it is, and the advice (none
+    when the timings leave the knee in doubt).
 
     Args:
         result: The profile to report.
@@ -166,31 +193,35 @@ def format_profile(result: ProfileResult) -> str:
     shape = ", ".join(map(str, result.input_shape))
     lines = [
         f"{result.target}: input [B, {shape}] {result.dtype} ({result.framework}, "
-        f"{result.device}); median of {result.repeats} after {result.warmup} warm-up",
-        f"{'batch':>7}{'latency ms':>12}{'p10-p90 ms':>16}{'items/s':>11}{'of peak':>9}",
+        f"{result.device}); {result.repeats} timed runs per size, in turn, after "
+        f"{result.warmup} warm-up; {_stopped(result)}",
+        f"{'batch':>7}{'median ms':>11}{'95% CI ms':>17}{'p10-p90 ms':>17}{'items/s':>11}"
+        f"{'of peak':>9}",
     ]
     peak = result.peak.throughput
     for p in result.points:
         mark = "  <- knee" if p.batch_size == result.knee else ""
+        ci = _range(p.ci_low_ms, p.ci_high_ms)
         lines.append(
-            f"{p.batch_size:>7}{p.latency_ms:>12.3f}{_spread(p):>16}{p.throughput:>11,.0f}"
-            f"{p.throughput / peak:>9.0%}{mark}"
+            f"{p.batch_size:>7}{p.latency_ms:>11.3f}{ci:>17}{_spread(p):>17}"
+            f"{p.throughput:>11,.0f}{p.throughput / peak:>9.0%}{mark}"
         )
     fixed, per_item = result.fit()
-    rec = result.recommendation
     lines.append(
         f"knee: batch size {result.knee} (smallest within 5% of the peak "
-        f"{peak:,.0f} items/s); fit: {fixed:.3f} ms + {per_item:.4f} ms x B"
+        f"{peak:,.0f} items/s); robust fit: {fixed:.3f} ms + {per_item:.4f} ms x B"
     )
     if not result.knee_determined:
         low, high = result.knee_range
         lines.append(
-            f"  warning: the spread is too wide to pick a knee: with each size anywhere in "
-            f"its p10-p90 range,\n  the knee could be any size from {low} to {high} "
-            f"(rerun with more --repeats, on a quieter machine)"
+            f"no recommendation: with each median anywhere in its 95% confidence interval,\n"
+            f"  the knee could be any size from {low} to {high}: the timings are too noisy to "
+            f"choose\n  (rerun with a larger --budget-s or --max-repeats, on a quieter machine)"
         )
-    elif result.repeats < 3:
-        lines.append(f"  note: a spread from {result.repeats} repeat(s) says little; use 3 or more")
+        return "\n".join(lines)
+    if result.repeats < 3:
+        lines.append(f"  note: {result.repeats} run(s) per size say little; use 3 or more")
+    rec = result.recommendation
     target = f"for a {rec.sla_ms:g} ms target" if rec.sla_ms is not None else "(no --sla-ms given)"
     lines.append(
         f"recommended {target}: max_batch_size={rec.max_batch_size}, "
@@ -207,10 +238,22 @@ def format_profile(result: ProfileResult) -> str:
     return "\n".join(lines)
 
 
+def _stopped(result: ProfileResult) -> str:
+    """Why the rounds stopped."""
+    took = f"{result.elapsed_s:.1f} s"
+    if result.knee_determined:
+        return f"the knee settled ({took})"
+    if result.time_budget_s is not None and result.elapsed_s >= result.time_budget_s:
+        return f"the {result.time_budget_s:g} s budget ran out before the knee settled"
+    return f"{result.repeats} runs per size did not settle the knee ({took})"
+
+
+def _range(low: float | None, high: float | None) -> str:
+    return "-" if low is None or high is None else f"{low:.3f}-{high:.3f}"
+
+
 def _spread(point: ProfilePoint) -> str:
-    if point.p10_ms is None or point.p90_ms is None:
-        return "-"
-    return f"{point.p10_ms:.3f}-{point.p90_ms:.3f}"
+    return _range(point.p10_ms, point.p90_ms)
 
 
 def plot(result: ProfileResult, path: Path) -> None:

@@ -114,7 +114,7 @@ def spread(p10: float, median: float, p90: float) -> list[float]:
 def fake_profile(script_ms: dict[int, list[float]]) -> ProfileResult:
     device = FakeDevice(script_ms)
     return profile(device, (4,), batch_sizes=sorted(script_ms), warmup=0, repeats=11,
-                   clock=device.clock, name="fake")  # fmt: skip
+                   max_repeats=11, clock=device.clock, name="fake")  # fmt: skip
 
 
 def test_each_size_reports_its_p10_p90_spread() -> None:
@@ -138,7 +138,7 @@ def test_a_tight_spread_leaves_one_knee_and_no_warning() -> None:
     assert result.knee == 4 and result.knee_range == (4, 4) and result.knee_determined
     report = format_profile(result)
     assert "p10-p90 ms" in report and "0.990-1.010" in report
-    assert "warning" not in report
+    assert "warning" not in report and "no recommendation" not in report
 
 
 def test_a_wide_spread_that_moves_the_knee_is_a_warning() -> None:
@@ -153,9 +153,10 @@ def test_a_wide_spread_that_moves_the_knee_is_a_warning() -> None:
     assert result.knee_range == (64, 256) and not result.knee_determined
     report = format_profile(result)
     assert (
-        "warning: the spread is too wide to pick a knee: with each size anywhere in its "
-        "p10-p90 range,\n  the knee could be any size from 64 to 256"
+        "no recommendation: with each median anywhere in its 95% confidence interval,\n"
+        "  the knee could be any size from 64 to 256"
     ) in report
+    assert "recommended" not in report  # no advice the timings do not support
 
 
 def test_knee_range_from_hand_made_points() -> None:
@@ -243,3 +244,119 @@ def test_profile_refuses_to_await_inside_a_running_loop() -> None:
     with pytest.raises(RuntimeError, match="running event loop"):
         asyncio.run(caller())
 
+
+
+class NoisyDevice:
+    """A batch function on a fake clock whose calls take ``true_ms(size)`` times a seeded
+    lognormal jitter; ``slow_calls`` (counted from the first call) take 20x as long, as
+    when the machine is busy for a moment."""
+
+    def __init__(
+        self,
+        true_ms: dict[int, float],
+        sigma: float = 0.0,
+        slow_calls: range = range(0),
+        seed: int = 0,
+    ) -> None:
+        self.now, self.calls = 0.0, 0
+        self.true_ms, self.sigma, self.slow_calls = true_ms, sigma, slow_calls
+        self.rng = np.random.default_rng(seed)
+
+    def clock(self) -> float:
+        return self.now
+
+    def __call__(self, batch: np.ndarray) -> None:
+        ms = self.true_ms[len(batch)] * float(np.exp(self.sigma * self.rng.standard_normal()))
+        if self.calls in self.slow_calls:
+            ms *= 20
+        self.calls += 1
+        self.now += ms / 1e3
+
+    def profile(self, **kwargs: object) -> ProfileResult:
+        options: dict[str, object] = {"warmup": 0, "clock": self.clock, "name": "noisy"}
+        options.update(kwargs)
+        return profile(self, (4,), batch_sizes=sorted(self.true_ms), **options)  # type: ignore[arg-type]
+
+
+# 1 ms up to 8 items, then 1 ms per 8: throughput peaks from 8 on, so the knee is 8.
+SATURATING = {1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0, 16: 2.0, 32: 4.0}
+
+
+def test_steady_timings_stop_after_the_fewest_rounds() -> None:
+    result = NoisyDevice(SATURATING).profile(repeats=5)
+    assert result.repeats == 5 and result.knee == 8 and result.knee_determined
+    assert result.elapsed_s == pytest.approx(5 * sum(SATURATING.values()) / 1e3)
+
+
+def test_noisy_timings_are_repeated_until_the_knee_settles() -> None:
+    result = NoisyDevice(SATURATING, sigma=0.05).profile(repeats=3)
+    assert result.repeats > 3  # three noisy runs could not tell 4, 8 and 16 apart
+    assert result.knee_determined and result.knee == 8
+    for point in result.points:  # each median's interval holds the truth
+        assert point.ci_low_ms <= SATURATING[point.batch_size] <= point.ci_high_ms  # type: ignore[operator]
+    report = format_profile(result)
+    assert "the knee settled" in report
+    assert "recommended (no --sla-ms given): max_batch_size=8" in report
+
+
+def test_a_knee_the_timings_cannot_settle_ends_at_the_budget_with_no_advice() -> None:
+    # 8 gives exactly 95% of 16's throughput: it is on the edge of being the knee, and no
+    # number of noisy runs can say on which side.
+    edge = {4: 1.0, 8: 1 / 0.95, 16: 2.0}
+    result = NoisyDevice(edge, sigma=0.1).profile(repeats=5, time_budget_s=2.0)
+    assert not result.knee_determined
+    round_s = sum(edge.values()) * 1.5 / 1e3  # one round, with room for the jitter
+    assert 2.0 <= result.elapsed_s < 2.0 + round_s  # stopped by the fake clock's budget
+    report = format_profile(result)
+    assert "the 2 s budget ran out before the knee settled" in report
+    assert "no recommendation:" in report and "recommended" not in report
+
+
+def test_max_repeats_bounds_a_run_without_a_budget() -> None:
+    edge = {4: 1.0, 8: 1 / 0.95, 16: 2.0}
+    result = NoisyDevice(edge, sigma=0.1).profile(repeats=5, max_repeats=40, time_budget_s=None)
+    assert result.repeats == 40 and not result.knee_determined
+
+
+def test_a_slow_moment_costs_every_size_one_run_not_one_size_every_run() -> None:
+    # Five calls in a row 20x slower: timed size after size, they were all of the third
+    # size's runs (its median 20 ms, the knee moved); timed in turn, one run of each.
+    result = NoisyDevice(SATURATING, slow_calls=range(10, 15)).profile(repeats=5, max_repeats=5)
+    assert [p.latency_ms for p in result.points] == pytest.approx(list(SATURATING.values()))
+    assert result.knee == 8
+
+
+def test_the_fit_is_robust_to_a_few_outlying_sizes() -> None:
+    # 0.3 ms + 0.015 ms x B, but two sizes caught at 7.9 ms by a busy moment: least
+    # squares gave a flat line through them (3.066 ms + 0.0000 ms x B, as one run did).
+    true = {b: 0.3 + 0.015 * b for b in (1, 2, 4, 8, 16, 32, 64, 128)}
+    noisy = {**true, 2: 7.9, 4: 7.9}
+    result = ProfileResult("fit", (4,), "numpy", "float32", "cpu", 0, 1, points(noisy), 8,
+                           recommend(points(noisy)))  # fmt: skip
+    fixed, per_item = result.fit()
+    assert fixed == pytest.approx(0.3, abs=0.05) and per_item == pytest.approx(0.015, rel=0.05)
+    clean = ProfileResult("fit", (4,), "numpy", "float32", "cpu", 0, 1, points(true), 8,
+                          recommend(points(true)))  # fmt: skip
+    assert clean.fit() == pytest.approx((0.3, 0.015))
+
+
+def test_the_medians_confidence_interval_narrows_with_more_runs() -> None:
+    from batchkit.tools.profile import median_ci
+
+    assert median_ci([5.0, 1.0, 3.0, 2.0, 4.0]) == (1.0, 5.0)  # few runs: the whole range
+    assert median_ci([float(i) for i in range(1, 101)]) == (40.0, 61.0)  # ranks 50 -+ 9.8
+
+
+def test_profile_command_refuses_max_repeats_below_repeats(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, _, err = run(capsys, "profile", TARGET, "--input-shape", "2", "--repeats", "9",
+                       "--max-repeats", "3")  # fmt: skip
+    assert_one_line_error(code, err, "--max-repeats 3 is below --repeats 9")
+
+
+def test_profile_bad_budget_and_repeat_bounds_are_value_errors() -> None:
+    with pytest.raises(ValueError, match="time_budget_s"):
+        profile(saturating, (4,), batch_sizes=[1], time_budget_s=-1)
+    with pytest.raises(ValueError, match="repeats <= max_repeats"):
+        profile(saturating, (4,), batch_sizes=[1], repeats=5, max_repeats=2)
