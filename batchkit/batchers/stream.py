@@ -87,7 +87,8 @@ def stream_batches(
     step wait for the next round. Groups are the policy's buckets with `sync_buckets`
     (a step never mixes buckets), else one. At the end of `items` the last steps are
     evened out like a sampler's epoch (batches repeated from the start of the group,
-    or dropped with `drop_last`).
+    or dropped with `drop_last`). A buffer too small for one step's batches makes
+    them go early, evened out the same way, so a stream is never stuck.
 
     Args:
         policy: the batching policy.
@@ -140,9 +141,9 @@ def stream_batches(
         for step in steps:
             mine = step[rank]
             yield [held[i][0] for i in mine], list(mine)
-            for batch in step:  # every rank is done with the step: free its items
-                for i in batch:
-                    held.pop(i, None)
+        # what is held now: the batches waiting for a step (a batch repeated to even out
+        # a step can come again in this round, so items are freed only here)
+        held = {i: held[i] for batches in waiting.values() for b in batches for i in b}
         if exhausted and not waiting:
             return
 
