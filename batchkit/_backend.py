@@ -43,7 +43,7 @@ def require_torch(what: str = 'return_tensors="pt"') -> Any:
     try:
         import torch
     except ImportError as exc:  # pragma: no cover - exercised only without torch
-        raise ImportError(f'{what} needs torch: pip install "batchkit[torch]"') from exc
+        raise ImportError(f'{what} needs torch: pip install "batchkit-ml[torch]"') from exc
     return torch
 
 

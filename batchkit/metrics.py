@@ -1,5 +1,5 @@
 """Prometheus metrics for ``@batched`` functions and continuous batchers
-(``pip install "batchkit[metrics]"``).
+(``pip install "batchkit-ml[metrics]"``).
 
 ```python
 from prometheus_client import start_http_server
@@ -45,7 +45,7 @@ try:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
     raise ImportError(
-        "batchkit.metrics needs prometheus-client: pip install 'batchkit[metrics]'"
+        "batchkit.metrics needs prometheus-client: pip install 'batchkit-ml[metrics]'"
     ) from exc
 
 from batchkit.generate.batcher import ContinuousBatcher

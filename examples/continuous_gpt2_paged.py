@@ -8,7 +8,7 @@ preempted and recomputed; prefix caching shares the blocks of a common system
 prompt. ``max_prefill_chunk`` splits every prompt into chunks of at most 8 tokens, so
 prefills of several sequences share each step; an urgent request (``priority=-1``)
 preempts the least urgent running sequence to start at once. The batcher is tracked
-by a Prometheus exporter (``pip install "batchkit[metrics]"``). Greedy outputs equal
+by a Prometheus exporter (``pip install "batchkit-ml[metrics]"``). Greedy outputs equal
 ``model.generate`` on each prompt alone (checked).
 
 Run: python examples/continuous_gpt2_paged.py

@@ -24,8 +24,8 @@ from batchkit.integrations.ray import BatchkitPredictor  # noqa: E402
 
 try:
     import ray
-except ImportError:  # the example is optional: it needs batchkit[ray]
-    print("skipped: Ray Data is not installed (pip install 'batchkit[ray]')")
+except ImportError:  # the example is optional: it needs batchkit-ml[ray]
+    print("skipped: Ray Data is not installed (pip install 'batchkit-ml[ray]')")
     sys.exit(0)
 
 

@@ -28,4 +28,4 @@ def test_missing_prometheus_client_raises_an_import_error_naming_the_extra() -> 
     )
     done = run(code)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "batchkit[metrics]" in done.stdout
+    assert "batchkit-ml[metrics]" in done.stdout

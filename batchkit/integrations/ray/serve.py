@@ -31,7 +31,7 @@ def _require_ray_serve() -> Any:
         from ray.serve import metrics
     except ImportError as exc:
         raise ImportError(
-            "batchkit.integrations.ray needs Ray Serve: pip install 'batchkit[ray]'"
+            "batchkit.integrations.ray needs Ray Serve: pip install 'batchkit-ml[ray]'"
         ) from exc
     return metrics
 
