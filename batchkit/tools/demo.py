@@ -174,7 +174,8 @@ class DemoResult:
             f"max |batched - alone| = {self.max_abs_diff:.1e} "
             f"(dispatch reasons: {self.dispatch_reasons})"
         )
-        lines.append(f"{self.baseline}; @batched: BucketedBatcher, buckets 16/32/48, up to 32")
+        lines.append(self.baseline)
+        lines.append("@batched (bucketed): BucketedBatcher, buckets 16/32/48, up to 32 per batch")
         return "\n".join(lines)
 
 

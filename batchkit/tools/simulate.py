@@ -513,7 +513,7 @@ class SimResult:
         batch_log: `(start, end, size)` of every batch.
         warnings: settings that make the run meaningless, in words (a latency target
             or goodput threshold shorter than one batch's time); each was also
-            issued as a [`SimulationWarning`][batchkit.tools.simulate.SimulationWarning].
+            issued as a `batchkit.tools.simulate.SimulationWarning`.
     """
 
     requests: int
