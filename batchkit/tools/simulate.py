@@ -33,8 +33,8 @@ from typing import Any
 import numpy as np
 
 from batchkit.batchers.base import Batcher
-from batchkit.batchers.checks import positive_count
 from batchkit.batchers.bucketed import BucketedBatcher
+from batchkit.batchers.checks import positive_count
 from batchkit.batchers.cost import BatchCost, CostLike, as_batch_cost
 from batchkit.batchers.dynamic import DynamicBatcher
 from batchkit.batchers.sorted import SortedBatcher
