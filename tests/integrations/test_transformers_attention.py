@@ -16,6 +16,7 @@ from batchkit.integrations.transformers import (  # noqa: E402
     plan_step,
     write_step_kv,
 )
+from batchkit.integrations.transformers.attention import by_length  # noqa: E402
 from batchkit.kv import build_layout, paged_attention, write_kv  # noqa: E402
 
 BLOCK = 4
@@ -30,13 +31,14 @@ chunks = st.lists(
 
 @settings(max_examples=40)
 @given(
+    min_saved=st.sampled_from([0, 2048]),  # 0: decodes split into groups by length
     chunks=chunks,
     kv_heads=st.sampled_from([1, 2, 4]),
     group=st.sampled_from([1, 2]),
     seed=st.integers(0, 99),
 )
 def test_packed_attention_equals_the_reference_on_any_step(
-    chunks: list[tuple[int, int]], kv_heads: int, group: int, seed: int
+    min_saved: int, chunks: list[tuple[int, int]], kv_heads: int, group: int, seed: int
 ) -> None:
     rng = np.random.default_rng(seed)
     heads, dim = kv_heads * group, 8
@@ -59,7 +61,7 @@ def test_packed_attention_equals_the_reference_on_any_step(
     write_kv(ref_k, ref_v, k, v, torch.from_numpy(layout.slot_mapping))
     want = paged_attention(q, ref_k, ref_v, layout.to_torch(), scale=0.3)
 
-    plan = plan_step(layout, BLOCK)
+    plan = plan_step(layout, BLOCK, min_saved_keys=min_saved)
     write_step_kv(k_cache, v_cache, k, v, plan)
     assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
     got = packed_paged_attention(q, k_cache, v_cache, plan, scale=0.3)
@@ -72,3 +74,25 @@ def test_heads_that_are_not_a_multiple_of_the_kv_heads_are_refused() -> None:
     cache = torch.zeros(2, BLOCK, 2, 8)
     with pytest.raises(ValueError, match="num_heads=3 is not a multiple of num_kv_heads=2"):
         packed_paged_attention(torch.zeros(2, 3, 8), cache, cache, plan)
+
+
+@settings(max_examples=60)
+@given(lengths=st.lists(st.integers(1, 600), max_size=40), min_saved=st.sampled_from([0, 512]))
+def test_decodes_are_grouped_by_length_padding_fewer_keys(
+    lengths: list[int], min_saved: int
+) -> None:
+    lens = np.array(lengths, dtype=np.int64)
+    members = np.arange(100, 100 + len(lens))
+    groups = by_length(members, lens, min_saved=min_saved)
+    assert 1 <= len(groups) <= 4
+    assert sorted(np.concatenate(groups).tolist()) == members.tolist()
+    padded = sum(len(g) * int(lens[g - 100].max(initial=0)) for g in groups)
+    assert padded <= len(lens) * int(lens.max(initial=0))
+    if len(groups) > 1:  # each cut saved its share
+        assert len(lens) * int(lens.max()) - padded >= min_saved
+
+
+def test_long_tailed_decodes_get_their_own_groups() -> None:
+    lens = np.array([20] * 24 + [480] * 8)
+    groups = by_length(np.arange(32), lens)
+    assert [sorted(lens[g].tolist()) for g in groups] == [[20] * 24, [480] * 8]

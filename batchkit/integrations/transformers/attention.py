@@ -5,11 +5,12 @@ A step computes ``T`` tokens of ``B`` sequences (a
 [`paged_attention`][batchkit.kv.paged_attention] does, costs a few small kernels per
 sequence per layer; here a [`StepPlan`][batchkit.integrations.transformers.StepPlan],
 built once per step on the host, turns the layout into gather indices and masks so
-that each layer runs two batched attentions: one over every decoding sequence (one
-query each) and one over every prefilling sequence (their chunks padded to the
-longest). Keys and values are read straight from the pool's blocks; the pool layout
-is batchkit's (``[num_blocks, block_size, num_kv_heads, head_dim]`` per layer), so the
-reference kernel reads the same cache.
+that each layer runs a few batched attentions: over the decoding sequences (one query
+each), in up to four groups of similar lengths so that little is padded, and over
+every prefilling sequence (their chunks padded to the longest). Keys and values are
+read straight from the pool's blocks; the pool layout is batchkit's (``[num_blocks,
+block_size, num_kv_heads, head_dim]`` per layer), so the reference kernel reads the
+same cache.
 """
 
 from __future__ import annotations
@@ -52,8 +53,10 @@ class StepPlan:
 
     Attributes:
         slot_mapping: Int64 ``[T]``, the pool slot each new key/value is written to.
-        groups: The batched attentions of each layer (decoding sequences, then
-            prefilling ones; a group with no sequence is left out).
+        groups: The batched attentions of each layer: decoding sequences in up to
+            four groups of similar lengths (see
+            [`by_length`][batchkit.integrations.transformers.attention.by_length]),
+            then prefilling ones; a group with no sequence is left out.
         num_tokens: ``T``.
     """
 
@@ -62,7 +65,9 @@ class StepPlan:
     num_tokens: int
 
 
-def plan_step(layout: StepLayout, block_size: int, device: Any = None) -> StepPlan:
+def plan_step(
+    layout: StepLayout, block_size: int, device: Any = None, *, min_saved_keys: int = 2048
+) -> StepPlan:
     """The [`StepPlan`][batchkit.integrations.transformers.StepPlan] of a step's layout.
 
     Work is per sequence and a few array operations per group; nothing per token in
@@ -72,6 +77,9 @@ def plan_step(layout: StepLayout, block_size: int, device: Any = None) -> StepPl
         layout: The step's layout, host (numpy) arrays.
         block_size: Tokens per block of the pool.
         device: Where the plan's tensors go (the model's device).
+        min_saved_keys: Decoding sequences are split into another group only if that
+            pads at least this many fewer keys (see
+            [`by_length`][batchkit.integrations.transformers.attention.by_length]).
 
     Returns:
         The plan.
@@ -84,11 +92,56 @@ def plan_step(layout: StepLayout, block_size: int, device: Any = None) -> StepPl
     prefill = np.flatnonzero(num_q > 1)
     groups = tuple(
         _group(members, cu_q, num_q, seq_lens, tables, block_size, device)
-        for members in (decode, prefill)
+        for members in (*by_length(decode, seq_lens[decode], min_saved=min_saved_keys), prefill)
         if len(members)
     )
     slots = torch.from_numpy(np.asarray(layout.slot_mapping, dtype=np.int64)).to(device)
     return StepPlan(slot_mapping=slots, groups=groups, num_tokens=int(cu_q[-1]))
+
+
+def by_length(
+    members: np.ndarray, lengths: np.ndarray, *, most: int = 4, min_saved: int = 2048
+) -> list[np.ndarray]:
+    """``members`` split into at most ``most`` groups of similar ``lengths``.
+
+    A group pads every key row to its longest sequence; with long-tailed lengths one
+    group for all would read about twice the keys there are. Sorted by length, the
+    sequences are cut where a cut saves the most padded keys, again and again, while a
+    cut saves at least an eighth of its part's padded keys and ``min_saved`` keys
+    (another group is a few more kernel launches per layer: a small saving does not
+    pay for them).
+
+    Args:
+        members: Sequence indices.
+        lengths: Their key counts (``seq_lens``), in the same order.
+        most: The most groups.
+        min_saved: The fewest padded keys a cut must save.
+
+    Returns:
+        The groups, each an index array (their union is ``members``).
+    """
+    order = np.argsort(lengths, kind="stable")
+    parts = [(members[order], lengths[order])]
+    while len(parts) < most:
+        # cut the part whose best cut saves the most
+        best = None
+        for p, (_, ln) in enumerate(parts):
+            n = len(ln)
+            if n < 2:
+                continue
+            cut = np.arange(1, n)
+            area = cut * ln[cut - 1] + (n - cut) * ln[-1]  # sorted: a part's longest is its last
+            i = int(np.argmin(area))
+            saved = n * int(ln[-1]) - int(area[i])
+            enough = saved * 8 >= n * int(ln[-1]) and saved >= min_saved
+            if enough and (best is None or saved > best[0]):
+                best = (saved, p, int(cut[i]))
+        if best is None:
+            break
+        _, p, i = best
+        m, ln = parts.pop(p)
+        parts[p:p] = [(m[:i], ln[:i]), (m[i:], ln[i:])]
+    return [m for m, _ in parts]
 
 
 def _group(
@@ -181,15 +234,20 @@ def packed_paged_attention(
     flat = (-1, *k_cache.shape[2:])
     keys, values = k_cache.view(flat), v_cache.view(flat)
     out = query.new_empty(query.shape)
+    dim = int(query.shape[2])
     for g in plan.groups:
         size, width_k = g.key_slots.shape
-        q = query.index_select(0, g.query_rows).view(size, -1, heads, query.shape[2])
-        k = keys[g.key_slots].transpose(1, 2)  # [G, kv_heads, L, D]
-        v = values[g.key_slots].transpose(1, 2)
+        q = query.index_select(0, g.query_rows).view(size, -1, heads, dim)
+        # index_select, not k[slots]: on CPU the advanced-indexing kernel is ~5x slower;
+        # heads-major and contiguous, the layout the CPU attention kernel runs fastest on
+        slots = g.key_slots.view(-1)
+        k = keys.index_select(0, slots).view(size, width_k, kv_heads, dim)
+        v = values.index_select(0, slots).view(size, width_k, kv_heads, dim)
         o = F.scaled_dot_product_attention(
-            q.transpose(1, 2).to(k.dtype), k, v, attn_mask=g.mask, scale=scale,
+            q.transpose(1, 2).contiguous().to(k.dtype), k.transpose(1, 2).contiguous(),
+            v.transpose(1, 2).contiguous(), attn_mask=g.mask, scale=scale,
             enable_gqa=heads != kv_heads,
         )  # fmt: skip
-        o = o.transpose(1, 2).reshape(-1, heads, query.shape[2])  # [G * Q, H, D]
+        o = o.transpose(1, 2).reshape(-1, heads, dim)  # [G * Q, H, D]
         out.index_copy_(0, g.rows, o.index_select(0, g.valid).to(out.dtype))
     return out
