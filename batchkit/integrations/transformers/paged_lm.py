@@ -62,9 +62,10 @@ class PagedLM:
     Raises:
         TypeError: ``model`` is not a transformers model.
         ValueError: ``model`` is not a causal LM, is in training mode, or has an
-            attention this adapter cannot drive (sliding windows, attention sinks,
-            soft-capped logits, cross-attention, non-attention layers, or an
-            attention outside transformers' interface); or a bad pool size.
+            attention this adapter cannot drive (sliding windows, soft-capped
+            logits, cross-attention, non-attention layers, or an attention outside
+            transformers' interface); or a bad pool size. (Attention sinks, which no
+            config flag announces, fail the first step instead, with a ValueError.)
     """
 
     def __init__(
