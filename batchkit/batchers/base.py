@@ -14,16 +14,15 @@ import itertools
 import math
 import numbers
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
+
+import numpy as np
 
 # Re-exported: @batched and the simulator import it from here.
 from batchkit.batchers.checks import check_positive_int as check_positive_int
 from batchkit.batchers.cost import PADDED, BatchCost, CostLike, as_batch_cost
 from batchkit.batchers.sampler import BatchSampler, check_non_negative_int, check_rank
 from batchkit.batchers.stream import stream_batches
-
-if TYPE_CHECKING:
-    import numpy as np
 
 T = TypeVar("T")
 
@@ -125,7 +124,7 @@ def cut(
 
 
 class Batcher:
-    """Base class of the batching policies (static, dynamic, bucketed, sorted).
+    """Base class of the batching policies (static, dynamic, bucketed, sorted, packing).
 
     Subclasses set the options and override the hooks; the online scheduler and
     the offline [`batches`][batchkit.Batcher.batches] are written once, here and in
@@ -337,8 +336,6 @@ class Batcher:
             world_size: how many ranks take one batch each per step.
             rng: the epoch's random generator; None: keep the order.
         """
-        import numpy as np  # (numpy is imported only for annotations at module level)
-
         listed = keys.tolist()
         batches = self.index_batches(listed, shuffled=shuffled)
         arranged = self.arrange(batches, listed, world_size=world_size, rng=rng)

@@ -104,7 +104,9 @@ def stream_batches(
     """
     rng = np.random.default_rng(seed)
     source = iter(items)
-    held: dict[int, tuple[T, float]] = {}  # stream position -> (item, key), not yet handed out
+    # what is read and not yet handed out, by stream position
+    held: dict[int, T] = {}
+    held_keys: dict[int, float] = {}
     waiting: dict[Hashable, list[list[int]]] = {}  # group -> batches held back for a step
     read = 0  # items read so far: the next item's stream position
     exhausted = False
@@ -112,23 +114,28 @@ def stream_batches(
         room = buffer_size - len(held)
         chunk = list(itertools.islice(source, room)) if room > 0 else []
         exhausted = exhausted or (room > 0 and len(chunk) < room)
+        try:
+            keys = policy.keys_of(chunk)
+        except (TypeError, ValueError) as exc:  # its items[i] counts from this fill's start
+            raise type(exc)(f"in the stream's items from position {read}: {exc}") from exc
         positions = list(range(read, read + len(chunk)))
         read += len(chunk)
         if shuffle and chunk:
             order = rng.permutation(len(chunk)).tolist()
             chunk, positions = [chunk[i] for i in order], [positions[i] for i in order]
-        keys = policy.keys_of(chunk)
-        held.update(zip(positions, zip(chunk, keys)))
+            keys = [keys[i] for i in order]
+        held.update(zip(positions, chunk))
+        held_keys.update(zip(positions, keys))
         for batch in policy.index_batches(keys):
             members = [positions[p] for p in batch]
-            group = policy.bucket_of(held[members[0]][1]) if sync_buckets else None
+            group = policy.bucket_of(keys[batch[0]]) if sync_buckets else None
             waiting.setdefault(group, []).append(members)
         stuck = room <= 0  # held-back batches fill the buffer: they go, buckets mixed
         if stuck:
             waiting = {None: [b for batches in waiting.values() for b in batches]}
         steps: list[list[list[int]]] = []
         for group in list(waiting):
-            ordered = _arranged(policy, waiting.pop(group), held, world_size, rng, shuffle)
+            ordered = _arranged(policy, waiting.pop(group), held_keys, world_size, rng, shuffle)
             full = len(ordered) - len(ordered) % world_size
             if exhausted or (stuck and full == 0):
                 ordered = even_out(ordered, world_size, drop_last)
@@ -140,10 +147,12 @@ def stream_batches(
             steps = [steps[i] for i in rng.permutation(len(steps)).tolist()]
         for step in steps:
             mine = step[rank]
-            yield [held[i][0] for i in mine], list(mine)
+            yield [held[i] for i in mine], list(mine)
         # what is held now: the batches waiting for a step (a batch repeated to even out
         # a step can come again in this round, so items are freed only here)
-        held = {i: held[i] for batches in waiting.values() for b in batches for i in b}
+        kept = [i for batches in waiting.values() for b in batches for i in b]
+        held = {i: held[i] for i in kept}
+        held_keys = {i: held_keys[i] for i in kept}
         if exhausted and not waiting:
             return
 
@@ -151,14 +160,14 @@ def stream_batches(
 def _arranged(
     policy: StreamPolicy,
     batches: list[list[int]],
-    held: dict[int, tuple[Any, float]],
+    held_keys: dict[int, float],
     world_size: int,
     rng: np.random.Generator,
     shuffle: bool,
 ) -> list[list[int]]:
     """`batches` (of stream positions) in the order the policy's `arrange` gives them."""
     flat = [i for b in batches for i in b]
-    keys = [held[i][1] for i in flat]
+    keys = [held_keys[i] for i in flat]
     local: list[list[int]] = []
     start = 0
     for b in batches:

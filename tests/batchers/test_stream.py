@@ -197,3 +197,9 @@ def test_dataloader_workers_each_stream_their_own_shard() -> None:
         loader = DataLoader(Dataset(lengths, rank, 2), batch_size=None, num_workers=2)
         seen += [i for batch in loader for i in batch]
     assert sorted(seen) == list(range(len(lengths)))
+
+
+def test_a_bad_item_is_named_by_its_position_in_the_stream() -> None:
+    stream = SortedBatcher(batch_size=2).stream(["ab", "c", "de", 3, "f"], buffer_size=2)
+    with pytest.raises(TypeError, match=r"from position 2: items\[1\]"):
+        list(stream)
