@@ -299,6 +299,7 @@ class Batcher:
         *,
         world_size: int,
         rng: np.random.Generator | None,
+        drop_last: bool = False,
     ) -> list[list[int]]:
         """The batches in the order ranks take them: batch `i` goes to rank `i % world_size`.
 
@@ -311,6 +312,8 @@ class Batcher:
             keys: every position's key.
             world_size: how many ranks take one batch each per step.
             rng: the epoch's random generator; None: keep the order.
+            drop_last: the caller will drop the batches that do not fill a step
+                (a policy that could split batches to fill it need not).
         """
         if rng is None:
             return batches
@@ -323,6 +326,7 @@ class Batcher:
         shuffled: bool,
         world_size: int,
         rng: np.random.Generator | None,
+        drop_last: bool = False,
     ) -> list[np.ndarray]:
         """A sampler's batches of positions in `keys`, in the order ranks take them.
 
@@ -335,10 +339,13 @@ class Batcher:
             shuffled: the keys come in a random order.
             world_size: how many ranks take one batch each per step.
             rng: the epoch's random generator; None: keep the order.
+            drop_last: the caller will drop the batches that do not fill a step.
         """
         listed = keys.tolist()
         batches = self.index_batches(listed, shuffled=shuffled)
-        arranged = self.arrange(batches, listed, world_size=world_size, rng=rng)
+        arranged = self.arrange(
+            batches, listed, world_size=world_size, rng=rng, drop_last=drop_last
+        )
         return [np.asarray(b, dtype=np.int64) for b in arranged]
 
     # -- offline ----------------------------------------------------------

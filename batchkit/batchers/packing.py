@@ -37,8 +37,9 @@ class PackingBatcher(Batcher):
       [`stream`][batchkit.Batcher.stream], every rank gets the same number of
       batches, each index exactly once (batches are split in two to reach a multiple
       of the ranks rather than an index repeated; only when there are fewer items
-      than that multiple are some repeated, or dropped with `drop_last`), and each
-      step's batches (one per rank) carry about the same tokens.
+      than that multiple are some repeated), and each step's batches (one per rank)
+      carry about the same tokens. With `drop_last=True` nothing is split: the
+      lightest batches that do not fill a step are dropped, so every step is full.
 
     With the default `cost="sum"`, integer keys and no `max_batch_size`, packing runs
     over a table of the open batches' free room (vectorized: a million lengths in well
@@ -105,11 +106,14 @@ class PackingBatcher(Batcher):
         *,
         world_size: int,
         rng: np.random.Generator | None,
+        drop_last: bool = False,
     ) -> list[list[int]]:
         """Batches in steps of `world_size` whose costs are balanced.
 
         First the batch count is made a multiple of `world_size` by splitting the
-        batches with the most items in two (never an index twice); then the batches,
+        batches with the most items in two (never an index twice; not with
+        `drop_last`, where the fewest tokens are left for the caller to drop instead,
+        so every step stays full); then the batches,
         sorted by cost, are cut into consecutive steps of `world_size`, so each step's
         batches cost about the same; with `rng`, the steps and the rank each batch of a
         step goes to are shuffled. What cannot be split stays last, for the caller to
@@ -120,10 +124,12 @@ class PackingBatcher(Batcher):
             keys: every position's key.
             world_size: how many ranks take one batch each per step.
             rng: the epoch's random generator; None: no shuffling.
+            drop_last: the caller drops what does not fill a step.
         """
         arrays = [np.asarray(b, dtype=np.int64) for b in batches]
         keyed = np.asarray(keys, dtype=np.float64)
-        return [b.tolist() for b in self._balanced(arrays, keyed, world_size, rng)]
+        balanced = self._balanced(arrays, keyed, world_size, rng, drop_last)
+        return [b.tolist() for b in balanced]
 
     def plan(
         self,
@@ -132,6 +138,7 @@ class PackingBatcher(Batcher):
         shuffled: bool,
         world_size: int,
         rng: np.random.Generator | None,
+        drop_last: bool = False,
     ) -> list[np.ndarray]:
         """Packed batches, balanced across ranks, as arrays (no list per batch).
 
@@ -140,9 +147,10 @@ class PackingBatcher(Batcher):
             shuffled: the keys come in a random order.
             world_size: how many ranks take one batch each per step.
             rng: the epoch's random generator; None: keep the order.
+            drop_last: the caller drops what does not fill a step.
         """
         keyed = np.asarray(keys, dtype=np.float64)
-        return self._balanced(self._pack(keyed), keyed, world_size, rng)
+        return self._balanced(self._pack(keyed), keyed, world_size, rng, drop_last)
 
     def _pack(self, keys: np.ndarray) -> list[np.ndarray]:
         budget = self.max_tokens
@@ -183,10 +191,12 @@ class PackingBatcher(Batcher):
         keys: np.ndarray,
         world_size: int,
         rng: np.random.Generator | None,
+        drop_last: bool,
     ) -> list[np.ndarray]:
         if not batches:
             return batches
-        batches = _split_to_multiple(batches, keys, world_size)
+        if not drop_last:
+            batches = _split_to_multiple(batches, keys, world_size)
         if self.cost is SUM:
             sizes = np.fromiter((len(b) for b in batches), dtype=np.int64, count=len(batches))
             starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))

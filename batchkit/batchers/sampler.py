@@ -35,6 +35,7 @@ class IndexBatching(Protocol):
         shuffled: bool,
         world_size: int,
         rng: np.random.Generator | None,
+        drop_last: bool = False,
     ) -> list[np.ndarray]:
         """Batches of positions in `keys`, batch `i` for rank `i % world_size`.
 
@@ -43,6 +44,7 @@ class IndexBatching(Protocol):
             shuffled: the keys come in a random order.
             world_size: how many ranks share the batches.
             rng: the epoch's random generator; None: keep the order.
+            drop_last: the batches that do not fill a step will be dropped.
         """
         ...
 
@@ -239,6 +241,7 @@ class BatchSampler:
             shuffled=self.shuffle,
             world_size=world_size,
             rng=rng if self.shuffle else None,
+            drop_last=self.drop_last,
         )
         if batches:  # positions in `order` to dataset indices, in one gather
             sizes = np.fromiter((len(b) for b in batches), dtype=np.int64, count=len(batches))

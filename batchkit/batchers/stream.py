@@ -39,6 +39,7 @@ class StreamPolicy(Protocol):
         *,
         world_size: int,
         rng: np.random.Generator | None,
+        drop_last: bool = False,
     ) -> list[list[int]]:
         """The batches in the order ranks take them.
 
@@ -47,6 +48,7 @@ class StreamPolicy(Protocol):
             keys: every position's key.
             world_size: how many ranks take one batch each per step.
             rng: the random generator; None: keep the order.
+            drop_last: the batches that do not fill a step will be dropped.
         """
         ...
 
@@ -135,7 +137,14 @@ def stream_batches(
             waiting = {None: [b for batches in waiting.values() for b in batches]}
         steps: list[list[list[int]]] = []
         for group in list(waiting):
-            ordered = _arranged(policy, waiting.pop(group), held_keys, world_size, rng, shuffle)
+            ordered = _arranged(
+                policy,
+                waiting.pop(group),
+                held_keys,
+                world_size,
+                rng if shuffle else None,
+                drop_last=drop_last and exhausted,
+            )
             full = len(ordered) - len(ordered) % world_size
             if exhausted or (stuck and full == 0):
                 ordered = even_out(ordered, world_size, drop_last)
@@ -162,8 +171,9 @@ def _arranged(
     batches: list[list[int]],
     held_keys: dict[int, float],
     world_size: int,
-    rng: np.random.Generator,
-    shuffle: bool,
+    rng: np.random.Generator | None,
+    *,
+    drop_last: bool,
 ) -> list[list[int]]:
     """`batches` (of stream positions) in the order the policy's `arrange` gives them."""
     flat = [i for b in batches for i in b]
@@ -173,5 +183,5 @@ def _arranged(
     for b in batches:
         local.append(list(range(start, start + len(b))))
         start += len(b)
-    arranged = policy.arrange(local, keys, world_size=world_size, rng=rng if shuffle else None)
+    arranged = policy.arrange(local, keys, world_size=world_size, rng=rng, drop_last=drop_last)
     return [[flat[p] for p in b] for b in arranged]

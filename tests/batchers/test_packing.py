@@ -174,7 +174,7 @@ def _plain_order(
     policy: PackingBatcher, lengths: np.ndarray, world_size: int, arrange: object
 ) -> list[list[list[int]]]:
     class Plain(PackingBatcher):
-        def plan(self, keys, *, shuffled, world_size, rng):  # type: ignore[no-untyped-def]
+        def plan(self, keys, *, shuffled, world_size, rng, drop_last=False):  # type: ignore[no-untyped-def]
             listed = keys.tolist()
             batches = self.index_batches(listed)
             ordered = arrange(self, batches, listed, world_size=world_size, rng=rng)  # type: ignore[operator]
@@ -197,3 +197,18 @@ def test_a_million_lengths_pack_nearly_full() -> None:
     lengths = lengths.astype(np.int64)
     batches = PackingBatcher(max_tokens=8192).sampler(lengths, world_size=8).global_batches()
     assert lengths.sum() / (len(batches) * 8192) >= 0.999
+
+
+def test_drop_last_drops_the_lightest_batches_instead_of_splitting() -> None:
+    lengths = np.random.default_rng(4).integers(100, 1000, 1001)
+    policy = PackingBatcher(max_tokens=2048)
+    packed = policy.index_batches(lengths.tolist())
+    assert len(packed) % 8  # (some batches do not fill a step)
+    ranks = _rank_batches(policy, lengths, 8, drop_last=True)
+    kept = [b for r in ranks for b in r]
+    assert len(kept) == len(packed) - len(packed) % 8  # as packed: nothing split
+    seen = Counter(i for b in kept for i in b)
+    assert set(seen.values()) == {1}
+    dropped = sorted(set(range(len(lengths))) - set(seen))
+    lightest = min(int(lengths[b].sum()) for b in kept)
+    assert 0 < int(lengths[dropped].sum()) <= (len(packed) % 8) * lightest
