@@ -12,11 +12,11 @@ from hypothesis import strategies as st
 torch = pytest.importorskip("torch")
 
 from batchkit.integrations.transformers import (  # noqa: E402
+    by_length,
     packed_paged_attention,
     plan_step,
     write_step_kv,
 )
-from batchkit.integrations.transformers.attention import by_length  # noqa: E402
 from batchkit.kv import build_layout, paged_attention, write_kv  # noqa: E402
 
 BLOCK = 4

@@ -13,6 +13,7 @@
 from batchkit.integrations.transformers.attention import (
     AttentionGroup,
     StepPlan,
+    by_length,
     packed_paged_attention,
     plan_step,
     write_step_kv,
@@ -29,6 +30,7 @@ __all__ = [
     "AttentionGroup",
     "PagedLM",
     "StepPlan",
+    "by_length",
     "check_model",
     "continuous_batcher",
     "default_num_blocks",

@@ -55,7 +55,7 @@ class StepPlan:
         slot_mapping: Int64 ``[T]``, the pool slot each new key/value is written to.
         groups: The batched attentions of each layer: decoding sequences in up to
             four groups of similar lengths (see
-            [`by_length`][batchkit.integrations.transformers.attention.by_length]),
+            [`by_length`][batchkit.integrations.transformers.by_length]),
             then prefilling ones; a group with no sequence is left out.
         num_tokens: ``T``.
     """
@@ -79,7 +79,7 @@ def plan_step(
         device: Where the plan's tensors go (the model's device).
         min_saved_keys: Decoding sequences are split into another group only if that
             pads at least this many fewer keys (see
-            [`by_length`][batchkit.integrations.transformers.attention.by_length]).
+            [`by_length`][batchkit.integrations.transformers.by_length]).
 
     Returns:
         The plan.
