@@ -279,3 +279,30 @@ def test_bad_requests_are_refused_at_submit() -> None:
         ValueError, match=f"max_model_len=100 exceeds the model's {POSITIONS} positions"
     ):
         continuous_batcher(model, max_model_len=100)
+
+
+def test_generate_on_the_same_model_from_another_thread_during_steps_keeps_its_own_attention() -> (
+    None
+):
+    model = tiny("llama", seed=9)
+    # a padded batch: right only if generate() still gets its mask and its own attention
+    batch = torch.tensor([[0, 0, 5, 6, 7], [1, 2, 3, 4, 5]])
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+
+    def padded() -> list[list[int]]:
+        out = model.generate(
+            batch, attention_mask=mask, max_new_tokens=6, do_sample=False, eos_token_id=None,
+            pad_token_id=0,
+        )  # fmt: skip
+        return out[:, 5:].tolist()
+
+    want_padded = padded()
+    ps = prompts(7, 8)
+    want = [generate(model, p, 30) for p in ps]
+    with continuous_batcher(model, max_num_seqs=2, num_blocks=64, block_size=4) as cb:
+        # about 120 steps on the batcher's thread; the generate() calls run meanwhile
+        handles = [cb.submit(p, max_new_tokens=30) for p in ps]
+        during = [padded() for _ in range(3)]
+        got = [h.result(timeout=60) for h in handles]
+    assert during == [want_padded] * 3
+    assert got == want
