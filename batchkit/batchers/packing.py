@@ -17,6 +17,7 @@ import numpy as np
 from batchkit.batchers.base import Batcher, C, KeyFn
 from batchkit.batchers.checks import check_positive_int
 from batchkit.batchers.cost import SUM, BatchCost, CostLike
+from batchkit.batchers.sampler import split_at
 
 
 class PackingBatcher(Batcher):
@@ -330,4 +331,4 @@ def _best_fit_decreasing_sums(keys: np.ndarray, budget: int, max_items: int) -> 
     if n == 0:
         return []
     grouped = order[np.argsort(bin_of[order], kind="stable")]
-    return np.split(grouped, np.cumsum(np.bincount(bin_of, minlength=next_bin))[:-1])
+    return split_at(grouped, np.bincount(bin_of, minlength=next_bin))
