@@ -351,8 +351,10 @@ class Examples:
         self.lengths = lengths
 
     def __iter__(self) -> Iterator[Example]:
-        for i, n in enumerate(self.lengths.tolist()):
-            yield Example(str(i), n)
+        step = 4096  # listed a slice at a time: a list of every length would grow with N
+        for start in range(0, len(self.lengths), step):
+            for i, n in enumerate(self.lengths[start : start + step].tolist(), start):
+                yield Example(str(i), n)
 
 
 @dataclass
