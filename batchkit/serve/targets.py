@@ -29,8 +29,10 @@ batches keep beating is refuted and learned again (`batchkit.serve.latency`).
 from __future__ import annotations
 
 import dataclasses
+import heapq
+import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 from batchkit.batchers.base import Batcher
 from batchkit.errors import Overloaded
@@ -69,9 +71,10 @@ class LatencyTarget:
         self._probe_interval = target_s
         self._probes = 0
         self._probe_pending = False  # a probe was let in, and no batch observed since
-        # Waiting requests per priority: [count, sum of each request's own cost], for
-        # "how much work is ahead of a new request" without walking the queue.
-        self._waiting: dict[int, list[float]] = {}
+        # Waiting requests per (priority, bucket): [count, sum of each request's own
+        # cost], for "how much work is ahead of a new request" without walking the
+        # queue (each bucket makes batches of its own).
+        self._waiting: dict[tuple[int, Hashable], list[float]] = {}
         # A batch's cost over the sum of its items' own costs (above 1 for a padded
         # layout: its longest item times its size), averaged over recent batches.
         self._packing = 1.0
@@ -167,9 +170,10 @@ class LatencyTarget:
             req.deadline = math.inf
         else:
             req.deadline = req.enqueued_at + self.target_s - self.reserve_s
-        counts = self._waiting.get(req.priority)
+        lane = (req.priority, req.bucket)
+        counts = self._waiting.get(lane)
         if counts is None:
-            counts = self._waiting[req.priority] = [0, 0.0]
+            counts = self._waiting[lane] = [0, 0.0]
         counts[0] += 1
         counts[1] += self.batch_cost([req.key])
 
@@ -180,11 +184,12 @@ class LatencyTarget:
             requests: Requests that were waiting.
         """
         for req in requests:
-            counts = self._waiting[req.priority]
+            lane = (req.priority, req.bucket)
+            counts = self._waiting[lane]
             counts[0] -= 1
             counts[1] -= self.batch_cost([req.key])
             if counts[0] == 0:
-                del self._waiting[req.priority]
+                del self._waiting[lane]
 
     def check_admission(
         self,
@@ -198,7 +203,8 @@ class LatencyTarget:
 
         The work ahead is every waiting request of the same or a more urgent
         priority, in batches of `max_batch_size` (fewer, smaller ones under a cost
-        budget), each taking the model's time, on the slots as they free up.
+        budget) formed bucket by bucket, each taking the model's time, on the slots
+        as they free up; the new requests' batch is counted last.
 
         Args:
             reqs: The new requests (not yet waiting).
@@ -218,15 +224,23 @@ class LatencyTarget:
         if not self.ready or not reqs:
             return False
         priority = reqs[0].priority
-        ahead = cost = 0.0
-        for p, (count, total) in self._waiting.items():
+        work: dict[Hashable, list[float]] = {}  # bucket -> [items, cost]
+        for (p, bucket), (count, total) in self._waiting.items():
             if p <= priority:
-                ahead += count
-                cost += total
-        items = ahead + len(reqs)
-        cost += sum(self.batch_cost([r.key]) for r in reqs)
-        cost *= self._packing  # (the batches' cost, not the sum of their items')
-        finish = self._finish_time(items, cost, now, slots_free_at, max_batch_size)
+                lane = work.setdefault(bucket, [0.0, 0.0])
+                lane[0] += count
+                lane[1] += total
+        ahead = sum(count for count, _ in work.values())
+        for req in reqs:
+            lane = work.setdefault(req.bucket, [0.0, 0.0])
+            lane[0] += 1
+            lane[1] += self.batch_cost([req.key])
+        if len(work) == 1:
+            (items, cost), = work.values()
+            cost *= self._packing  # (the batches' cost, not the sum of their items')
+            finish = self._finish_time(items, cost, now, slots_free_at, max_batch_size)
+        else:
+            finish = self._finish_time_by_bucket(work, slots_free_at, max_batch_size)
         predicted = finish - now + self.reserve_s
         if predicted <= self.target_s:
             if self._refusing_since is not None:
@@ -260,6 +274,36 @@ class LatencyTarget:
         self._next_probe_at = 0.0
         self._probe_interval = self.target_s
 
+    def _batches(self, items: float, cost: float, max_batch_size: int) -> tuple[int, float, float]:
+        """How `items` waiting requests of one bucket (total cost `cost`) leave: the
+        full batches before the last one, a full batch's time, the last one's time."""
+        per_item = cost / items
+        full = max_batch_size
+        budget = self.policy.max_tokens
+        if budget is not None and per_item > 0:
+            full = max(1, min(full, int(budget // per_item)))
+        before = math.ceil(items / full) - 1  # full batches ahead of the last one
+        last = items - before * full
+        full_s = self.learner.predict(self.policy.padded_size(full), full * per_item)
+        last_s = self.learner.predict(self.policy.padded_size(math.ceil(last)), last * per_item)
+        return before, full_s, last_s
+
+    def _finish_time_by_bucket(
+        self,
+        work: dict[Hashable, list[float]],
+        slots_free_at: Sequence[float],
+        max_batch_size: int,
+    ) -> float:
+        """When the last batch of the buckets' waiting requests ends, each batch on the
+        slot that frees first (an upper estimate for any one request: its batch is
+        counted last)."""
+        slots = sorted(slots_free_at)
+        for items, cost in work.values():
+            before, full_s, last_s = self._batches(items, cost * self._packing, max_batch_size)
+            for run in itertools.chain(itertools.repeat(full_s, before), (last_s,)):
+                heapq.heapreplace(slots, slots[0] + run)
+        return max(slots)
+
     def _finish_time(
         self,
         items: float,
@@ -270,15 +314,7 @@ class LatencyTarget:
     ) -> float:
         """When the last of `items` waiting requests (total cost `cost`) is answered:
         full batches first, the last one with what is left over."""
-        per_item = cost / items
-        full = max_batch_size
-        budget = self.policy.max_tokens
-        if budget is not None and per_item > 0:
-            full = max(1, min(full, int(budget // per_item)))
-        before = math.ceil(items / full) - 1  # full batches ahead of the last one
-        last = items - before * full
-        full_s = self.learner.predict(self.policy.padded_size(full), full * per_item)
-        last_s = self.learner.predict(self.policy.padded_size(math.ceil(last)), last * per_item)
+        before, full_s, last_s = self._batches(items, cost, max_batch_size)
         # Each batch to the slot that frees first: the last one runs on the
         # (before mod slots)-th slot to free up, after `before div slots` batches there.
         free = sorted(slots_free_at)

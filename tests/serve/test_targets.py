@@ -99,6 +99,35 @@ def test_the_work_ahead_counts_only_as_urgent_or_more_urgent_requests() -> None:
     assert sched.num_waiting == 63
 
 
+def test_requests_of_other_buckets_count_as_batches_of_their_own() -> None:
+    # Five length buckets: twelve waiting requests, three in each of four buckets, are
+    # four batches ahead (each ~13.5 ms), not one batch of twelve (~26 ms).
+    policy = BucketedBatcher([2, 4, 8, 16, 32], key=int, max_batch_size=16, max_wait_ms=1000)
+    sched = Scheduler(policy, max_latency_s=0.060)
+    now = 0.0
+    for n in SIZES:  # taught on the longest keys: no batch below is extrapolated
+        for _ in range(n):
+            req = new_request(0, 30.0, policy.bucket_of(30.0), 0)
+            req.enqueued_at = now
+            sched.add(req)
+        batch, _ = sched.poll(now)
+        assert batch is not None and len(batch.requests) == n
+        now += exact_device(policy, batch)
+        sched.finish(batch, now)
+    assert sched.target is not None and sched.target.ready
+    for key in (2.0, 4.0, 8.0, 16.0):
+        for _ in range(3):
+            req = new_request(0, key, policy.bucket_of(key), 0)
+            req.enqueued_at = now
+            sched.add(req)
+    newcomer = new_request(0, 30.0, policy.bucket_of(30.0), 0)
+    newcomer.enqueued_at = now
+    with pytest.raises(Overloaded) as refused:
+        sched.add(newcomer)
+    assert refused.value.predicted_s > 5 * 0.012  # five batches of a few items
+    assert sched.num_waiting == 12
+
+
 def test_concurrent_batches_let_more_requests_in() -> None:
     sched, now = taught(max_concurrent_batches=2)
     # Six full batches, three on each slot (78 ms), then a seventh of 14 (102 ms).
