@@ -3,8 +3,9 @@
 ``examples/service/app.py`` as its README documents it (``EMBED_MODEL=minilm
 BATCHKIT_MAX_LATENCY_MS=500``, every other setting its default), in its own process,
 warmed up with the 20 requests the README suggests. A client in this process opens
-**one connection per request** (no pool, no keep-alive: every request pays its own
-connect and the server's accept queue, as callers spread over many hosts do) and
+**one connection per request** (no pool: every request pays its own connect and the
+server's accept queue, as callers spread over many hosts do; the client closes it
+once the answer is read) and
 sends requests at seeded Poisson times, never waiting for answers (open loop).
 
 Steps, in one run:
@@ -12,12 +13,15 @@ Steps, in one run:
 1. ``device (ref)``: the model alone in this process, before the server starts, on
    full batches of the same texts back to back (no HTTP, no batcher): the most this
    machine embeds per second.
-2. ``client (ref)``: the client against the server's ``GET /healthz`` (no model): how
-   many connections per second the client and the server's HTTP stack handle here, a
-   bound on every load below (the two share the machine's cores).
-3. capacity: closed loop, 32 clients, each a new connection per request, for a few
-   seconds: the 200 answers per second (the service's own capacity C, with HTTP).
-4. open loop at 0.5x, 1x, 2x and 4x C, each for ``--seconds`` (default 8 s), then
+2. ``client (ref)``: the client against a path the server does not serve (its 404,
+   no model), 32 clients: how many connections per second the client and the
+   server's HTTP stack handle here, a bound on every load below (the two share the
+   machine's cores, and its network stack).
+3. capacity: on a first instance without a target, closed loop, 32 clients, each a
+   new connection per request, for a few seconds after the warm-up: the 200 answers
+   per second (the service's own capacity C, with HTTP).
+4. on a second instance, as documented (its target set) and warmed up the same way,
+   open loop at 0.5x, 1x, 2x and 4x C, each for ``--seconds`` (default 8 s), then
    an idle pause and 20 requests one at a time, which must all be answered 200 (a
    target that locked itself out answers 503 at idle).
 
@@ -52,6 +56,7 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _load import issue, poisson_arrivals  # noqa: E402
@@ -86,9 +91,16 @@ class Outcome:
 
 
 async def post(port: int, path: str, body: bytes | None, timeout: float) -> int:
-    """One request on a new connection; the answer's status (0 if none came)."""
+    """One request on a new connection, which the client closes once the answer is
+    read; the answer's status (0 if none came).
+
+    The client closes first, as load generators do: the side that closes first keeps
+    the connection's TIME-WAIT, and on one machine a server's TIME-WAIT entries for
+    ports the client then reuses make its SYNs wait a retransmission (1 s) each,
+    which would cap the rate at a few hundred connections per second.
+    """
     method = "POST" if body is not None else "GET"
-    head = f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
+    head = f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
     if body is not None:
         head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
     try:
@@ -99,11 +111,17 @@ async def post(port: int, path: str, body: bytes | None, timeout: float) -> int:
         return 0
     try:
         writer.write(head.encode() + b"\r\n" + (body or b""))
-        line = await asyncio.wait_for(reader.readline(), timeout)
-        await asyncio.wait_for(reader.read(), timeout)  # the rest, until the server closes
-        parts = line.split()
+        headers = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout)
+        status_line, *fields = headers.decode("latin-1").split("\r\n")
+        length = 0
+        for field in fields:
+            name, _, value = field.partition(":")
+            if name.strip().lower() == "content-length":
+                length = int(value)
+        await asyncio.wait_for(reader.readexactly(length), timeout)
+        parts = status_line.split()
         return int(parts[1]) if len(parts) >= 2 and parts[1].isdigit() else 0
-    except (OSError, asyncio.TimeoutError):
+    except (OSError, ValueError, asyncio.TimeoutError, asyncio.IncompleteReadError):
         return 0
     finally:
         writer.close()
@@ -136,7 +154,7 @@ async def closed_loop(
     port: int, clients: int, seconds: float, path: str, bodies: list[bytes] | None
 ) -> tuple[int, float]:
     """``clients`` callers, each a new connection per request, for ``seconds``: the
-    200 answers and the seconds they took."""
+    answers (200s for a POST; any HTTP answer for a GET) and the seconds they took."""
     loop = asyncio.get_running_loop()
     end = loop.time() + seconds
     ok = 0
@@ -146,7 +164,8 @@ async def closed_loop(
         k = c
         while loop.time() < end:
             body = None if bodies is None else bodies[k % len(bodies)]
-            ok += await post(port, path, body, 30.0) == 200
+            status = await post(port, path, body, 30.0)
+            ok += status == 200 if bodies is not None else status != 0
             k += clients
 
     t0 = loop.time()
@@ -169,6 +188,7 @@ def device_rate(model: str, batch: list[str], seconds: float) -> float:
     import app as service  # the example's own encoders (importing builds a tiny one)
 
     encoder = service.MiniLM() if model == "minilm" else service.TinyEncoder()
+    service.torch.set_num_threads(service.BatchSettings().torch_threads)  # as it serves
     pad = service.batchkit.PadCollator()
     run = 0
     encoder(pad([encoder.tokenize(t) for t in batch]))  # its own warm-up
@@ -186,8 +206,11 @@ def free_port() -> int:
         return port
 
 
-def start_service(model: str, target_ms: float, port: int) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "PORT": str(port), "BATCHKIT_MAX_LATENCY_MS": f"{target_ms:g}"}
+def start_service(model: str, target_ms: float | None, port: int) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PORT": str(port)}
+    env.pop("BATCHKIT_MAX_LATENCY_MS", None)
+    if target_ms is not None:
+        env["BATCHKIT_MAX_LATENCY_MS"] = f"{target_ms:g}"
     env.pop("EMBED_MODEL", None)
     if model == "minilm":
         env["EMBED_MODEL"] = "minilm"
@@ -239,14 +262,30 @@ def summarize(load: float, outcomes: list[Outcome], capacity: float, seconds: fl
     )
 
 
-async def measure(args: argparse.Namespace, port: int) -> tuple[float, float, list[Row]]:
-    bodies = [embed_body(t) for t in texts(512, seed=1)]
-    for k in range(20):  # the README's warm-up
-        await post(port, "/embed", bodies[k], 60.0)
-    client_ok, client_s = await closed_loop(port, 32, min(args.seconds, 3.0), "/healthz", None)
-    cap_ok, cap_s = await closed_loop(port, 32, min(args.seconds, 4.0), "/embed", bodies)
-    capacity = cap_ok / cap_s
-    await idle_check(port, bodies)  # let the capacity run's queue drain
+BODIES = [embed_body(t) for t in texts(512, seed=1)]
+
+
+async def warm_up(port: int) -> None:
+    """The README's warm-up: 20 requests, one at a time."""
+    for k in range(20):
+        await post(port, "/embed", BODIES[k], 60.0)
+
+
+async def measure_capacity(args: argparse.Namespace, port: int) -> tuple[float, float]:
+    """On a service without a target: the client's bound, then the 200s per second of
+    32 closed-loop clients (C)."""
+    await warm_up(port)
+    # (A path the app does not serve: its 404 is the HTTP stack's least work.)
+    client_ok, client_s = await closed_loop(port, 32, min(args.seconds, 3.0), "/none", None)
+    await closed_loop(port, 32, 1.0, "/embed", BODIES)  # batches of every size, once
+    cap_ok, cap_s = await closed_loop(port, 32, min(args.seconds, 5.0), "/embed", BODIES)
+    return client_ok / client_s, cap_ok / cap_s
+
+
+async def measure(args: argparse.Namespace, port: int, capacity: float) -> list[Row]:
+    """On the service as documented (its target set): every load, then the idle check."""
+    bodies = BODIES
+    await warm_up(port)
     rows = []
     target_s = args.target_ms / 1e3
     for k, load in enumerate(args.loads):
@@ -255,15 +294,15 @@ async def measure(args: argparse.Namespace, port: int) -> tuple[float, float, li
         )
         idle_ok = await idle_check(port, bodies)
         rows.append(summarize(load, outcomes, capacity, args.seconds, target_s, idle_ok))
-    return client_ok / client_s, capacity, rows
+    return rows
 
 
 def report(args: argparse.Namespace, device: float, client: float, capacity: float,
            rows: list[Row]) -> bool:  # fmt: skip
     target = args.target_ms
     print(f"\ndevice (ref): {device:.0f} texts/s, the model alone on full batches, no HTTP")
-    print(f"client (ref): {client:.0f} connections/s, the client against GET /healthz")
-    print(f"capacity C:   {capacity:.0f} answers/s, closed loop, 32 clients, a connection each "
+    print(f"client (ref): {client:.0f} connections/s, the client against a 404 (no model)")
+    print(f"capacity C:   {capacity:.0f} answers/s, no target, closed loop, 32 clients, a connection each "
           f"request ({capacity / device:.2f} of device (ref))")  # fmt: skip
     print(f"\n{'load':>5} {'offered':>8} {'200':>6} {'503':>6} {'other':>6} {'goodput':>8} "
           f"{'p50 ms':>7} {'p99 ms':>7} {'503 p99':>8} {'idle 200':>9}")  # fmt: skip
@@ -297,6 +336,18 @@ def report(args: argparse.Namespace, device: float, client: float, capacity: flo
     return ok
 
 
+def serve(args: argparse.Namespace, target_ms: float | None, work: Any) -> Any:
+    """``work(args, port)`` against a fresh service (with ``target_ms``, or none)."""
+    port = free_port()
+    proc = start_service(args.model, target_ms, port)
+    try:
+        asyncio.run(wait_ready(port, proc))
+        return asyncio.run(work(args, port))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=("minilm", "tiny"), default="minilm")
@@ -313,14 +364,8 @@ def main() -> int:
           f"in its own process; open loop, one connection per request, "
           f"{args.seconds:g} s per load")  # fmt: skip
     device = device_rate(args.model, texts(32, seed=2), 3.0)
-    port = free_port()
-    proc = start_service(args.model, args.target_ms, port)
-    try:
-        asyncio.run(wait_ready(port, proc))
-        client, capacity, rows = asyncio.run(measure(args, port))
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    client, capacity = serve(args, None, measure_capacity)
+    rows = serve(args, args.target_ms, lambda a, port: measure(a, port, capacity))
     ok = report(args, device, client, capacity, rows)
     if args.json:
         Path(args.json).write_text(json.dumps([dataclasses.asdict(r) for r in rows], indent=1))

@@ -34,9 +34,30 @@ def test_the_client_reads_the_status_on_a_connection_of_its_own(service: ModuleT
         return first, second
 
     assert asyncio.run(main()) == (503, 503)
-    assert len(seen) == 2  # two connections, each closed after its answer
+    assert len(seen) == 2  # two connections, one per request
     assert seen[0].startswith(b"POST /embed HTTP/1.1") and b"Content-Length: 14" in seen[0]
-    assert b"Connection: close" in seen[1]
+    assert seen[1].startswith(b"GET /healthz HTTP/1.1")
+
+
+def test_the_client_closes_its_connection_once_the_answer_is_read(service: ModuleType) -> None:
+    closed: list[bool] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+        closed.append(await reader.read() == b"")  # the client's end of file, not ours
+        writer.close()
+
+    async def main() -> int:
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server:
+            status = await service.post(port, "/healthz", None, 5.0)
+            await asyncio.sleep(0.05)
+        return status
+
+    assert asyncio.run(main()) == 200 and closed == [True]
 
 
 def test_no_listener_is_no_answer(service: ModuleType) -> None:
