@@ -302,8 +302,8 @@ def report(args: argparse.Namespace, device: float, client: float, capacity: flo
     target = args.target_ms
     print(f"\ndevice (ref): {device:.0f} texts/s, the model alone on full batches, no HTTP")
     print(f"client (ref): {client:.0f} connections/s, the client against a 404 (no model)")
-    print(f"capacity C:   {capacity:.0f} answers/s, no target, closed loop, 32 clients, a connection each "
-          f"request ({capacity / device:.2f} of device (ref))")  # fmt: skip
+    print(f"capacity C:   {capacity:.0f} answers/s, no target, closed loop, 32 clients, "
+          f"a connection each request ({capacity / device:.2f} of device (ref))")  # fmt: skip
     print(f"\n{'load':>5} {'offered':>8} {'200':>6} {'503':>6} {'other':>6} {'goodput':>8} "
           f"{'p50 ms':>7} {'p99 ms':>7} {'503 p99':>8} {'idle 200':>9}")  # fmt: skip
     for r in rows:
