@@ -19,7 +19,7 @@ from typing import Any, Generic, Protocol, TypeVar
 import numpy as np
 
 # Re-exported: @batched and the simulator import it from here.
-from batchkit.batchers.checks import check_positive_int as check_positive_int
+from batchkit.batchers.checks import positive_count
 from batchkit.batchers.cost import PADDED, BatchCost, CostLike, as_batch_cost
 from batchkit.batchers.sampler import BatchSampler, check_non_negative_int, check_rank
 from batchkit.batchers.stream import stream_batches
@@ -164,8 +164,8 @@ class Batcher:
         key: KeyFn | None = None,
         cost: CostLike | BatchCost = "padded",
     ) -> None:
-        check_positive_int("max_batch_size", max_batch_size)
-        check_positive_int("max_tokens", max_tokens, allow_none=True)
+        max_batch_size = positive_count("max_batch_size", max_batch_size)
+        max_tokens = positive_count("max_tokens", max_tokens, allow_none=True)
         if max_wait_ms is not None and not (max_wait_ms >= 0 and math.isfinite(max_wait_ms)):
             raise ValueError(f"max_wait_ms must be a finite number >= 0, got {max_wait_ms!r}")
         if key is not None and not callable(key):
@@ -459,7 +459,7 @@ class Batcher:
             ValueError: `buffer_size` or `world_size` below 1, a `rank` outside
                 `[0, world_size)`, or a negative `seed`.
         """
-        check_positive_int("buffer_size", buffer_size)
+        buffer_size = positive_count("buffer_size", buffer_size)
         check_rank(rank, world_size)
         batches = stream_batches(
             self,

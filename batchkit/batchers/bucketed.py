@@ -11,7 +11,7 @@ import numpy as np
 from typing_extensions import Self
 
 from batchkit.batchers.base import Batcher, KeyFn
-from batchkit.batchers.checks import check_positive_int
+from batchkit.batchers.checks import positive_count
 from batchkit.batchers.cost import BatchCost, CostLike
 from batchkit.batchers.sampler import check_lengths
 
@@ -91,7 +91,7 @@ class BucketedBatcher(Batcher):
             num_buckets: how many boundaries (at most the sample's distinct lengths).
             **options: the constructor's other arguments (`max_tokens`, `cost`, ...).
         """
-        check_positive_int("num_buckets", num_buckets)
+        num_buckets = positive_count("num_buckets", num_buckets)
         return cls(equal_token_boundaries(lengths, num_buckets), **options)
 
     @classmethod
@@ -123,7 +123,7 @@ class BucketedBatcher(Batcher):
             ValueError: `num_buckets` not a positive int or above the sample's
                 distinct lengths, or bad lengths.
         """
-        check_positive_int("num_buckets", num_buckets)
+        num_buckets = positive_count("num_buckets", num_buckets)
         bounds = _boundaries(sample_lengths, num_buckets, by_tokens=False)
         return cls(bounds, max_tokens=max_tokens, **options)
 
@@ -169,7 +169,7 @@ def equal_token_boundaries(lengths: Sequence[int] | np.ndarray, num_buckets: int
     Raises:
         ValueError: fewer distinct lengths than `num_buckets`.
     """
-    check_positive_int("num_buckets", num_buckets)
+    num_buckets = positive_count("num_buckets", num_buckets)
     return _boundaries(lengths, num_buckets, by_tokens=True)
 
 

@@ -6,7 +6,7 @@ import bisect
 from collections.abc import Iterable, Sequence
 
 from batchkit.batchers.base import Batcher, C, KeyFn, take_within_budget
-from batchkit.batchers.checks import check_positive_int
+from batchkit.batchers.checks import positive_count
 from batchkit.batchers.cost import BatchCost, CostLike
 
 
@@ -56,12 +56,13 @@ class DynamicBatcher(Batcher):
         eager: bool = True,
         cost: CostLike | BatchCost = "padded",
     ) -> None:
-        check_positive_int("max_batch_size", max_batch_size)  # before it is used below
+        max_batch_size = positive_count("max_batch_size", max_batch_size)  # used below
         if not isinstance(eager, bool):  # a truthy string or 0/1 is a mistake, not a choice
             raise TypeError(f"eager must be True or False, got {eager!r}")
-        given = list(preferred_batch_sizes or ())
-        for i, size in enumerate(given):
-            check_positive_int(f"preferred_batch_sizes[{i}]", size)
+        given = [
+            positive_count(f"preferred_batch_sizes[{i}]", size)
+            for i, size in enumerate(preferred_batch_sizes or ())
+        ]
         sizes = sorted(set(given))
         if sizes and sizes[-1] > max_batch_size:
             # A size above the maximum is unreachable, or worse, with strict sizes a pad-up

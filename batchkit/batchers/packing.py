@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from batchkit.batchers.base import Batcher, C, KeyFn
-from batchkit.batchers.checks import check_positive_int
+from batchkit.batchers.checks import positive_count
 from batchkit.batchers.cost import SUM, BatchCost, CostLike
 from batchkit.batchers.sampler import split_at
 
@@ -70,8 +70,8 @@ class PackingBatcher(Batcher):
         max_batch_size: int | None = None,
         max_wait_ms: float = 5.0,
     ) -> None:
-        check_positive_int("max_tokens", max_tokens)
-        check_positive_int("max_batch_size", max_batch_size, allow_none=True)
+        max_tokens = positive_count("max_tokens", max_tokens)
+        max_batch_size = positive_count("max_batch_size", max_batch_size, allow_none=True)
         super().__init__(
             # keys >= 1 within a sum budget fit at most max_tokens to a batch; the online
             # scheduler needs a number for its caps

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from batchkit.batchers.base import Batcher, C, KeyFn
-from batchkit.batchers.checks import check_positive_int
+from batchkit.batchers.checks import positive_count
 from batchkit.batchers.cost import BatchCost, CostLike
 
 
@@ -42,7 +42,7 @@ class SortedBatcher(Batcher):
         max_wait_ms: float = 5.0,
         cost: CostLike | BatchCost = "padded",
     ) -> None:
-        check_positive_int("window", window, allow_none=True)
+        window = positive_count("window", window, allow_none=True)
         super().__init__(
             max_batch_size=batch_size,
             max_wait_ms=max_wait_ms,

@@ -13,7 +13,8 @@ import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from typing import Any, Generic, Literal, Protocol, TypeVar, overload
 
-from batchkit.batchers.base import Batcher, check_positive_int
+from batchkit.batchers.base import Batcher
+from batchkit.batchers.checks import positive_count
 from batchkit.batchers.dynamic import DynamicBatcher
 from batchkit.serve.callers import AsyncCall
 from batchkit.serve.core import ServingCore
@@ -629,8 +630,9 @@ def _check_serving_options(
         batch_timeout: A finite number of seconds above 0, or None.
         max_latency_ms: A finite number of milliseconds above 0, or None.
     """
-    check_positive_int("max_queue_size", max_queue_size, allow_none=True)
-    check_positive_int("max_concurrent_batches", max_concurrent_batches)
+    # (Checked here to name the option first; `Options` stores them as ints.)
+    positive_count("max_queue_size", max_queue_size, allow_none=True)
+    positive_count("max_concurrent_batches", max_concurrent_batches)
     if when_full not in ("reject", "block"):
         raise ValueError(f'when_full must be "reject" or "block", got {when_full!r}')
     if when_full == "block" and max_queue_size is None:

@@ -452,8 +452,11 @@ class ServingCore:
         Raises:
             ValueError: A value is not valid, or the policy has no such setting.
         """
-        check_settings(
-            max_batch_size, max_wait_ms, max_concurrent_batches, max_queue_size, max_latency_ms
+        # (The counts as ints: a YAML or JSON config's 4.0 is stored as 4.)
+        max_batch_size, max_wait_ms, max_concurrent_batches, max_queue_size, max_latency_ms = (
+            check_settings(
+                max_batch_size, max_wait_ms, max_concurrent_batches, max_queue_size, max_latency_ms
+            )
         )
         with self.lock:
             policy = reconfigured(self.sched.policy, max_batch_size, max_wait_ms)

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 
 from batchkit.batchers.base import Batcher
-from batchkit.batchers.checks import check_positive_int, positive_count
+from batchkit.batchers.checks import positive_count
 
 
 @dataclass(frozen=True)
@@ -86,10 +86,8 @@ def check_settings(
         the values to store.
     """
     batch = positive_count("max_batch_size", max_batch_size, allow_none=True)
-    # These two reach the scheduler as the caller gave them (a float there breaks its
-    # slot arithmetic), so only ints pass until the caller stores what this returns.
-    check_positive_int("max_concurrent_batches", max_concurrent_batches, allow_none=True)
-    check_positive_int("max_queue_size", max_queue_size, allow_none=True)
+    concurrent = positive_count("max_concurrent_batches", max_concurrent_batches, allow_none=True)
+    queue = positive_count("max_queue_size", max_queue_size, allow_none=True)
     if max_wait_ms is not None and (
         isinstance(max_wait_ms, bool)
         or not isinstance(max_wait_ms, (int, float))
@@ -97,7 +95,7 @@ def check_settings(
     ):
         raise ValueError(f"max_wait_ms must be a finite number >= 0, got {max_wait_ms!r}")
     check_latency_target(max_latency_ms)
-    return batch, max_wait_ms, max_concurrent_batches, max_queue_size, max_latency_ms
+    return batch, max_wait_ms, concurrent, queue, max_latency_ms
 
 
 def check_latency_target(max_latency_ms: float | None) -> None:

@@ -47,3 +47,22 @@ def test_the_strict_check_still_takes_ints_only() -> None:
     check_positive_int("window", 3)
     with pytest.raises(ValueError, match="window must be a positive int"):
         check_positive_int("window", 3.0)
+
+
+def test_every_policy_takes_its_counts_as_whole_number_floats_and_stores_ints() -> None:
+    import batchkit
+
+    policies = [
+        batchkit.DynamicBatcher(8.0, preferred_batch_sizes=[4.0, 8.0]),  # type: ignore[arg-type]
+        batchkit.StaticBatcher(8.0),  # type: ignore[arg-type]
+        batchkit.SortedBatcher(key=len, batch_size=8.0, window=64.0),  # type: ignore[arg-type]
+        batchkit.BucketedBatcher([4, 8], key=len, max_batch_size=8.0, max_tokens=64.0),  # type: ignore[arg-type]
+        batchkit.PackingBatcher(max_tokens=64.0, max_batch_size=8.0),  # type: ignore[arg-type]
+    ]
+    for policy in policies:
+        assert type(policy.max_batch_size) is int and policy.max_batch_size == 8, policy
+    assert type(policies[3].max_tokens) is int and type(policies[4].max_tokens) is int
+    boundaries = batchkit.BucketedBatcher.from_sample([1, 2, 3, 4, 5, 6, 7, 8], num_buckets=4.0)  # type: ignore[arg-type]
+    assert len(boundaries.boundaries) == 4
+    with pytest.raises(ValueError, match="max_batch_size must be a positive int"):
+        batchkit.DynamicBatcher(8.5)  # type: ignore[arg-type]

@@ -223,3 +223,20 @@ def test_options_store_their_counts_as_ints() -> None:
     assert type(options.max_concurrent_batches) is int and options.max_concurrent_batches == 2
     with pytest.raises(ValueError, match="max_concurrent_batches"):
         Options(DynamicBatcher(8), max_concurrent_batches=1.5)  # type: ignore[arg-type]
+
+
+def test_whole_number_float_counts_are_taken_by_batched_and_configure_as_ints() -> None:
+    f = batchkit.batched(max_batch_size=4.0, max_queue_size=16.0, max_concurrent_batches=2.0)(  # type: ignore[arg-type]
+        lambda xs: xs
+    )
+    assert f.map([1, 2, 3]) == [1, 2, 3]
+    settings = f.configure()
+    assert (settings.max_batch_size, settings.max_queue_size) == (4, 16)
+    assert type(settings.max_concurrent_batches) is int and settings.max_concurrent_batches == 2
+    settings = f.configure(max_concurrent_batches=3.0, max_queue_size=32.0)  # type: ignore[arg-type]
+    assert (settings.max_concurrent_batches, settings.max_queue_size) == (3, 32)
+    assert type(settings.max_concurrent_batches) is int and type(settings.max_queue_size) is int
+    assert f.map(range(10)) == list(range(10))  # the slot arithmetic takes them
+    with pytest.raises(ValueError, match="max_queue_size must be a positive int"):
+        f.configure(max_queue_size=2.5)  # type: ignore[arg-type]
+    f.close()
