@@ -36,8 +36,8 @@ from batchkit.integrations.ray import RayMetrics, ReplicaStats, replica_stats  #
 try:
     import ray
     from ray import serve
-except ImportError:  # the example is optional: it needs batchkit[ray]
-    print("skipped: Ray Serve is not installed (pip install 'batchkit[ray]')")
+except ImportError:  # the example is optional: it needs batchkit-ml[ray]
+    print("skipped: Ray Serve is not installed (pip install 'batchkit-ml[ray]')")
     sys.exit(0)
 
 MAX_BATCH_SIZE = 16

@@ -21,18 +21,15 @@ NAME: str = PYPROJECT["project"]["name"]
 EXTRAS: set[str] = set(PYPROJECT["project"]["optional-dependencies"])
 
 
-# docs/cli.md quotes the commands' own messages word for word (tests/cli pins them), so
-# its install lines change together with batchkit/cli and batchkit/tools, not alone.
-QUOTES_CODE = {"docs/cli.md"}
-
-
 def documents() -> list[Path]:
-    """The pages a reader copies install lines from: the README files, the docs pages
-    and the examples' READMEs (Markdown)."""
+    """Where a reader copies install lines from: the README files, the docs pages, the
+    examples (their READMEs and scripts) and the library's own messages and docstrings."""
     found = [ROOT / "README.md", ROOT / "benchmarks" / "README.md"]
     found += sorted((ROOT / "docs").rglob("*.md"))
-    found += sorted((ROOT / "examples").rglob("*.md"))
-    return [p for p in found if p.relative_to(ROOT).as_posix() not in QUOTES_CODE]
+    for pattern in ("*.md", "*.py"):
+        found += sorted((ROOT / "examples").rglob(pattern))
+    found += sorted((ROOT / "batchkit").rglob("*.py"))
+    return found
 
 
 def canonical(name: str) -> str:

@@ -41,7 +41,7 @@ def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
     try:
-        return version("batchkit")
+        return version("batchkit-ml")  # the distribution's name (the module is batchkit)
     except PackageNotFoundError:  # pragma: no cover - running from a source tree
         return "unknown"
 

@@ -31,7 +31,7 @@ from batchkit.tools.profile import (
 )
 from batchkit.tools.progress import Progress
 
-NEEDS_MATPLOTLIB = '--plot needs matplotlib: pip install "batchkit[plot]" (or matplotlib)'
+NEEDS_MATPLOTLIB = '--plot needs matplotlib: pip install "batchkit-ml[plot]" (or matplotlib)'
 
 
 def add_parser(commands: Any) -> None:

@@ -28,7 +28,7 @@ import numpy as np
 from batchkit.tools.progress import Progress
 
 TOLERANCE = 1e-4  # batched and one-at-a-time float32 results may differ by rounding only
-NEEDS_TORCH = 'batchkit demo needs torch: pip install "batchkit[torch]"'
+NEEDS_TORCH = 'batchkit demo needs torch: pip install "batchkit-ml[torch]"'
 BASELINE = "one at a time: one model worker serves the requests in arrival order (FIFO)"
 
 T = TypeVar("T")

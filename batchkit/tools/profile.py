@@ -484,7 +484,7 @@ def profile(
             import torch
         except ImportError:
             raise ImportError(
-                'framework="torch" needs torch: pip install "batchkit[torch]"'
+                'framework="torch" needs torch: pip install "batchkit-ml[torch]"'
             ) from None
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         _check_torch(dtype, device)

@@ -192,7 +192,7 @@ def test_demo_without_torch_is_one_line(tmp_path: Path) -> None:
         cwd=ROOT, capture_output=True, text=True, timeout=60, env=env,
     )  # fmt: skip
     assert done.returncode == 2
-    assert done.stderr.strip() == 'batchkit demo needs torch: pip install "batchkit[torch]"'
+    assert done.stderr.strip() == 'batchkit demo needs torch: pip install "batchkit-ml[torch]"'
 
 
 def test_main_maps_memory_error(
@@ -298,3 +298,14 @@ def test_profile_loads_a_file_that_defines_a_dataclass_under_postponed_annotatio
     )
     fn = load_callable(f"{model}:predict")
     assert fn([1, 2]) == [2, 4]
+
+
+def test_version_is_the_installed_distributions() -> None:
+    from importlib.metadata import version
+
+    done = subprocess.run(
+        [sys.executable, "-m", "batchkit", "--version"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"batchkit {version('batchkit-ml')}"
