@@ -32,6 +32,7 @@ PUBLIC_MODULES = [
     "batchkit.metrics",
     "batchkit.tools.memory",
     "batchkit.integrations.ray",
+    "batchkit.integrations.transformers",
 ]
 
 DIRECTIVE = re.compile(r"^:::\s*(\S+)\s*$", re.M)
