@@ -263,42 +263,49 @@ def exact_device(policy: Batcher, batch: FormedBatch) -> float:
     return 0.010 + 0.001 * batch.padded_size + 0.00001 * cost
 
 
-def replay(
-    gaps: list[float], lengths: list[int], priorities: list[int], slots: int, policy: Batcher
-) -> tuple[dict[int, str], list[tuple[FormedBatch, float]]]:
-    """Event-driven run of the scheduler on the exact device: each request's outcome,
-    and every batch with its end. Once nothing else can happen, it closes (a static
-    policy waits for full batches)."""
-    sched = Scheduler(policy, max_concurrent_batches=slots, max_latency_s=TARGET)
-    outcome: dict[int, str] = {}
+@dataclass
+class Answer:
+    how: str  # "served", "refused" or "shed"
+    arrived: float
+    at: float
+
+
+def run_traffic(
+    sched: Scheduler,
+    arrivals: list[float],
+    make_request: Callable[[int], Request],
+    batch_time: Callable[[int, FormedBatch], float],
+) -> tuple[list[Answer], list[tuple[FormedBatch, float]]]:
+    """Event-driven run of `sched`: one request per arrival time (`make_request(i)`),
+    each batch taking `batch_time(its index, batch)`. Every request's answer, checked
+    to come once, and every batch with its end. Once nothing else can happen, it
+    closes (a static policy waits for full batches)."""
+    answers: dict[int, Answer] = {}
+    clock = [0.0]
 
     def settle(reqs: list[Request], how: str) -> None:
         for req in reqs:
-            assert req.item not in outcome, f"request {req.item} answered twice"
-            outcome[req.item] = how
+            assert req.item not in answers, f"request {req.item} answered twice"
+            answers[req.item] = Answer(how, arrivals[req.item], clock[0])
 
     sched.on_shed = lambda reqs: settle(reqs, "shed")
-    arrivals = list(itertools.accumulate(gaps))
-    ends: list[tuple[float, int, FormedBatch]] = []
+    running: list[tuple[float, int, FormedBatch]] = []
     batches: list[tuple[FormedBatch, float]] = []
     wake_at: float | None = None
-    now = 0.0
     i = 0
-    while i < len(arrivals) or ends or sched.num_waiting:
+    while i < len(arrivals) or running or sched.num_waiting:
         pending = [arrivals[i]] if i < len(arrivals) else []
-        pending += [ends[0][0]] if ends else []
+        pending += [running[0][0]] if running else []
         pending += [wake_at] if wake_at is not None else []
         if not pending:
             sched.closing = True  # nothing else would ever make the last batch leave
-        now = min(pending, default=now)
-        if ends and ends[0][0] == now:
-            _, _, done = heapq.heappop(ends)
+        now = clock[0] = min(pending, default=clock[0])
+        if running and running[0][0] == now:
+            _, _, done = heapq.heappop(running)
             sched.finish(done, now)
             settle(done.requests, "served")
         elif i < len(arrivals) and arrivals[i] == now:
-            item = i
-            key = policy.key_of(lengths[i % len(lengths)]) if policy.key is not None else 0.0
-            req = new_request(item, key, policy.bucket_of(key), priorities[i % len(priorities)])
+            req = make_request(i)
             req.enqueued_at = now
             i += 1
             try:
@@ -309,10 +316,29 @@ def replay(
             batch, wake_at = sched.poll(now)
             if batch is None:
                 break
-            end = now + exact_device(policy, batch)
-            heapq.heappush(ends, (end, id(batch), batch))
+            end = now + batch_time(len(batches), batch)
+            heapq.heappush(running, (end, id(batch), batch))
             batches.append((batch, end))
-    return outcome, batches
+    assert sorted(answers) == list(range(len(arrivals)))  # nothing lost
+    return [answers[k] for k in range(len(arrivals))], batches
+
+
+def replay(
+    gaps: list[float], lengths: list[int], priorities: list[int], slots: int, policy: Batcher
+) -> tuple[dict[int, str], list[tuple[FormedBatch, float]]]:
+    """`run_traffic` on the exact device: each request's outcome, and every batch with
+    its end."""
+    sched = Scheduler(policy, max_concurrent_batches=slots, max_latency_s=TARGET)
+
+    def make_request(i: int) -> Request:
+        key = policy.key_of(lengths[i % len(lengths)]) if policy.key is not None else 0.0
+        return new_request(i, key, policy.bucket_of(key), priorities[i % len(priorities)])
+
+    arrivals = list(itertools.accumulate(gaps))
+    answers, batches = run_traffic(
+        sched, arrivals, make_request, lambda _, batch: exact_device(policy, batch)
+    )
+    return {i: a.how for i, a in enumerate(answers)}, batches
 
 
 CAPACITY = 16 / device(16)  # items/s of full keyless batches
@@ -498,13 +524,6 @@ def test_a_bad_live_target_changes_nothing(bad: object) -> None:
 # -- real traffic: slow starts, stalls, slowdowns (an emulated device, explicit time) ---
 
 
-@dataclass
-class Answer:
-    how: str  # "served", "refused" or "shed"
-    arrived: float
-    at: float
-
-
 def traffic(
     arrivals: list[float],
     batch_time: Callable[[int, FormedBatch], float],
@@ -515,44 +534,8 @@ def traffic(
     """One caller per arrival time through a scheduler with a latency target, on a
     device that takes `batch_time(index of the batch, batch)`: each request's answer."""
     sched = Scheduler(DynamicBatcher(max_batch_size, max_wait_ms=5), max_latency_s=target)
-    answers: dict[int, Answer] = {}
-    clock = [0.0]
-
-    def settle(reqs: list[Request], how: str) -> None:
-        for req in reqs:
-            assert req.item not in answers, f"request {req.item} answered twice"
-            answers[req.item] = Answer(how, arrivals[req.item], clock[0])
-
-    sched.on_shed = lambda reqs: settle(reqs, "shed")
-    running: list[tuple[float, int, FormedBatch]] = []
-    formed = itertools.count()
-    wake_at: float | None = None
-    i = 0
-    while i < len(arrivals) or running or sched.num_waiting:
-        pending = [arrivals[i]] if i < len(arrivals) else []
-        pending += [running[0][0]] if running else []
-        pending += [wake_at] if wake_at is not None else []
-        now = clock[0] = min(pending)
-        if running and running[0][0] == now:
-            _, _, done = heapq.heappop(running)
-            sched.finish(done, now)
-            settle(done.requests, "served")
-        elif i < len(arrivals) and arrivals[i] == now:
-            req = new_request(i, 0.0, None, 0)
-            req.enqueued_at = now
-            i += 1
-            try:
-                sched.add(req)
-            except Overloaded:
-                settle([req], "refused")
-        while True:
-            batch, wake_at = sched.poll(now)
-            if batch is None:
-                break
-            end = now + batch_time(next(formed), batch)
-            heapq.heappush(running, (end, id(batch), batch))
-    assert sorted(answers) == list(range(len(arrivals)))  # nothing lost
-    return sched, [answers[k] for k in range(len(arrivals))]
+    answers, _ = run_traffic(sched, arrivals, lambda i: new_request(i, 0.0, None, 0), batch_time)
+    return sched, answers
 
 
 def every(gap: float, until: float) -> list[float]:
