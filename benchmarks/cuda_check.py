@@ -31,7 +31,11 @@ still run):
 - ``minilm``: all-MiniLM-L6-v2 embeddings through ``@batched`` (64 threads,
   bucketed batches) equal each text embedded alone, on the device (atol 1e-4);
 - ``overhead``: a real model (a transformer encoder of BERT-base's shape) through
-  ``@batched`` in full batches against calling it directly with the same full batches.
+  ``@batched`` in full batches against calling it directly with the same full batches;
+- ``continuous-hf``: a tiny random Llama (``benchmarks/continuous_hf.py``'s model) on the
+  device through ``batchkit.integrations.transformers.continuous_batcher``: 16 prompts
+  of 16-256 tokens, greedy, each request's tokens equal to ``model.generate`` of its
+  prompt alone (the first 4 compared), with the tokens per second it reached.
 
 Without a GPU the script prints one SKIP line and exits 0. ``--simulate-on-cpu`` runs
 the same logic on CPU: out-of-memory comes from a simulated device memory (allocations
@@ -865,6 +869,32 @@ def check_overhead(platform: Platform, report: Report, args: argparse.Namespace)
     )
 
 
+# -- continuous batching of a Hugging Face model -------------------------------------
+def check_continuous_hf(platform: Platform, report: Report, args: argparse.Namespace) -> None:
+    """A tiny Llama through ``continuous_batcher``: greedy equals ``generate`` alone."""
+    try:
+        import continuous_hf
+    except ImportError as exc:
+        why = f"cannot import the model: {exc}; pip install transformers"
+        report.check("continuous-hf", False, why)
+        return
+    model = continuous_hf.make_model(str(platform.device))
+    prompts, outs = continuous_hf.workload(16, 32, seed=1)
+    run = continuous_hf.run_batchkit(model, prompts, outs)
+    compared = range(4)
+    alone = [continuous_hf.solo(model, prompts[i], outs[i]) for i in compared]
+    wrong = [i for i in compared if run["tokens"][i] != alone[i]]
+    tokens = sum(len(t) for t in run["tokens"])
+    report.check(
+        "continuous-hf",
+        not wrong and tokens == sum(outs),
+        f"{len(prompts)} prompts on {platform.device}, {tokens} tokens in {run['steps']} steps, "
+        f"{tokens / run['seconds']:.0f} tokens/s ({run['outside_per_step'] * 1e3:.2f} ms a step "
+        f"outside the model); greedy equal to generate alone on {len(compared) - len(wrong)}"
+        f" of {len(compared)} compared",
+    )
+
+
 # -- running --------------------------------------------------------------------------
 CHECKS: dict[str, Callable[[Platform, Report, argparse.Namespace], None]] = {
     "oom": check_oom,
@@ -873,6 +903,7 @@ CHECKS: dict[str, Callable[[Platform, Report, argparse.Namespace], None]] = {
     "attention": check_paged_attention,
     "minilm": check_minilm,
     "overhead": check_overhead,
+    "continuous-hf": check_continuous_hf,
 }
 
 

@@ -37,6 +37,12 @@ MUST_PASS = [
     "attention",
     pytest.param("minilm", marks=pytest.mark.skipif(not HAS_MINILM, reason="no MiniLM package")),
     "overhead",
+    pytest.param(
+        "continuous-hf",
+        marks=pytest.mark.skipif(
+            not importlib.util.find_spec("transformers"), reason="no transformers"
+        ),
+    ),
 ]
 SIMULATED_ARGS = ["--simulate-on-cpu", "--overhead-target", "0.7"]
 
