@@ -528,7 +528,7 @@ def create_app(
     @app.get("/healthz")
     def healthz() -> dict[str, Any]:
         stats = embed_batch.stats()
-        model = stats.latency_model  # None without a target, or until 8 batches ran
+        model = stats.latency_model  # None without a target; its state says what it does
         return {
             "ok": True,
             "queue_depth": stats.queue_depth,
