@@ -607,7 +607,7 @@ class Scheduler:
             for name, bucket in self.buckets.items():
                 if bucket.live:
                     waiting = bucket.candidates(None)
-                    late = target.behind_schedule(waiting, now, slots, self._limit(name))
+                    late = target.behind_schedule(waiting, slots, self._limit(name))
                     if late:
                         bucket.drop_waiting(late)
                         shed += late

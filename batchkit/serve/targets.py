@@ -238,7 +238,7 @@ class LatencyTarget:
         if len(work) == 1:
             (items, cost), = work.values()
             cost *= self._packing  # (the batches' cost, not the sum of their items')
-            finish = self._finish_time(items, cost, now, slots_free_at, max_batch_size)
+            finish = self._finish_time(items, cost, slots_free_at, max_batch_size)
         else:
             finish = self._finish_time_by_bucket(work, slots_free_at, max_batch_size)
         predicted = finish - now + self.reserve_s
@@ -308,7 +308,6 @@ class LatencyTarget:
         self,
         items: float,
         cost: float,
-        now: float,
         slots_free_at: Sequence[float],
         max_batch_size: int,
     ) -> float:
@@ -333,7 +332,6 @@ class LatencyTarget:
     def behind_schedule(
         self,
         waiting: Sequence[Request],
-        now: float,
         slots_free_at: Sequence[float],
         max_batch_size: int,
     ) -> list[Request]:
@@ -348,7 +346,6 @@ class LatencyTarget:
 
         Args:
             waiting: Waiting requests of one bucket, in service order.
-            now: The current time.
             slots_free_at: When each batch slot is free.
             max_batch_size: The largest batch.
 
@@ -361,9 +358,7 @@ class LatencyTarget:
         for req in waiting:
             own = self.batch_cost([req.key])
             total = (cost + own) * self._packing
-            if self._finish_time(kept + 1, total, now, slots_free_at, max_batch_size) > (
-                req.deadline
-            ):
+            if self._finish_time(kept + 1, total, slots_free_at, max_batch_size) > req.deadline:
                 late.append(req)
             else:
                 kept += 1
