@@ -337,8 +337,7 @@ def per_item_results(output: Any, padded: int, options: Options, name: str) -> S
             the batch size.
     """
     results = options.split(output) if options.split is not None else output
-    if type(results) is not list:  # (the usual result: checked first, at no cost)
-        results = _per_item(results, name)
+    results = _per_item(results, name)
     try:
         count = len(results)
     except TypeError:
