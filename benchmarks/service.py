@@ -284,15 +284,14 @@ async def measure_capacity(args: argparse.Namespace, port: int) -> tuple[float, 
 
 async def measure(args: argparse.Namespace, port: int, capacity: float) -> list[Row]:
     """On the service as documented (its target set): every load, then the idle check."""
-    bodies = BODIES
     await warm_up(port)
     rows = []
     target_s = args.target_ms / 1e3
     for k, load in enumerate(args.loads):
         outcomes = await open_loop(
-            port, load * capacity, args.seconds, bodies, seed=k, timeout=30.0
+            port, load * capacity, args.seconds, BODIES, seed=k, timeout=30.0
         )
-        idle_ok = await idle_check(port, bodies)
+        idle_ok = await idle_check(port, BODIES)
         rows.append(summarize(load, outcomes, capacity, args.seconds, target_s, idle_ok))
     return rows
 
