@@ -410,7 +410,8 @@ class ServingCore:
 
     def close_locked(self) -> None:
         """Under the lock: accept nothing more; serve what waits (batches leave at once)."""
-        self.closed = self.sched.closing = True
+        self.closed = True
+        self.sched.close()
         if self.admission is not None:
             self.admission.waiters.wake_all()  # blocked callers see BatcherClosed
 

@@ -8,13 +8,15 @@ from __future__ import annotations
 import itertools
 import threading
 from collections import deque
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 from batchkit.batchers.base import Batcher
 from batchkit.errors import Overloaded, QueueFull
+from batchkit.serve.buckets import Bucket
+from batchkit.serve.dispatch import DispatchReason, WhenClosing, rules_for
 from batchkit.serve.request import DROPPED, RUNNING, WAITING, Request
-from batchkit.serve.stats import DispatchReason, StatsRecorder
+from batchkit.serve.stats import StatsRecorder
 from batchkit.serve.targets import LatencyTarget
 
 PROBE_AFTER = 32  # successful batches at a learned cap before trying a larger one
@@ -40,155 +42,6 @@ class FormedBatch:
     dispatched_at: float
     answered: bool = False
     expected_end: float | None = None
-
-
-class Bucket:
-    """One bucket's waiting requests, FIFO per priority; dead entries removed lazily.
-
-    `live` counts the waiting requests; the deques may also hold requests that
-    left (dropped, or taken by a selection that was not a prefix) until they reach
-    the front. When a single deque holds exactly `live` entries it *is* the
-    service order, and the hot paths use it directly.
-
-    Args:
-        track_max_key: Keep `max_key` (an upper bound of the waiting keys) up to
-            date: needed only under a token budget (`max_tokens`).
-    """
-
-    __slots__ = ("queues", "live", "max_key", "track_max_key")
-
-    def __init__(self, track_max_key: bool) -> None:
-        self.queues: dict[int, deque[Request]] = {}
-        self.live = 0
-        self.max_key = 0.0  # an upper bound, exact after each take (token budgets only)
-        self.track_max_key = track_max_key
-
-    def clean_queue(self) -> deque[Request] | None:
-        """The one deque, if it holds only waiting requests (the common case)."""
-        if len(self.queues) == 1:
-            for queue in self.queues.values():
-                if len(queue) == self.live:
-                    return queue
-        return None
-
-    def _fronts(self) -> Iterator[tuple[int, deque[Request]]]:
-        for priority in sorted(self.queues):
-            queue = self.queues[priority]
-            while queue and queue[0].state != WAITING:
-                queue.popleft()
-            if queue:
-                yield priority, queue
-            else:
-                del self.queues[priority]
-
-    def head(self) -> Request | None:
-        """The request served next: best priority, then oldest."""
-        queue = self.clean_queue()
-        if queue is not None:
-            return queue[0] if queue else None
-        for _, queue in self._fronts():
-            return queue[0]
-        return None
-
-    def oldest_enqueued_at(self) -> float:
-        """When the longest-waiting request arrived (max wait counts from it)."""
-        return min(queue[0].enqueued_at for _, queue in self._fronts())
-
-    def candidates(self, limit: int | None) -> list[Request]:
-        """Waiting requests in service order.
-
-        Args:
-            limit: How many at most; None for all of them.
-        """
-        queue = self.clean_queue()
-        if queue is not None:
-            return list(queue if limit is None else itertools.islice(queue, limit))
-        out: list[Request] = []
-        for _, queue in self._fronts():
-            for req in queue:
-                if req.state == WAITING:
-                    out.append(req)
-                    if limit is not None and len(out) == limit:
-                        return out
-        return out
-
-    def taken(self, count: int, *, front: bool = False) -> None:
-        """Bookkeeping after `count` requests left: compact, refresh the key maximum.
-
-        Args:
-            count: How many waiting requests left (taken into a batch, or dropped);
-                their state is already no longer waiting.
-            front: They were the first `count` entries of the one deque, which are
-                then popped without checking them one by one.
-        """
-        self.live -= count
-        if front:
-            for queue in self.queues.values():
-                for _ in range(count):
-                    queue.popleft()
-        elif len(self.queues) == 1:
-            # Usually the batch was the queue's front: pop it now, so the queue stays clean.
-            for queue in self.queues.values():
-                while queue and queue[0].state != WAITING:
-                    queue.popleft()
-        for priority, queue in self.queues.items():
-            if len(queue) > 2 * self.live + 64:
-                self.queues[priority] = deque(r for r in queue if r.state == WAITING)
-        if self.live == 0:
-            self.max_key = 0.0
-        elif count and self.track_max_key:
-            self.max_key = max(r.key for r in self.candidates(None))
-
-    def shed_fronts(self, hopeless: Callable[[Request], bool]) -> list[Request]:
-        """Drop, from the front of each priority's deque, the requests `hopeless` picks.
-
-        Each deque is served front first and its deadlines grow towards the back, so
-        the scan of a deque stops at its first request that is not hopeless.
-
-        Args:
-            hopeless: Whether a waiting request can no longer be answered in time.
-
-        Returns:
-            The dropped requests (now `DROPPED`), already counted out of `live`.
-        """
-        shed: list[Request] = []
-        for _, queue in list(self._fronts()):
-            while queue and (queue[0].state != WAITING or hopeless(queue[0])):
-                req = queue.popleft()
-                if req.state == WAITING:
-                    shed.append(req)
-        self.drop_waiting(shed)
-        return shed
-
-    def drop_waiting(self, reqs: Sequence[Request]) -> None:
-        """Drop these waiting requests (they become `DROPPED`; the deques let go of
-        them lazily).
-
-        Args:
-            reqs: Requests of this bucket that are waiting.
-        """
-        for req in reqs:
-            req.state = DROPPED
-        self.taken(len(reqs))
-
-    def reaches_budget(self, policy: Batcher) -> bool:
-        """Whether the waiting requests' cost, by the policy's `cost`, reaches `max_tokens`.
-
-        Then waiting longer cannot make the next batch larger: the bucket is full. The
-        cost's upper bound from the count and the largest key (the padded area, itself
-        exact for `"padded"`) answers most polls at once; the exact cost of every
-        waiting request is computed only when the bound says the budget may be reached.
-
-        Args:
-            policy: The policy whose `max_tokens` and `cost` apply.
-        """
-        budget = policy.max_tokens
-        if budget is None:
-            return False
-        bound = policy.cost.upper_bound(self.live, self.max_key)
-        if bound is not None and (bound < budget or policy.cost.bound_is_exact):
-            return bound >= budget
-        return policy.budget_reached([r.key for r in self.candidates(None)])
 
 
 class Scheduler:
@@ -246,7 +99,8 @@ class Scheduler:
         self.lock_free_thread: int | None = None
         self._placed = 0  # waiting requests already in a bucket
         self.in_flight = 0
-        self.closing = False
+        self._closing = WhenClosing()
+        self._rules = rules_for(policy, self._closing, self.target)
         self.running: dict[int, FormedBatch] = {}
         # Learned after out-of-memory: a bucket's effective maximum batch size, raised
         # again by a quarter after PROBE_AFTER successful batches at the cap.
@@ -276,6 +130,7 @@ class Scheduler:
         self.policy = policy
         if self.target is not None:
             self.target.policy = policy
+        self._rules = rules_for(policy, self._closing, self.target)
 
     def set_max_latency(self, seconds: float) -> None:
         """Give every request a latency target from now on, those waiting too (their
@@ -288,7 +143,18 @@ class Scheduler:
         waiting = [req for bucket in self.buckets.values() for req in bucket.candidates(None)]
         if self.target is None:
             self.target = LatencyTarget(seconds, self.policy)
+            self._rules = rules_for(self.policy, self._closing, self.target)
         self.target.retarget(seconds, waiting)
+
+    @property
+    def closing(self) -> bool:
+        """Whether `close` was called: what waits leaves at once."""
+        return self._closing.closing
+
+    def close(self) -> None:
+        """Send every waiting batch at once from now on (`DispatchReason.CLOSING`):
+        nothing more will arrive."""
+        self._closing.closing = True
 
     def set_max_queue_size(self, limit: int) -> None:
         """Bound the queue from now on (requests already waiting stay, even past it).
@@ -436,12 +302,11 @@ class Scheduler:
         return bucket, queue
 
     def _place(self, req: Request) -> None:
-        """Append `req` to its bucket's deque for its priority."""
-        bucket, queue = self._lane(req.bucket, req.priority)
-        queue.append(req)
-        bucket.live += 1
-        if req.key > bucket.max_key:
-            bucket.max_key = req.key
+        """Append `req` to its bucket (created if needed)."""
+        bucket = self.buckets.get(req.bucket)
+        if bucket is None:
+            bucket = self.buckets[req.bucket] = Bucket(self.policy.max_tokens is not None)
+        bucket.append(req)
 
     def drop(self, req: Request) -> bool:
         """Withdraw a request that has not started.
@@ -517,29 +382,18 @@ class Scheduler:
     def _reason(
         self, name: Hashable, bucket: Bucket, now: float
     ) -> tuple[DispatchReason | None, float | None]:
-        """Why the bucket's batch leaves now; else None and when time alone makes it
-        leave (its max-wait expiry, or the latest start its latency target allows)."""
-        policy = self.policy
-        if bucket.live >= self._limit(name) or (
-            policy.max_tokens is not None and bucket.reaches_budget(policy)
-        ):
-            return DispatchReason.FULL, None
-        if self.closing:
-            return DispatchReason.CLOSING, None
-        if policy.dispatch_when_idle and self.in_flight == 0:
-            return DispatchReason.IDLE, None
-        wait = policy.max_wait_s
-        # (The expiry is computed as the wake-up time is, so that a poll at the time
-        # it named surely finds the batch ready.)
-        due = None if wait is None else bucket.oldest_enqueued_at() + wait
-        if due is not None and now >= due:
-            return DispatchReason.MAX_WAIT, None
-        if self.target is not None and self.target.ready:
-            latest = self.target.latest_start(bucket.candidates(self._limit(name)))
-            if now >= latest:
-                return DispatchReason.DEADLINE, None
-            due = latest if due is None else min(due, latest)
-        return None, due
+        """Why the bucket's batch leaves now (the first rule whose time has come);
+        else None and the earliest time a rule named."""
+        limit = self._limit(name)
+        wake_at: float | None = None
+        for rule in self._rules:
+            due = rule.due(bucket, limit, self.in_flight, now)
+            if due is not None:
+                if now >= due:
+                    return rule.reason, None
+                if wake_at is None or due < wake_at:
+                    wake_at = due
+        return None, wake_at
 
     def poll(self, now: float) -> tuple[FormedBatch | None, float | None]:
         """The next batch to run now (if any), and when to poll again if nothing changes.

@@ -4,35 +4,15 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import TYPE_CHECKING
 
 from batchkit.percentiles import SAMPLE_WINDOW, Percentiles
+from batchkit.serve.dispatch.rule import DispatchReason
 from batchkit.serve.latency import LearnedLatency
 
 if TYPE_CHECKING:
     from batchkit.serve.request import Request
 
-
-
-class DispatchReason(str, Enum):
-    """Why a batch left the queue (the keys of `Stats.dispatch_reasons`).
-
-    Attributes:
-        FULL: Its bucket held a full batch: `max_batch_size` requests, or waiting
-            requests whose cost reaches `max_tokens`.
-        MAX_WAIT: Its oldest request had waited `max_wait_ms`.
-        IDLE: No batch was running, so waiting requests went at once.
-        CLOSING: The function is closing: waiting requests go without waiting.
-        DEADLINE: Under a latency target (`max_latency_ms`), waiting longer would
-            make its most urgent request late.
-    """
-
-    FULL = "full"
-    MAX_WAIT = "max_wait"
-    IDLE = "idle"
-    CLOSING = "closing"
-    DEADLINE = "deadline"
 
 
 @dataclass(frozen=True)

@@ -822,7 +822,7 @@ def _replay(
                 break
             if sched.closing:  # closing dispatched nothing and nothing runs: it never will
                 raise RuntimeError(f"{sched.num_waiting} requests left waiting after close")
-            sched.closing = True  # the trace ended: serve what is left, as close() would
+            sched.close()  # the trace ended: serve what is left, as close() would
             t = now
         now = t
         while running and running[0][0] <= now:

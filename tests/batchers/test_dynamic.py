@@ -77,7 +77,7 @@ def test_not_eager_a_partial_batch_still_leaves_on_close() -> None:
     sched = Scheduler(DynamicBatcher(4, max_wait_ms=1000, eager=False))
     add(sched, 1, 0.0)
     assert sched.poll(0.0)[0] is None
-    sched.closing = True
+    sched.close()
     batch, _ = sched.poll(0.0)
     assert batch is not None and batch.reason is DispatchReason.CLOSING and items(batch) == [1]
 

@@ -82,7 +82,7 @@ def test_static_waits_for_full_then_flushes_on_close() -> None:
     add(sched, 0, 0.0)
     add(sched, 1, 0.0)
     assert sched.poll(1e9) == (None, None)  # no timer: static never leaves partial
-    sched.closing = True
+    sched.close()
     batch, _ = sched.poll(1e9)
     assert batch is not None and batch.reason is DispatchReason.CLOSING
     assert len(batch.requests) == 2
@@ -240,7 +240,7 @@ def test_everything_served_once_within_limits(
             running.append(batch)
         if running and gap > 2:  # sometimes a batch finishes
             finish_oldest()
-    sched.closing = True
+    sched.close()
     while running or sched.num_waiting:
         while (batch := sched.poll(now)[0]) is not None:
             running.append(batch)
@@ -323,7 +323,7 @@ def test_batches_are_the_service_order_heads_with_drops(
             batch = running.pop(0)
             sched.finish(batch, now)
             served.extend(batch.requests)
-    sched.closing = True
+    sched.close()
     while running or sched.num_waiting:
         poll()
         batch = running.pop(0)
@@ -449,7 +449,7 @@ def test_a_keyless_policy_in_several_buckets_serves_the_oldest_head_first() -> N
     sched.finish(batch, 0.0)
     add("older-long", 6.0)
     add("newer-short", 2.0)
-    sched.closing = True
+    sched.close()
     batch, _ = sched.poll(0.0)
     assert batch is not None and [r.item for r in batch.requests] == ["older-long"]
 

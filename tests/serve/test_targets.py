@@ -298,7 +298,7 @@ def run_traffic(
         pending += [running[0][0]] if running else []
         pending += [wake_at] if wake_at is not None else []
         if not pending:
-            sched.closing = True  # nothing else would ever make the last batch leave
+            sched.close()  # nothing else would ever make the last batch leave
         now = clock[0] = min(pending, default=clock[0])
         if running and running[0][0] == now:
             _, _, done = heapq.heappop(running)

@@ -1,0 +1,178 @@
+"""One bucket's waiting requests: FIFO per priority, dead entries removed lazily.
+
+The scheduler (`batchkit.serve.scheduler`) keeps one `Bucket` per bucket the policy
+names (`bucket_of` of an item's key); a batch never mixes buckets. The dispatch rules
+(`batchkit.serve.dispatch`) read a bucket to decide when its batch leaves.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+
+from batchkit.batchers.base import Batcher
+from batchkit.serve.request import DROPPED, WAITING, Request
+
+
+class Bucket:
+    """One bucket's waiting requests, FIFO per priority; dead entries removed lazily.
+
+    `live` counts the waiting requests; the deques may also hold requests that
+    left (dropped, or taken by a selection that was not a prefix) until they reach
+    the front. When a single deque holds exactly `live` entries it *is* the
+    service order, and the hot paths use it directly.
+
+    Args:
+        track_max_key: Keep `max_key` (an upper bound of the waiting keys) up to
+            date: needed only under a token budget (`max_tokens`).
+    """
+
+    __slots__ = ("queues", "live", "max_key", "track_max_key")
+
+    def __init__(self, track_max_key: bool) -> None:
+        self.queues: dict[int, deque[Request]] = {}
+        self.live = 0
+        self.max_key = 0.0  # an upper bound, exact after each take (token budgets only)
+        self.track_max_key = track_max_key
+
+    def append(self, req: Request) -> None:
+        """Add a waiting request at the back of its priority's deque.
+
+        Args:
+            req: A waiting request of this bucket.
+        """
+        queue = self.queues.get(req.priority)
+        if queue is None:
+            queue = self.queues[req.priority] = deque()
+        queue.append(req)
+        self.live += 1
+        if req.key > self.max_key:
+            self.max_key = req.key
+
+    def clean_queue(self) -> deque[Request] | None:
+        """The one deque, if it holds only waiting requests (the common case)."""
+        if len(self.queues) == 1:
+            for queue in self.queues.values():
+                if len(queue) == self.live:
+                    return queue
+        return None
+
+    def _fronts(self) -> Iterator[tuple[int, deque[Request]]]:
+        for priority in sorted(self.queues):
+            queue = self.queues[priority]
+            while queue and queue[0].state != WAITING:
+                queue.popleft()
+            if queue:
+                yield priority, queue
+            else:
+                del self.queues[priority]
+
+    def head(self) -> Request | None:
+        """The request served next: best priority, then oldest."""
+        queue = self.clean_queue()
+        if queue is not None:
+            return queue[0] if queue else None
+        for _, queue in self._fronts():
+            return queue[0]
+        return None
+
+    def oldest_enqueued_at(self) -> float:
+        """When the longest-waiting request arrived (max wait counts from it)."""
+        return min(queue[0].enqueued_at for _, queue in self._fronts())
+
+    def candidates(self, limit: int | None) -> list[Request]:
+        """Waiting requests in service order.
+
+        Args:
+            limit: How many at most; None for all of them.
+        """
+        queue = self.clean_queue()
+        if queue is not None:
+            return list(queue if limit is None else itertools.islice(queue, limit))
+        out: list[Request] = []
+        for _, queue in self._fronts():
+            for req in queue:
+                if req.state == WAITING:
+                    out.append(req)
+                    if limit is not None and len(out) == limit:
+                        return out
+        return out
+
+    def taken(self, count: int, *, front: bool = False) -> None:
+        """Bookkeeping after `count` requests left: compact, refresh the key maximum.
+
+        Args:
+            count: How many waiting requests left (taken into a batch, or dropped);
+                their state is already no longer waiting.
+            front: They were the first `count` entries of the one deque, which are
+                then popped without checking them one by one.
+        """
+        self.live -= count
+        if front:
+            for queue in self.queues.values():
+                for _ in range(count):
+                    queue.popleft()
+        elif len(self.queues) == 1:
+            # Usually the batch was the queue's front: pop it now, so the queue stays clean.
+            for queue in self.queues.values():
+                while queue and queue[0].state != WAITING:
+                    queue.popleft()
+        for priority, queue in self.queues.items():
+            if len(queue) > 2 * self.live + 64:
+                self.queues[priority] = deque(r for r in queue if r.state == WAITING)
+        if self.live == 0:
+            self.max_key = 0.0
+        elif count and self.track_max_key:
+            self.max_key = max(r.key for r in self.candidates(None))
+
+    def shed_fronts(self, hopeless: Callable[[Request], bool]) -> list[Request]:
+        """Drop, from the front of each priority's deque, the requests `hopeless` picks.
+
+        Each deque is served front first and its deadlines grow towards the back, so
+        the scan of a deque stops at its first request that is not hopeless.
+
+        Args:
+            hopeless: Whether a waiting request can no longer be answered in time.
+
+        Returns:
+            The dropped requests (now `DROPPED`), already counted out of `live`.
+        """
+        shed: list[Request] = []
+        for _, queue in list(self._fronts()):
+            while queue and (queue[0].state != WAITING or hopeless(queue[0])):
+                req = queue.popleft()
+                if req.state == WAITING:
+                    shed.append(req)
+        self.drop_waiting(shed)
+        return shed
+
+    def drop_waiting(self, reqs: Sequence[Request]) -> None:
+        """Drop these waiting requests (they become `DROPPED`; the deques let go of
+        them lazily).
+
+        Args:
+            reqs: Requests of this bucket that are waiting.
+        """
+        for req in reqs:
+            req.state = DROPPED
+        self.taken(len(reqs))
+
+    def reaches_budget(self, policy: Batcher) -> bool:
+        """Whether the waiting requests' cost, by the policy's `cost`, reaches `max_tokens`.
+
+        Then waiting longer cannot make the next batch larger: the bucket is full. The
+        cost's upper bound from the count and the largest key (the padded area, itself
+        exact for `"padded"`) answers most polls at once; the exact cost of every
+        waiting request is computed only when the bound says the budget may be reached.
+
+        Args:
+            policy: The policy whose `max_tokens` and `cost` apply.
+        """
+        budget = policy.max_tokens
+        if budget is None:
+            return False
+        bound = policy.cost.upper_bound(self.live, self.max_key)
+        if bound is not None and (bound < budget or policy.cost.bound_is_exact):
+            return bound >= budget
+        return policy.budget_reached([r.key for r in self.candidates(None)])
