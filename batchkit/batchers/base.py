@@ -5,7 +5,8 @@ thread: offline, [`Batcher.batches`][batchkit.Batcher.batches] groups a finite l
 online, the one scheduler in `batchkit.serve.scheduler` asks the policy which bucket
 an item belongs to, how to pick a batch from a bucket's waiting items, and how long
 to wait. A token budget (`max_tokens`) bounds each batch's cost, as the policy's
-[`BatchCost`][batchkit.batchers.cost.BatchCost] computes it.
+[`BatchCost`][batchkit.batchers.cost.BatchCost] computes it; a `group` function keeps
+each batch within `max_groups_per_batch` groups (`batchkit.batchers.groups`).
 """
 
 from __future__ import annotations
@@ -21,12 +22,14 @@ import numpy as np
 # Re-exported: @batched and the simulator import it from here.
 from batchkit.batchers.checks import positive_count
 from batchkit.batchers.cost import PADDED, BatchCost, CostLike, as_batch_cost
+from batchkit.batchers.groups import GroupFn, check_group_options, checked_group, pools
 from batchkit.batchers.sampler import BatchSampler, check_non_negative_int, check_rank
 from batchkit.batchers.stream import stream_batches
 
 T = TypeVar("T")
 
 KeyFn = Callable[[Any], float]
+R = TypeVar("R")
 
 
 class Batch(list[T], Generic[T]):
@@ -140,12 +143,17 @@ class Batcher:
         cost: what `max_tokens` bounds: `"padded"` (`len(batch) * max(key)`, the
             default), `"sum"` (`sum(key)`) or a callable `cost(keys) -> number`; see
             [`as_batch_cost`][batchkit.batchers.cost.as_batch_cost].
+        group: an item's group (its model, adapter, task...), any hashable value;
+            called once per item. None: no groups.
+        max_groups_per_batch: the most groups in one batch (a whole number >= 1;
+            1 when `group` is given without it). Needs `group`.
 
     Raises:
-        ValueError: a size, budget or wait that is not a positive int / finite
-            number >= 0, or an unknown `cost` name.
-        TypeError: a `key` or `cost` that is not callable, or a `cost` that fails on
-            a sample of keys.
+        ValueError: a size, budget, wait or group limit that is not a positive int /
+            finite number >= 0, `max_groups_per_batch` without `group`, or an
+            unknown `cost` name.
+        TypeError: a `key`, `group` or `cost` that is not callable, or a `cost` that
+            fails on a sample of keys.
     """
 
     max_batch_size: int
@@ -154,6 +162,9 @@ class Batcher:
     key: KeyFn | None
     # A class default too: a policy pickled before `cost=` existed loads as "padded".
     cost: BatchCost = PADDED
+    # Class defaults too: a policy pickled before `group=` existed loads ungrouped.
+    group: GroupFn | None = None
+    max_groups_per_batch: int | None = None  # an int exactly when `group` is set
 
     def __init__(
         self,
@@ -163,9 +174,12 @@ class Batcher:
         max_tokens: int | None = None,
         key: KeyFn | None = None,
         cost: CostLike | BatchCost = "padded",
+        group: GroupFn | None = None,
+        max_groups_per_batch: int | None = None,
     ) -> None:
         max_batch_size = positive_count("max_batch_size", max_batch_size)
         max_tokens = positive_count("max_tokens", max_tokens, allow_none=True)
+        max_groups_per_batch = check_group_options(group, max_groups_per_batch)
         if max_wait_ms is not None and not (max_wait_ms >= 0 and math.isfinite(max_wait_ms)):
             raise ValueError(f"max_wait_ms must be a finite number >= 0, got {max_wait_ms!r}")
         if key is not None and not callable(key):
@@ -175,6 +189,8 @@ class Batcher:
         self.max_tokens = max_tokens
         self.key = len if key is None and max_tokens is not None else key
         self.cost = as_batch_cost(cost)
+        self.group = group
+        self.max_groups_per_batch = max_groups_per_batch
 
     # -- hooks ------------------------------------------------------------
     def key_of(self, item: Any) -> float:
@@ -207,19 +223,31 @@ class Batcher:
         Args:
             items: the input items.
         """
-        keys: list[float] = []
-        append, key_of = keys.append, self.key_of
-        i = 0
-        try:
-            for i, item in enumerate(items):  # noqa: B007 - i names the failing item
-                append(key_of(item))
-        except (TypeError, ValueError) as exc:
-            raise type(exc)(f"items[{i}]: {exc}") from exc
-        except Exception as exc:
-            if hasattr(exc, "add_note"):  # Python 3.11+: keep the user's exception type
-                exc.add_note(f"(while computing the key of items[{i}])")
-            raise
-        return keys
+        return _each_item(self.key_of, items, "key")
+
+    def group_of(self, item: Any) -> Hashable:
+        """The item's group: `group(item)`, or None when the policy has no `group`.
+
+        The user's own exception from `group` propagates unchanged.
+
+        Args:
+            item: one input item.
+
+        Raises:
+            TypeError: `group(item)` is not hashable.
+        """
+        if self.group is None:
+            return None
+        return checked_group(self.group(item))
+
+    def groups_of(self, items: Sequence[Any]) -> list[Hashable]:
+        """[`group_of`][batchkit.Batcher.group_of] of every item; an error names the
+        item's position, as [`keys_of`][batchkit.Batcher.keys_of] does.
+
+        Args:
+            items: the input items.
+        """
+        return _each_item(self.group_of, items, "group")
 
     def bucket_of(self, key: float) -> Hashable:
         """Which bucket an item belongs to; a batch never mixes buckets.
@@ -327,10 +355,12 @@ class Batcher:
         world_size: int,
         rng: np.random.Generator | None,
         drop_last: bool = False,
+        groups: Sequence[Hashable] | None = None,
     ) -> list[np.ndarray]:
         """A sampler's batches of positions in `keys`, in the order ranks take them.
 
-        [`index_batches`][batchkit.Batcher.index_batches] then
+        [`index_batches`][batchkit.Batcher.index_batches] (with `groups`,
+        [`grouped_index_batches`][batchkit.Batcher.grouped_index_batches]) then
         [`arrange`][batchkit.Batcher.arrange]; a policy may compute both at once on
         arrays (`PackingBatcher` does).
 
@@ -340,9 +370,14 @@ class Batcher:
             world_size: how many ranks take one batch each per step.
             rng: the epoch's random generator; None: keep the order.
             drop_last: the caller will drop the batches that do not fill a step.
+            groups: every position's group, parallel to `keys`; a batch holds at most
+                `max_groups_per_batch` of them (1 without `group`). None: no groups.
         """
         listed = keys.tolist()
-        batches = self.index_batches(listed, shuffled=shuffled)
+        if groups is None:
+            batches = self.index_batches(listed, shuffled=shuffled)
+        else:
+            batches = self.grouped_index_batches(listed, groups, shuffled=shuffled)
         arranged = self.arrange(
             batches, listed, world_size=world_size, rng=rng, drop_last=drop_last
         )
@@ -363,18 +398,63 @@ class Batcher:
             b for g in groups for b in cut(g, keys, self.max_batch_size, self.max_tokens, self.cost)
         ]
 
+    def grouped_index_batches(
+        self, keys: Sequence[float], groups: Sequence[Hashable], *, shuffled: bool = False
+    ) -> list[list[int]]:
+        """Batches of positions in `keys`, each holding at most `max_groups_per_batch` groups.
+
+        The positions are split into pools of at most `max_groups_per_batch` groups (1
+        for a policy without `group`): the groups in order of first appearance in
+        `groups`, that many consecutive ones to a pool, a pool's positions group after
+        group. Each pool is cut by [`index_batches`][batchkit.Batcher.index_batches]
+        (the policy's own rules), and the batches come pool after pool: with one group
+        a batch, each group's batches one after another, the groups in order of first
+        appearance.
+
+        Args:
+            keys: every position's key.
+            groups: every position's group (hashable), parallel to `keys`.
+            shuffled: the keys come in a random order (a training sampler).
+
+        Raises:
+            ValueError: `groups` and `keys` differ in length.
+        """
+        if len(groups) != len(keys):
+            raise ValueError(
+                f"groups has {len(groups)} entries but keys has {len(keys)}: give one group per key"
+            )
+        batches: list[list[int]] = []
+        for pool in pools(groups, self.max_groups_per_batch or 1):
+            cut_pool = self.index_batches([keys[i] for i in pool], shuffled=shuffled)
+            batches += ([pool[j] for j in b] for b in cut_pool)
+        return batches
+
     def batches(self, items: Sequence[T]) -> Iterator[Batch[T]]:
         """Group a finite sequence of items into batches; indices cover every item once.
+
+        With `group`, every batch holds items of at most `max_groups_per_batch` groups:
+        see [`grouped_index_batches`][batchkit.Batcher.grouped_index_batches] (with one
+        group a batch, each group's batches one after another, the groups in order of
+        first appearance).
 
         Args:
             items: the items to batch (read once into a list).
 
         Yields:
             Each [`Batch`][batchkit.Batch], its `indices` the items' input positions.
+
+        Raises:
+            TypeError: a key that is not a number, or a group that is not hashable
+                (the message names the item: `items[3]: ...`).
+            ValueError: a key that is NaN, or negative under a token budget.
         """
         items = list(items)
         keys = self.keys_of(items)
-        for idx in self.index_batches(keys):
+        if self.group is None:
+            index_batches = self.index_batches(keys)
+        else:
+            index_batches = self.grouped_index_batches(keys, self.groups_of(items))
+        for idx in index_batches:
             yield Batch((items[i] for i in idx), idx)
 
     def sampler(
@@ -386,6 +466,7 @@ class Batcher:
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = False,
+        groups: Sequence[Hashable] | np.ndarray | None = None,
     ) -> BatchSampler:
         """A batch sampler for `DataLoader(batch_sampler=...)` over a dataset's lengths.
 
@@ -401,7 +482,21 @@ class Batcher:
             seed: the seed every rank shares.
             drop_last: drop the last batches instead of repeating some, so the
                 batch count is a multiple of `world_size`.
+            groups: `groups[i]` is example `i`'s group (any hashable: a task, a
+                model); every batch holds at most `max_groups_per_batch` groups (1 for
+                a policy without `group`). The policy's `group` function is not used
+                (the sampler sees lengths, not items). None: no groups.
+
+        Raises:
+            ValueError: the policy has `group` but no `groups` are given (its batches
+                would mix groups), or `groups` and `lengths` differ in length.
         """
+        if groups is None and self.group is not None:
+            raise ValueError(
+                "this policy has group=, but a sampler sees lengths, not items: pass "
+                "groups= (one group per length) to keep its batches within "
+                f"max_groups_per_batch={self.max_groups_per_batch}"
+            )
         return BatchSampler(
             self,
             lengths,
@@ -410,6 +505,7 @@ class Batcher:
             shuffle=shuffle,
             seed=seed,
             drop_last=drop_last,
+            groups=groups,
         )
 
     def stream(
@@ -435,7 +531,9 @@ class Batcher:
         goes to one rank. At the end the last steps are evened out like a sampler's
         (`drop_last`). Inside a `DataLoader` with workers, give each worker its own
         shard: `rank=rank * num_workers + worker_id`, `world_size=world_size *
-        num_workers` (see the guide).
+        num_workers` (see the guide). With `group`, each fill is batched as
+        [`batches`][batchkit.Batcher.batches] batches it, so every batch holds at
+        most `max_groups_per_batch` groups (a step's batches may differ in group).
 
         Args:
             items: any iterable (read once, one item at a time).
@@ -457,7 +555,10 @@ class Batcher:
 
         Raises:
             ValueError: `buffer_size` or `world_size` below 1, a `rank` outside
-                `[0, world_size)`, or a negative `seed`.
+                `[0, world_size)`, or a negative `seed`; when the batches are read, a
+                bad key (as in [`batches`][batchkit.Batcher.batches]).
+            TypeError: when the batches are read, a key that is not a number or a
+                group that is not hashable, named by its position in the stream.
         """
         buffer_size = positive_count("buffer_size", buffer_size)
         check_rank(rank, world_size)
@@ -475,5 +576,27 @@ class Batcher:
         return (Batch(batch, indices) for batch, indices in batches)
 
     def __repr__(self) -> str:
-        opts = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
+        shown = {k: v for k, v in vars(self).items() if not k.startswith("_")}
+        if self.group is None:  # an ungrouped policy reads as it did before group= existed
+            shown.pop("group", None)
+            shown.pop("max_groups_per_batch", None)
+        opts = ", ".join(f"{k}={v!r}" for k, v in shown.items())
         return f"{type(self).__name__}({opts})"
+
+
+def _each_item(fn: Callable[[Any], R], items: Sequence[Any], what: str) -> list[R]:
+    """`fn` of every item; a TypeError or ValueError is raised again naming the item's
+    position (`items[3]: ...`), any other exception keeps its type and gets a note."""
+    out: list[R] = []
+    append = out.append
+    i = 0
+    try:
+        for i, item in enumerate(items):  # noqa: B007 - i names the failing item
+            append(fn(item))
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"items[{i}]: {exc}") from exc
+    except Exception as exc:
+        if hasattr(exc, "add_note"):  # Python 3.11+: keep the user's exception type
+            exc.add_note(f"(while computing the {what} of items[{i}])")
+        raise
+    return out

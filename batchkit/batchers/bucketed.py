@@ -13,6 +13,7 @@ from typing_extensions import Self
 from batchkit.batchers.base import Batcher, KeyFn
 from batchkit.batchers.checks import positive_count
 from batchkit.batchers.cost import BatchCost, CostLike
+from batchkit.batchers.groups import GroupFn
 from batchkit.batchers.sampler import check_lengths
 
 
@@ -37,6 +38,11 @@ class BucketedBatcher(Batcher):
         cost: what `max_tokens` bounds: `"padded"` (`len(batch) * max(key)`, the
             default), `"sum"` (`sum(key)`) or a callable `cost(keys) -> number`
             ([`as_batch_cost`][batchkit.batchers.cost.as_batch_cost]).
+        group: an item's group (its model, adapter, task...), any hashable value;
+            a batch holds items of at most `max_groups_per_batch` groups. None: no
+            groups.
+        max_groups_per_batch: the most groups in one batch (default 1 with `group`;
+            needs `group`).
 
     Raises:
         ValueError: empty, non-numeric or not strictly increasing `boundaries`.
@@ -52,6 +58,8 @@ class BucketedBatcher(Batcher):
         max_wait_ms: float = 5.0,
         max_tokens: int | None = None,
         cost: CostLike | BatchCost = "padded",
+        group: GroupFn | None = None,
+        max_groups_per_batch: int | None = None,
     ) -> None:
         try:
             bounds = list(boundaries)
@@ -73,6 +81,8 @@ class BucketedBatcher(Batcher):
             max_tokens=max_tokens,
             key=key,
             cost=cost,
+            group=group,
+            max_groups_per_batch=max_groups_per_batch,
         )
         self.boundaries = tuple(bounds)
 

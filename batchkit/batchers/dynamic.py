@@ -8,6 +8,7 @@ from collections.abc import Iterable, Sequence
 from batchkit.batchers.base import Batcher, C, KeyFn, take_within_budget
 from batchkit.batchers.checks import positive_count
 from batchkit.batchers.cost import BatchCost, CostLike
+from batchkit.batchers.groups import GroupFn
 
 
 class DynamicBatcher(Batcher):
@@ -42,6 +43,11 @@ class DynamicBatcher(Batcher):
             default), `"sum"` (`sum(key)`, for `pack_varlen` or graphs) or a
             callable `cost(keys) -> number`
             ([`as_batch_cost`][batchkit.batchers.cost.as_batch_cost]).
+        group: an item's group (its model, adapter, task...), any hashable value;
+            a batch holds items of at most `max_groups_per_batch` groups. None: no
+            groups.
+        max_groups_per_batch: the most groups in one batch (default 1 with `group`;
+            needs `group`).
     """
 
     def __init__(
@@ -55,6 +61,8 @@ class DynamicBatcher(Batcher):
         key: KeyFn | None = None,
         eager: bool = True,
         cost: CostLike | BatchCost = "padded",
+        group: GroupFn | None = None,
+        max_groups_per_batch: int | None = None,
     ) -> None:
         max_batch_size = positive_count("max_batch_size", max_batch_size)  # used below
         if not isinstance(eager, bool):  # a truthy string or 0/1 is a mistake, not a choice
@@ -81,6 +89,8 @@ class DynamicBatcher(Batcher):
             max_tokens=max_tokens,
             key=key,
             cost=cost,
+            group=group,
+            max_groups_per_batch=max_groups_per_batch,
         )
         self.preferred_batch_sizes = tuple(sizes)
         self.strict_sizes = strict_sizes

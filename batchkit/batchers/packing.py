@@ -10,13 +10,14 @@ rank) carry about the same tokens, so no rank waits for a slower one.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 import numpy as np
 
 from batchkit.batchers.base import Batcher, C, KeyFn
 from batchkit.batchers.checks import positive_count
 from batchkit.batchers.cost import SUM, BatchCost, CostLike
+from batchkit.batchers.groups import GroupFn
 from batchkit.batchers.sampler import split_at
 
 
@@ -56,6 +57,11 @@ class PackingBatcher(Batcher):
             cost nothing, go in batches of at most `max_tokens` of their own).
         max_wait_ms: online, how long the oldest waiting request may wait, in
             milliseconds.
+        group: an item's group (its model, adapter, task...), any hashable value;
+            a batch holds items of at most `max_groups_per_batch` groups. None: no
+            groups.
+        max_groups_per_batch: the most groups in one batch (default 1 with `group`;
+            needs `group`).
 
     Raises:
         ValueError: `max_tokens` or `max_batch_size` not a positive int, or a bad wait.
@@ -69,6 +75,8 @@ class PackingBatcher(Batcher):
         cost: CostLike | BatchCost = "sum",
         max_batch_size: int | None = None,
         max_wait_ms: float = 5.0,
+        group: GroupFn | None = None,
+        max_groups_per_batch: int | None = None,
     ) -> None:
         max_tokens = positive_count("max_tokens", max_tokens)
         max_batch_size = positive_count("max_batch_size", max_batch_size, allow_none=True)
@@ -80,6 +88,8 @@ class PackingBatcher(Batcher):
             max_tokens=max_tokens,
             key=key,
             cost=cost,
+            group=group,
+            max_groups_per_batch=max_groups_per_batch,
         )
         self.size_limited = max_batch_size is not None
 
@@ -140,6 +150,7 @@ class PackingBatcher(Batcher):
         world_size: int,
         rng: np.random.Generator | None,
         drop_last: bool = False,
+        groups: Sequence[Hashable] | None = None,
     ) -> list[np.ndarray]:
         """Packed batches, balanced across ranks, as arrays (no list per batch).
 
@@ -149,9 +160,16 @@ class PackingBatcher(Batcher):
             world_size: how many ranks take one batch each per step.
             rng: the epoch's random generator; None: keep the order.
             drop_last: the caller drops what does not fill a step.
+            groups: every position's group: each pool of `max_groups_per_batch`
+                groups (1 without `group`) is packed on its own. None: no groups.
         """
         keyed = np.asarray(keys, dtype=np.float64)
-        return self._balanced(self._pack(keyed), keyed, world_size, rng, drop_last)
+        if groups is None:
+            packed = self._pack(keyed)
+        else:  # (splitting a batch in two for the ranks keeps both halves in its pool)
+            grouped = self.grouped_index_batches(keyed.tolist(), groups, shuffled=shuffled)
+            packed = [np.asarray(b, dtype=np.int64) for b in grouped]
+        return self._balanced(packed, keyed, world_size, rng, drop_last)
 
     def _pack(self, keys: np.ndarray) -> list[np.ndarray]:
         budget = self.max_tokens

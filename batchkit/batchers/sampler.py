@@ -13,12 +13,13 @@ torch is not imported: a `DataLoader` only needs an iterable of index lists with
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
 from batchkit.batchers.checks import check_positive_int
+from batchkit.batchers.groups import group_codes
 
 B = TypeVar("B")  # a batch: a list of indices, or an array of them
 
@@ -36,6 +37,7 @@ class IndexBatching(Protocol):
         world_size: int,
         rng: np.random.Generator | None,
         drop_last: bool = False,
+        groups: Sequence[Hashable] | None = None,
     ) -> list[np.ndarray]:
         """Batches of positions in `keys`, batch `i` for rank `i % world_size`.
 
@@ -45,6 +47,8 @@ class IndexBatching(Protocol):
             world_size: how many ranks share the batches.
             rng: the epoch's random generator; None: keep the order.
             drop_last: the batches that do not fill a step will be dropped.
+            groups: every position's group; a batch keeps within the policy's group
+                limit (the sampler passes it only when it has groups).
         """
         ...
 
@@ -148,7 +152,11 @@ class BatchSampler:
        randomly, `StaticBatcher` cuts it as it is);
     2. cuts batches by the policy's own rules (`max_batch_size` / `batch_size`,
        `max_tokens` over `lengths` by the policy's `cost`, bucket boundaries;
-       `lengths[i]` is the key of index `i`, the policy's `key` function is not used);
+       `lengths[i]` is the key of index `i`, the policy's `key` function is not used),
+       with `groups` within pools of at most the policy's `max_groups_per_batch`
+       groups (1 without `group`; see
+       [`grouped_index_batches`][batchkit.Batcher.grouped_index_batches]), the
+       groups in the order the shuffle first meets them;
     3. orders them for the ranks by the policy's `arrange` (with `shuffle`, a
        shuffled batch order; `PackingBatcher` balances each step's tokens);
     4. makes the batch count a multiple of `world_size`, by repeating batches from
@@ -174,10 +182,14 @@ class BatchSampler:
         seed: the seed every rank shares (an int >= 0).
         drop_last: make the batch count a multiple of `world_size` by dropping the
             last batches (no index twice) instead of repeating the first ones.
+        groups: `groups[i]` is dataset index `i`'s group (any hashable); every batch
+            holds at most the policy's `max_groups_per_batch` groups (1 for a policy
+            without `group`). None: no groups.
 
     Raises:
-        ValueError: a `rank`, `world_size` or `seed` out of range, or bad `lengths`.
-        TypeError: `lengths` that are not ints.
+        ValueError: a `rank`, `world_size` or `seed` out of range, bad `lengths`, or
+            `groups` of another length than `lengths`.
+        TypeError: `lengths` that are not ints, or a group that is not hashable.
     """
 
     def __init__(
@@ -190,11 +202,14 @@ class BatchSampler:
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = False,
+        groups: Sequence[Hashable] | np.ndarray | None = None,
     ) -> None:
         check_rank(rank, world_size)
         self.policy = policy
         self.lengths = check_lengths(lengths)
         self._keys = np.asarray(self.lengths, dtype=np.int64)
+        # each index's group as a number (first seen: 0), gathered per epoch's order
+        self._groups = None if groups is None else group_codes(groups, len(self.lengths))
         self.rank = rank
         self.world_size = world_size
         self.shuffle = bool(shuffle)
@@ -250,12 +265,15 @@ class BatchSampler:
         if resumed_from is not None:
             # the rest, in the epoch's own order: the same on every rank, every run
             order = order[~self._yielded_mask(resumed_from)[order]]
+        # passed only when there are groups: a policy's own plan() may predate them
+        grouping = {} if self._groups is None else {"groups": self._groups[order].tolist()}
         batches = self.policy.plan(
             self._keys[order],
             shuffled=self.shuffle,
             world_size=world_size,
             rng=rng if self.shuffle else None,
             drop_last=self.drop_last,
+            **grouping,
         )
         if batches:  # positions in `order` to dataset indices, in one gather
             sizes = np.fromiter((len(b) for b in batches), dtype=np.int64, count=len(batches))

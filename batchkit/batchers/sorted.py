@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from batchkit.batchers.base import Batcher, C, KeyFn
 from batchkit.batchers.checks import positive_count
 from batchkit.batchers.cost import BatchCost, CostLike
+from batchkit.batchers.groups import GroupFn
 
 
 class SortedBatcher(Batcher):
@@ -30,6 +31,11 @@ class SortedBatcher(Batcher):
         cost: what `max_tokens` bounds: `"padded"` (`len(batch) * max(key)`, the
             default), `"sum"` (`sum(key)`) or a callable `cost(keys) -> number`
             ([`as_batch_cost`][batchkit.batchers.cost.as_batch_cost]).
+        group: an item's group (its model, adapter, task...), any hashable value;
+            a batch holds items of at most `max_groups_per_batch` groups. None: no
+            groups.
+        max_groups_per_batch: the most groups in one batch (default 1 with `group`;
+            needs `group`).
     """
 
     def __init__(
@@ -41,6 +47,8 @@ class SortedBatcher(Batcher):
         window: int | None = None,
         max_wait_ms: float = 5.0,
         cost: CostLike | BatchCost = "padded",
+        group: GroupFn | None = None,
+        max_groups_per_batch: int | None = None,
     ) -> None:
         window = positive_count("window", window, allow_none=True)
         super().__init__(
@@ -49,6 +57,8 @@ class SortedBatcher(Batcher):
             max_tokens=max_tokens,
             key=key,
             cost=cost,
+            group=group,
+            max_groups_per_batch=max_groups_per_batch,
         )
         self.window = window
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from batchkit.batchers.base import Batcher
+from batchkit.batchers.groups import GroupFn
 
 
 class StaticBatcher(Batcher):
@@ -15,13 +16,33 @@ class StaticBatcher(Batcher):
     the model only accepts one size; at close, a partial batch is still served
     (accepted requests are never dropped) and `drop_last` has no effect.
 
+    With `group`, each pool of `max_groups_per_batch` groups is cut on its own, so
+    every pool's last batch may be short (and is dropped with `drop_last`).
+
     Args:
         batch_size: the items in every batch (a positive int).
         drop_last: offline, drop the short last batch.
+        group: an item's group (its model, adapter, task...), any hashable value;
+            a batch holds items of at most `max_groups_per_batch` groups. None: no
+            groups.
+        max_groups_per_batch: the most groups in one batch (default 1 with `group`;
+            needs `group`).
     """
 
-    def __init__(self, batch_size: int, *, drop_last: bool = False) -> None:
-        super().__init__(max_batch_size=batch_size, max_wait_ms=None)
+    def __init__(
+        self,
+        batch_size: int,
+        *,
+        drop_last: bool = False,
+        group: GroupFn | None = None,
+        max_groups_per_batch: int | None = None,
+    ) -> None:
+        super().__init__(
+            max_batch_size=batch_size,
+            max_wait_ms=None,
+            group=group,
+            max_groups_per_batch=max_groups_per_batch,
+        )
         self.drop_last = drop_last
 
     @property
