@@ -4,7 +4,8 @@
 `buffer_size` items, shuffles each fill under the seed, cuts it into batches by the
 policy's own rules and hands them out in steps of one batch per rank. Every rank
 runs the same steps from the same seed and keeps its own batch of each, so the ranks
-agree without talking to each other, and all get the same number of batches.
+agree without talking to each other, and all get the same number of batches. With
+the policy's `group`, each fill is batched within the group limit (as `batches` does).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
+from batchkit.batchers.groups import GroupFn
 from batchkit.batchers.sampler import even_out
 
 T = TypeVar("T")
@@ -22,6 +24,11 @@ T = TypeVar("T")
 
 class StreamPolicy(Protocol):
     """What a stream needs from a policy (every `Batcher` has it)."""
+
+    @property
+    def group(self) -> GroupFn | None:
+        """The policy's group function; None: no groups."""
+        ...
 
     def index_batches(self, keys: Sequence[float], *, shuffled: bool = False) -> list[list[int]]:
         """Batches of positions in `keys`, cut by the policy's rules.
@@ -52,8 +59,28 @@ class StreamPolicy(Protocol):
         """
         ...
 
+    def grouped_index_batches(
+        self, keys: Sequence[float], groups: Sequence[Hashable], *, shuffled: bool = False
+    ) -> list[list[int]]:
+        """Batches of positions in `keys`, each within the policy's group limit.
+
+        Args:
+            keys: every item's key.
+            groups: every item's group.
+            shuffled: the keys come in a random order.
+        """
+        ...
+
     def keys_of(self, items: Sequence[Any]) -> list[float]:
         """Every item's key.
+
+        Args:
+            items: the items.
+        """
+        ...
+
+    def groups_of(self, items: Sequence[Any]) -> list[Hashable]:
+        """Every item's group.
 
         Args:
             items: the items.
@@ -90,7 +117,10 @@ def stream_batches(
     (a step never mixes buckets), else one. At the end of `items` the last steps are
     evened out like a sampler's epoch (batches repeated from the start of the group,
     or dropped with `drop_last`). A buffer too small for one step's batches makes
-    them go early, evened out the same way, so a stream is never stuck.
+    them go early, evened out the same way, so a stream is never stuck. With the
+    policy's `group`, each fill is cut by `grouped_index_batches`: no batch holds more
+    than the policy's `max_groups_per_batch` groups (batches are never merged later,
+    only split by a policy's `arrange`, which keeps that).
 
     Args:
         policy: the batching policy.
@@ -112,12 +142,14 @@ def stream_batches(
     waiting: dict[Hashable, list[list[int]]] = {}  # group -> batches held back for a step
     read = 0  # items read so far: the next item's stream position
     exhausted = False
+    grouped = policy.group is not None
     while not exhausted or waiting:
         room = buffer_size - len(held)
         chunk = list(itertools.islice(source, room)) if room > 0 else []
         exhausted = exhausted or (room > 0 and len(chunk) < room)
         try:
             keys = policy.keys_of(chunk)
+            groups = policy.groups_of(chunk) if grouped else None
         except (TypeError, ValueError) as exc:  # its items[i] counts from this fill's start
             raise type(exc)(f"in the stream's items from position {read}: {exc}") from exc
         positions = list(range(read, read + len(chunk)))
@@ -126,9 +158,15 @@ def stream_batches(
             order = rng.permutation(len(chunk)).tolist()
             chunk, positions = [chunk[i] for i in order], [positions[i] for i in order]
             keys = [keys[i] for i in order]
+            if groups is not None:
+                groups = [groups[i] for i in order]
         held.update(zip(positions, chunk))
         held_keys.update(zip(positions, keys))
-        for batch in policy.index_batches(keys):
+        if groups is None:
+            batches = policy.index_batches(keys)
+        else:
+            batches = policy.grouped_index_batches(keys, groups)
+        for batch in batches:
             members = [positions[p] for p in batch]
             group = policy.bucket_of(keys[batch[0]]) if sync_buckets else None
             waiting.setdefault(group, []).append(members)
