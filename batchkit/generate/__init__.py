@@ -7,7 +7,8 @@ The scheduler core (``Scheduler``) is pure and usable on its own. Listeners
 (``add_listener``) get a ``StepEvent`` per step and a ``FinishEvent`` per answered
 request (``batchkit.metrics`` exports them to Prometheus). ``submit(..., sampling=Sampling(...))``
 samples a request with its own generator; step functions pick tokens with
-``next_tokens``.
+``next_tokens``. ``submit(..., group=...)`` tags a request with a group (an adapter,
+a task), and ``max_groups_per_step`` bounds how many groups one step mixes.
 """
 
 from batchkit.generate.batcher import ContinuousBatcher
@@ -16,7 +17,7 @@ from batchkit.generate.observe import FinishEvent, GenerationListener, StepEvent
 from batchkit.generate.sampling import Sampling, TokenSampler, next_tokens
 from batchkit.generate.scheduler import Scheduler
 from batchkit.generate.sequence import ScheduledSeq, SeqStatus, Sequence, StepBatch
-from batchkit.generate.stats import GenerationStats
+from batchkit.generate.stats import GenerationGroupStats, GenerationStats
 
 __all__ = [
     "ContinuousBatcher",
@@ -24,6 +25,7 @@ __all__ = [
     "GenerationHandle",
     "GenerationListener",
     "GenerationStats",
+    "GenerationGroupStats",
     "Sampling",
     "ScheduledSeq",
     "Scheduler",

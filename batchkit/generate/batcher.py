@@ -12,7 +12,7 @@ from __future__ import annotations
 import inspect
 import operator
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
 from batchkit.errors import BatcherClosed, QueueFull
@@ -47,6 +47,12 @@ class ContinuousBatcher:
     value) preempts the least urgent running sequences for a row or KV blocks (see
     [`Scheduler`][batchkit.generate.Scheduler]).
 
+    A request's ``group`` (an adapter, a task: any hashable) reaches the step function
+    as ``seq.group``; with ``max_groups_per_step``, a step holds sequences of at most
+    that many groups, and waiting requests of other groups join as running groups
+    drain, oldest first, none starving (the rule and its bound: the guide's "Groups"
+    section).
+
     Args:
         step_fn: Computes one step: takes a [`StepBatch`][batchkit.StepBatch] and
             returns one entry per sequence (see above). A sync function runs on a
@@ -68,6 +74,9 @@ class ContinuousBatcher:
             the whole token budget.
         max_queue_size: The most requests waiting at once; a submit past it raises
             [`QueueFull`][batchkit.QueueFull]. ``None``: unbounded.
+        max_groups_per_step: The most groups (``submit(..., group=...)``) one step
+            may hold, all running sequences together; a whole number >= 1. ``None``:
+            no limit.
         eos_token_id: A token (or several: an iterable of ids, as a Hugging Face
             ``generation_config`` may list) that ends every request, added to each
             request's ``stop_token_ids``; ``None``: none.
@@ -77,7 +86,8 @@ class ContinuousBatcher:
             tests).
 
     Raises:
-        ValueError: A limit is not a positive int, ``max_prefill_chunk`` exceeds
+        ValueError: A limit is not a positive int (``max_groups_per_step`` may be a
+            whole-number float), ``max_prefill_chunk`` exceeds
             ``max_num_batched_tokens``, or an ``eos_token_id`` is outside ``[0, 2**63)``.
         TypeError: An ``eos_token_id`` is not an integer.
     """
@@ -93,6 +103,7 @@ class ContinuousBatcher:
         max_model_len: int | None = None,
         max_prefill_chunk: int | None = None,
         max_queue_size: int | None = None,
+        max_groups_per_step: int | None = None,
         name: str | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -111,6 +122,7 @@ class ContinuousBatcher:
             allocator=allocator,
             max_model_len=max_model_len,
             max_prefill_chunk=max_prefill_chunk,
+            max_groups_per_step=max_groups_per_step,
         )
         self._waiters = Waiters()
         self._lock = self._waiters.lock  # guards the scheduler, the driver and the handles
@@ -136,6 +148,7 @@ class ContinuousBatcher:
         priority: int = 0,
         timeout: float | None = None,
         sampling: Sampling | None = None,
+        group: Hashable = None,
     ) -> GenerationHandle:
         """Queue one prompt; returns its handle at once.
 
@@ -153,6 +166,10 @@ class ContinuousBatcher:
             sampling: How its tokens are picked (temperature, top-k, top-p, seed),
                 on ``StepBatch.seqs[i].sampling`` / ``.sampler`` for the step
                 function; ``None``: greedy.
+            group: The request's group (an adapter, a task): any hashable, on
+                ``StepBatch.seqs[i].group`` for the step function and counted apart in
+                ``stats().groups``; with ``max_groups_per_step``, steps mix at most that
+                many groups. ``None``: the one default group.
 
         Returns:
             The request's [`GenerationHandle`][batchkit.GenerationHandle].
@@ -161,8 +178,9 @@ class ContinuousBatcher:
             ValueError: A request that can never fit (an empty prompt, no room within
                 ``max_model_len`` or the KV pool), a token id outside ``[0, 2**63)``,
                 or a bad ``timeout``.
-            TypeError: ``priority`` is not an int, a token id is not an integer, or
-                ``sampling`` is not a [`Sampling`][batchkit.generate.Sampling].
+            TypeError: ``priority`` is not an int, a token id is not an integer,
+                ``sampling`` is not a [`Sampling`][batchkit.generate.Sampling], or
+                ``group`` is not hashable (nothing is queued).
             QueueFull: ``max_queue_size`` requests are already waiting.
             BatcherClosed: The batcher is closed.
         """
@@ -197,6 +215,7 @@ class ContinuousBatcher:
                 arrival_time=now,
                 deadline=None if timeout is None else now + timeout,
                 sampling=sampling,
+                group=group,
             )
             self.sched.add(seq)  # ValueError here if it can never fit
             seq.outcome = Outcome(self._waiters)

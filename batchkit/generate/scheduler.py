@@ -17,6 +17,12 @@ generated so far) when it is readmitted; until it has produced a token again, no
 sequence of its own priority may preempt it (only a more urgent one), so two equals
 cannot evict each other forever.
 
+With ``max_groups_per_step``, the running set holds sequences of at most that many
+groups (``Sequence.group``: adapters, tasks), so every step does; waiting sequences
+of other groups join as running groups drain, oldest first, with backfilling behind
+the first one the limit stops (`batchkit.generate.groups` states the rule and its
+bound).
+
 `Scheduler.update` takes the step's sampled tokens and retires sequences that
 hit a stop token or their length limit. The rows and blocks themselves are taken and
 given back by its `SeqResources`; the drivers
@@ -29,6 +35,8 @@ import heapq
 import operator
 from collections import deque
 
+from batchkit.batchers.checks import positive_count
+from batchkit.generate.groups import GroupGate, blocked_by_limit, group_to_free
 from batchkit.generate.resources import SeqResources
 from batchkit.generate.sequence import ScheduledSeq, SeqStatus, Sequence, StepBatch
 from batchkit.generate.stats import GenerationStatsRecorder
@@ -54,6 +62,9 @@ class Scheduler:
             step, so that prefills of several sequences and every decode token share
             each step; a positive int at most ``max_num_batched_tokens``. ``None``:
             the whole token budget.
+        max_groups_per_step: The most groups (``Sequence.group``) running at once, so
+            in one step; a whole number >= 1. ``None``: no limit (groups are only
+            labels).
 
     Raises:
         ValueError: A limit is not a positive int, or ``max_prefill_chunk`` exceeds
@@ -68,6 +79,7 @@ class Scheduler:
         allocator: BlockAllocator | None = None,
         max_model_len: int | None = None,
         max_prefill_chunk: int | None = None,
+        max_groups_per_step: int | None = None,
     ) -> None:
         if type(max_num_seqs) is not int or max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be a positive int, got {max_num_seqs!r}")
@@ -91,6 +103,9 @@ class Scheduler:
         )
         self.allocator = allocator
         self.max_model_len = max_model_len
+        self.max_groups_per_step = positive_count(
+            "max_groups_per_step", max_groups_per_step, allow_none=True
+        )
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.resources = SeqResources(max_num_seqs, allocator)
@@ -176,7 +191,15 @@ class Scheduler:
         Raises:
             ValueError: It can never fit (see
                 [`check_fits`][batchkit.generate.Scheduler.check_fits]).
+            TypeError: Its ``group`` is not hashable.
         """
+        try:
+            hash(seq.group)
+        except TypeError:
+            raise TypeError(
+                f"request {seq.request_id}: group must be hashable, "
+                f"got a {type(seq.group).__name__}"
+            ) from None
         self.check_fits(seq)
         self._arrivals += 1
         seq.order = self._arrivals
@@ -214,8 +237,9 @@ class Scheduler:
         Scheduled in this order: waiting requests more urgent than some running
         sequence (preempting less urgent ones for their row and blocks); the running
         sequences; then other waiting ones, unless the step preempted for lack of
-        blocks. The batch lists them in row order (by ``slot``), whatever the order
-        they were scheduled in.
+        blocks (with ``max_groups_per_step``, those the group limit lets in). The
+        batch lists them in row order (by ``slot``), whatever the order they were
+        scheduled in.
 
         Raises:
             RuntimeError: The last step's results were not applied yet.
@@ -227,10 +251,7 @@ class Scheduler:
         self._admit_urgent(step)
         self._schedule_running(step)
         if not step.short_of_blocks:  # the memory is short: the preempted go first
-            waiting = self.waiting
-            while waiting and step.budget > 0 and len(self.running) < self.max_num_seqs:
-                if not self._admit(waiting[0], step):
-                    break
+            self._admit_waiting(step)
 
         scheduled, alloc, res = step.scheduled, self.allocator, self.resources
         # Row order, so that the batch depends on which rows run, not on how they came
@@ -249,6 +270,7 @@ class Scheduler:
             requests_waiting=bool(self.waiting),
             allocator=alloc,
         )
+        self.stats.record_group_step(scheduled)
         return batch
 
     def _chunk(self, seq: Sequence, start: int, budget: int) -> int:
@@ -289,11 +311,33 @@ class Scheduler:
             key=_urgency_rank,
         )
 
+    def _admit_waiting(self, step: _Step) -> None:
+        """Admit waiting sequences in line while rows, budget and blocks last (a sequence
+        short of blocks stops the line); with a group limit, those it lets in."""
+        waiting, running, max_seqs = self.waiting, self.running, self.max_num_seqs
+        limit = self.max_groups_per_step
+        if limit is None:
+            while waiting and step.budget > 0 and len(running) < max_seqs:
+                if not self._admit(waiting[0], step):
+                    break
+            return
+        gate = GroupGate(limit, running, self.max_model_len)
+        i = 0
+        while i < len(waiting) and step.budget > 0 and len(running) < max_seqs:
+            seq = waiting[i]
+            if not gate.admits(seq):
+                i += 1  # the limit (or the reservation) keeps it out: look behind it
+                continue
+            if not self._admit(seq, step, i):
+                break
+            gate.joined(seq)
+
     def _admit_urgent(self, step: _Step) -> None:
         """Admit waiting requests more urgent than a running sequence, preempting the
         least urgent running ones (newest among equals) for their row and blocks, so an
-        urgent request starts at the next step instead of waiting for them to finish."""
-        waiting, running = self.waiting, self.running
+        urgent request starts at the next step instead of waiting for them to finish.
+        One the group limit keeps out preempts a whole group too (see `group_to_free`)."""
+        waiting, running, limit = self.waiting, self.running, self.max_groups_per_step
         while waiting and running and step.budget > 0:
             head = waiting[0]
             victims = sorted(  # the least urgent first
@@ -301,17 +345,28 @@ class Scheduler:
                 key=_urgency_rank,
                 reverse=True,
             )
-            if not victims or not self._free_room(head, victims, step):
+            at_least = 0
+            if victims and limit is not None and blocked_by_limit(limit, running, head):
+                group = group_to_free(head, running)
+                if group is None:
+                    return
+                # That group first, so that the fewest preemptions include all of it.
+                victims = group + [s for s in victims if s.group != group[0].group]
+                at_least = len(group)
+            if not victims or not self._free_room(head, victims, step, at_least):
                 return
             if not self._admit(head, step):
                 return
 
-    def _free_room(self, head: Sequence, victims: list[Sequence], step: _Step) -> bool:
-        """Preempt the first of ``victims`` (the least urgent first) until ``head`` has a
-        row and the blocks to start; False, and nobody preempted, if all of them would
-        not be enough. A victim frees only the blocks nobody else holds: those it shares
-        with a sequence that stays (a prefix-cache hit) are not counted."""
-        rows_short = len(self.running) + 1 - self.max_num_seqs
+    def _free_room(
+        self, head: Sequence, victims: list[Sequence], step: _Step, at_least: int = 0
+    ) -> bool:
+        """Preempt the first of ``victims`` (the least urgent first; at least
+        ``at_least`` of them) until ``head`` has a row and the blocks to start; False,
+        and nobody preempted, if all of them would not be enough. A victim frees only
+        the blocks nobody else holds: those it shares with a sequence that stays (a
+        prefix-cache hit) are not counted."""
+        rows_short = max(len(self.running) + 1 - self.max_num_seqs, at_least)
         shorts = self.resources.blocks_short_after_preempting(
             head, self._blocks_span(head, step), victims
         )
@@ -323,12 +378,16 @@ class Scheduler:
             self._preempt(victim, step)
         return True
 
-    def _admit(self, seq: Sequence, step: _Step) -> bool:
-        """Start (or restart) the first waiting sequence; False if its blocks are short."""
+    def _admit(self, seq: Sequence, step: _Step, index: int = 0) -> bool:
+        """Start (or restart) the waiting sequence at ``waiting[index]``; False if its
+        blocks are short."""
         res = self.resources
         if self.allocator is not None and not res.admit_blocks(seq, self._blocks_span(seq, step)):
             return False
-        self.waiting.popleft()
+        if index:
+            del self.waiting[index]
+        else:
+            self.waiting.popleft()
         start = seq.num_computed_tokens  # a prefix-cache hit computes nothing again
         n = self._chunk(seq, start, step.budget)
         seq.status = SeqStatus.RUNNING
@@ -339,6 +398,7 @@ class Scheduler:
         if not seq.started:
             self.started_now.append(seq)
             seq.started = True
+            self.stats.group(seq.group).admitted += 1
         step.add(seq, start, n)
         return True
 
@@ -457,6 +517,7 @@ class Scheduler:
             st.finished += 1
             any_finished = True
         st.tokens_generated += len(produced)
+        st.record_group_tokens(produced)
         if any_finished:
             self.running = [s for s in self.running if s.status is running_status]
         return produced

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
@@ -40,6 +41,8 @@ class Sequence:
         deadline: The time by which it must have started, or it times out (see
             [`Scheduler.expire`][batchkit.generate.Scheduler.expire]); ``None``: never.
         sampling: How it picks its tokens; ``None``: greedy.
+        group: The group it belongs to (an adapter, a task): any hashable; ``None``
+            is the one default group. See ``Scheduler``'s ``max_groups_per_step``.
     """
 
     __slots__ = (
@@ -68,6 +71,7 @@ class Sequence:
         "error",
         "sampling",
         "sampler",
+        "group",
     )
 
     def __init__(
@@ -81,6 +85,7 @@ class Sequence:
         arrival_time: float = 0.0,
         deadline: float | None = None,
         sampling: Sampling | None = None,
+        group: Hashable = None,
     ) -> None:
         self.request_id = request_id
         self.token_ids = prompt_ids  # prompt, then every generated token
@@ -110,6 +115,7 @@ class Sequence:
         # Its own generator, kept for its whole life: a preempted sequence recomputes
         # its tokens, it does not draw them again.
         self.sampler: TokenSampler | None = sampler_for(sampling)
+        self.group = group  # kept through preemption: a recomputed sequence stays in it
 
     @property
     def num_tokens(self) -> int:
@@ -147,7 +153,9 @@ class ScheduledSeq:
     it; ``slot`` and ``block_ids`` are the sequence's row and (paged mode) KV blocks;
     ``sampling`` is the request's [`Sampling`][batchkit.generate.Sampling] (``None``:
     greedy) and ``sampler`` its [`TokenSampler`][batchkit.generate.TokenSampler]
-    (``None`` when greedy), for [`next_tokens`][batchkit.generate.next_tokens].
+    (``None`` when greedy), for [`next_tokens`][batchkit.generate.next_tokens];
+    ``group`` is the request's group (``submit(..., group=...)``; ``None``: the
+    default group), so that a step function can pick the adapter or task per row.
 
     Args:
         seq: The scheduled sequence.
@@ -165,6 +173,7 @@ class ScheduledSeq:
         "seq",
         "sampling",
         "sampler",
+        "group",
     )
 
     def __init__(self, seq: Sequence, start: int, num_tokens: int) -> None:
@@ -178,6 +187,7 @@ class ScheduledSeq:
         self.block_ids: list[int] | None = None if table is None else table.block_ids
         self.sampling = seq.sampling
         self.sampler = seq.sampler
+        self.group = seq.group
 
     @property
     def sample(self) -> bool:

@@ -3,13 +3,42 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from batchkit.percentiles import SAMPLE_WINDOW, Percentiles
 
 if TYPE_CHECKING:
+    from batchkit.generate.sequence import ScheduledSeq, Sequence
     from batchkit.kv.allocator import BlockAllocator
+
+
+@dataclass(frozen=True)
+class GenerationGroupStats:
+    """One group's share of a continuous batcher (``submit(..., group=...)``).
+
+    Attributes:
+        admitted: Its requests that started (ran a first step).
+        steps: Steps that computed at least one of its sequences.
+        tokens_computed: Tokens computed for it (prompts, recomputation and decode).
+        tokens_generated: Tokens sampled for it.
+    """
+
+    admitted: int
+    steps: int
+    tokens_computed: int
+    tokens_generated: int
+
+
+@dataclass(slots=True)
+class _GroupCounts:
+    """The mutable counters behind one `GenerationGroupStats`."""
+
+    admitted: int = 0
+    steps: int = 0
+    tokens_computed: int = 0
+    tokens_generated: int = 0
 
 
 @dataclass(frozen=True)
@@ -46,6 +75,9 @@ class GenerationStats:
         time_to_first_token: Seconds from submit to the first token, over recent
             requests.
         inter_token_latency: Seconds between consecutive tokens, over recent tokens.
+        groups: Group -> its
+            [`GenerationGroupStats`][batchkit.generate.GenerationGroupStats], for every
+            group that started a request (``None``: the default group).
     """
 
     requests: int
@@ -68,6 +100,7 @@ class GenerationStats:
     prefix_hit_rate: float
     time_to_first_token: Percentiles
     inter_token_latency: Percentiles
+    groups: dict[Hashable, GenerationGroupStats]
 
 
 @dataclass
@@ -97,6 +130,43 @@ class GenerationStatsRecorder:
     kv_waste_sum: float = 0.0
     ttft: deque[float] = field(default_factory=lambda: deque(maxlen=SAMPLE_WINDOW))
     itl: deque[float] = field(default_factory=lambda: deque(maxlen=SAMPLE_WINDOW))
+    # One entry per group ever started: groups are few (adapters, tasks), not per user.
+    groups: dict[Hashable, _GroupCounts] = field(default_factory=dict)
+
+    def group(self, group: Hashable) -> _GroupCounts:
+        """The counters of ``group`` (created on first use).
+
+        Args:
+            group: A sequence's group.
+        """
+        counts = self.groups.get(group)
+        if counts is None:
+            counts = self.groups[group] = _GroupCounts()
+        return counts
+
+    def record_group_step(self, scheduled: Iterable[ScheduledSeq]) -> None:
+        """Account one step's tokens computed, and the step itself, to each group in it.
+
+        Args:
+            scheduled: The step's sequences.
+        """
+        tokens: dict[Hashable, int] = {}
+        for s in scheduled:
+            tokens[s.group] = tokens.get(s.group, 0) + s.num_tokens
+        for group, n in tokens.items():
+            counts = self.group(group)
+            counts.steps += 1
+            counts.tokens_computed += n
+
+    def record_group_tokens(self, produced: Iterable[Sequence]) -> None:
+        """Account one step's sampled tokens to their groups.
+
+        Args:
+            produced: The sequences that got a token in the step.
+        """
+        groups = self.groups
+        for seq in produced:
+            groups[seq.group].tokens_generated += 1  # started: its entry exists
 
     def record_step(
         self,
@@ -165,4 +235,10 @@ class GenerationStatsRecorder:
             prefix_hit_rate=prefix_hit_rate,
             time_to_first_token=Percentiles.of(self.ttft),
             inter_token_latency=Percentiles.of(self.itl),
+            groups={
+                group: GenerationGroupStats(
+                    c.admitted, c.steps, c.tokens_computed, c.tokens_generated
+                )
+                for group, c in self.groups.items()
+            },
         )
