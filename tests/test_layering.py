@@ -91,5 +91,5 @@ def test_the_import_graph_sees_type_only_and_submodule_imports() -> None:
     # `from batchkit.serve.request import Request` under TYPE_CHECKING in stats.py
     assert "batchkit.serve.request" in graph["batchkit.serve.stats"]
     # `from batchkit.serve import callers` names the submodule, not the package
-    assert "batchkit.serve.callers" in graph["batchkit.serve.threads"]
-    assert "batchkit.serve" not in graph["batchkit.serve.threads"]
+    assert "batchkit.serve.callers" in graph["batchkit.serve.batched"]
+    assert "batchkit.serve" not in graph["batchkit.serve.batched"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 import inspect
@@ -9,14 +10,15 @@ import pickle
 import sys
 import threading
 import time
+import warnings
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Hashable, Iterable, Iterator, Sequence
 from typing import Any, Generic, Literal, Protocol, TypeVar, overload
 
 from batchkit.batchers.base import Batcher
 from batchkit.batchers.checks import positive_count
 from batchkit.batchers.dynamic import DynamicBatcher
-from batchkit.serve.callers import AsyncCall
+from batchkit.serve import callers
 from batchkit.serve.core import ServingCore
 from batchkit.serve.event_loop import LoopDriver
 from batchkit.serve.events import Listener
@@ -29,52 +31,12 @@ R = TypeVar("R")
 
 
 class Driver(Protocol):
-    """What runs a batched function's batches and waits for its callers: worker threads
+    """What runs a batched function's batches: worker threads
     (`batchkit.serve.threads.ThreadDriver`) or one event loop
-    (`batchkit.serve.event_loop.LoopDriver`), over one serving core."""
+    (`batchkit.serve.event_loop.LoopDriver`), each over the serving core it made.
+    Callers reach the core through `batchkit.serve.callers`, not through the driver."""
 
     core: ServingCore
-
-    def call(self, item: Any, *, priority: int = 0, timeout: float | None = None) -> Any:
-        """`f(x)`: a sync function's result, an async function's awaitable.
-
-        Args:
-            item: The item.
-            priority: Lower values are served first.
-            timeout: Seconds the item may wait before its batch starts; None for no
-                bound.
-        """
-        ...
-
-    def call_many(
-        self, items: Iterable[Any], *, priority: int = 0, timeout: float | None = None
-    ) -> list[Any]:
-        """`f.map(items)`, blocking.
-
-        Args:
-            items: The items.
-            priority: Every item's priority.
-            timeout: Seconds, from this call, within which each item must start;
-                None for no bound.
-        """
-        ...
-
-    acall: AsyncCall
-    """`await f.acall(x, *, priority=0, timeout=None)`: one item from asyncio (the
-    callers' coroutine bound to this driver's core)."""
-
-    async def amap(
-        self, items: Iterable[Any], *, priority: int = 0, timeout: float | None = None
-    ) -> list[Any]:
-        """`await f.amap(items)`.
-
-        Args:
-            items: The items.
-            priority: Every item's priority.
-            timeout: Seconds, from this call, within which each item must start;
-                None for no bound.
-        """
-        ...
 
     def close(self, timeout: float | None = None) -> None:
         """Stop accepting, drain, then fail what is left after `timeout`.
@@ -91,32 +53,6 @@ class Driver(Protocol):
         Args:
             timeout: Seconds to wait before failing what is left with
                 `BatcherClosed`; None waits for everything.
-        """
-        ...
-
-    def stream(
-        self, item: Any, *, priority: int = 0, timeout: float | None = None
-    ) -> Iterator[Any]:
-        """`f.stream(x)`: a streaming function's chunks, from a thread.
-
-        Args:
-            item: The item.
-            priority: Lower values are served first.
-            timeout: Seconds the item may wait before its batch starts; None for no
-                bound.
-        """
-        ...
-
-    def astream(
-        self, item: Any, *, priority: int = 0, timeout: float | None = None
-    ) -> AsyncIterator[Any]:
-        """`f.astream(x)`: its chunks, from asyncio.
-
-        Args:
-            item: The item.
-            priority: Lower values are served first.
-            timeout: Seconds the item may wait before its batch starts; None for no
-                bound.
         """
         ...
 
@@ -167,12 +103,21 @@ class BatchedFunction(Generic[R]):
             weakref.WeakKeyDictionary()
         )
         # Created now (cheap: no thread starts before the first call), so that
-        # `f.acall` is the driver's own `async def acall` (same signature) even when
+        # `f.acall` is the callers' own `async def acall` (same signature) even when
         # a caller keeps the bound method: one coroutine per call instead of two.
-        core = ServingCore(options, self.__qualname__)
-        self._driver: Driver = (LoopDriver if self.is_async else ThreadDriver)(fn, core)
+        if self.is_async:
+            loop_driver = LoopDriver(fn, options, self.__qualname__)
+            self._driver: Driver = loop_driver
+            self._core = loop_driver.core
+            # Its usual callers are admitted without the lock (see callers.bind_acall).
+            self._acall = callers.bind_acall(self._core, loop_driver)
+        else:
+            self._driver = ThreadDriver(fn, options, self.__qualname__)
+            self._core = self._driver.core
+            self._acall = callers.bind_acall(self._core, None)
+        self._warned_on_loop = False
         if not self.streams:
-            self.acall = self._driver.acall  # type: ignore[method-assign,assignment]
+            self.acall = self._acall  # type: ignore[method-assign,assignment]
 
     @property
     def runtime(self) -> Driver:
@@ -242,7 +187,22 @@ class BatchedFunction(Generic[R]):
         """
         if self.streams:
             raise self._streams_error()
-        return self._driver.call(item, priority=priority, timeout=timeout)
+        if self.is_async:
+            return self._acall(item, priority=priority, timeout=timeout)
+        if not self._warned_on_loop and asyncio._get_running_loop() is not None:
+            self._warn_blocking_on_loop()
+        return callers.call(self._core, item, priority, timeout)
+
+    def _warn_blocking_on_loop(self) -> None:
+        self._warned_on_loop = True
+        name = self.__name__
+        warnings.warn(
+            f"{name}(x) blocks this thread, which is running an event loop: nothing else "
+            f"on the loop runs meanwhile, so its calls cannot batch together (batches of "
+            f"one). Use 'await {name}.acall(x)' from asyncio.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
     def _streams_error(self) -> TypeError:
         name = self.__name__
@@ -289,7 +249,7 @@ class BatchedFunction(Generic[R]):
         """
         if self.streams:
             raise self._streams_error()
-        return await self._driver.acall(item, priority=priority, timeout=timeout)
+        return await self._acall(item, priority=priority, timeout=timeout)
 
     # -- streams ----------------------------------------------------------------
     def stream(
@@ -327,7 +287,11 @@ class BatchedFunction(Generic[R]):
         """
         if not self.streams:
             raise self._plain_error("stream")
-        return self._driver.stream(item, priority=priority, timeout=timeout)
+        if self.is_async:
+            raise TypeError(
+                f"{self.__name__} is an async generator function: use '{self.__name__}.astream(x)'"
+            )
+        return callers.ThreadStream(self._core, item, priority, timeout)
 
     def astream(
         self, item: Any, *, priority: int = 0, timeout: float | None = None
@@ -361,7 +325,7 @@ class BatchedFunction(Generic[R]):
         """
         if not self.streams:
             raise self._plain_error("astream")
-        return self._driver.astream(item, priority=priority, timeout=timeout)
+        return callers.LoopStream(self._core, item, priority, timeout)
 
     # -- many items ------------------------------------------------------------
     def map(
@@ -395,7 +359,9 @@ class BatchedFunction(Generic[R]):
         """
         if self.streams:
             raise self._streams_error()
-        return self._driver.call_many(items, priority=priority, timeout=timeout)
+        if self.is_async:
+            raise TypeError(f"{self.__name__} is async: use 'await {self.__name__}.amap(items)'")
+        return callers.call_many(self._core, items, priority, timeout)
 
     async def amap(
         self, items: Iterable[Any], *, priority: int = 0, timeout: float | None = None
@@ -425,7 +391,7 @@ class BatchedFunction(Generic[R]):
         """
         if self.streams:
             raise self._streams_error()
-        return await self._driver.amap(items, priority=priority, timeout=timeout)
+        return await callers.amap(self._core, items, priority, timeout)
 
     # -- introspection and lifetime ---------------------------------------------
     def add_listener(self, listener: Listener) -> None:
@@ -439,7 +405,7 @@ class BatchedFunction(Generic[R]):
                 function's lock: keep them fast and non-blocking. An exception they
                 raise is logged, never passed on.
         """
-        self._driver.core.add_listener(listener)
+        self._core.add_listener(listener)
 
     def remove_listener(self, listener: Listener) -> None:
         """Stop observing.
@@ -449,7 +415,7 @@ class BatchedFunction(Generic[R]):
                 [`add_listener`][batchkit.BatchedFunction.add_listener] (compared by
                 identity; one not added is ignored).
         """
-        self._driver.core.remove_listener(listener)
+        self._core.remove_listener(listener)
 
     def stats(self) -> Stats:
         """A snapshot of the counters and latencies since the function was made.
@@ -458,7 +424,7 @@ class BatchedFunction(Generic[R]):
             A [`Stats`][batchkit.Stats]: requests, batches, batch sizes, waits,
             latencies, dispatch reasons, and the health of the workers.
         """
-        return self._driver.core.stats()
+        return self._core.stats()
 
     def configure(
         self,
@@ -495,7 +461,7 @@ class BatchedFunction(Generic[R]):
             ValueError: A value is not valid, or the policy has no such setting;
                 nothing was changed.
         """
-        return self._driver.core.configure(
+        return self._core.configure(
             max_batch_size=max_batch_size,
             max_wait_ms=max_wait_ms,
             max_concurrent_batches=max_concurrent_batches,
@@ -505,7 +471,7 @@ class BatchedFunction(Generic[R]):
 
     def load(self) -> tuple[int, int]:
         """`(queue depth, batches in flight)` now, cheaply (what a metrics scrape reads)."""
-        return self._driver.core.load()
+        return self._core.load()
 
     def close(self, timeout: float | None = None) -> None:
         """Stop accepting, serve what is queued and running, and wait for it.
@@ -663,6 +629,8 @@ def batched(
     batch_timeout: float | None = None,
     max_latency_ms: float | None = None,
     clock: Clock | None = None,
+    group: Callable[[Any], Hashable] | None = None,
+    max_groups_per_batch: int | None = None,
 ) -> Callable[[Callable[[Any], R]], BatchedFunction[R]]: ...
 
 
@@ -684,6 +652,8 @@ def batched(
     batch_timeout: float | None = None,
     max_latency_ms: float | None = None,
     clock: Clock | None = None,
+    group: Callable[[Any], Hashable] | None = None,
+    max_groups_per_batch: int | None = None,
 ) -> Any:
     """Decorate a batch function (list of items -> sequence of results).
 
@@ -784,6 +754,18 @@ def batched(
         clock: A monotonic clock in seconds, read for max waits, caller timeouts and
             the latencies in [`stats`][batchkit.BatchedFunction.stats]; None (the
             default) is `time.monotonic`. Tests inject a fake one.
+        group: Batch only items of one group together: called once per item at call
+            time (its exception, or an unhashable result, fails only that caller),
+            it returns any hashable (a model, adapter or task name). Every batch then
+            holds items of at most `max_groups_per_batch` groups; the group of the
+            oldest waiting request goes first (priorities still outrank age), and
+            within a group the policy's rules apply as without groups.
+            [`stats`][batchkit.BatchedFunction.stats] reports each group's requests,
+            batches and waits (`groups`). Only without `batcher` (pass it to the
+            policy instead: every policy takes `group`).
+        max_groups_per_batch: The most groups one batch may hold (default 1 with
+            `group`); a batch of one group that leaves short is filled from the
+            next oldest groups. Only with `group`.
 
     Returns:
         With `fn`: the [`BatchedFunction`][batchkit.BatchedFunction] wrapping it.
@@ -794,17 +776,26 @@ def batched(
             or `max_wait_ms` beside a `batcher`, a `max_queue_size` or
             `max_concurrent_batches` below 1, an unknown `when_full`,
             `when_full="block"` without a `max_queue_size`, or a `batch_timeout` or
-            `max_latency_ms` that is not a finite number above 0.
+            `max_latency_ms` that is not a finite number above 0, `group` or
+            `max_groups_per_batch` beside a `batcher`, or a `max_groups_per_batch`
+            that is not a whole number >= 1 or is given without `group`.
         TypeError: `batcher` is not a [`Batcher`][batchkit.Batcher]; `fn`,
-            `collate`, `split` or `on_oom` is not callable; or `oom_errors` holds
+            `collate`, `split`, `group` or `on_oom` is not callable; or `oom_errors` holds
             something that is not an exception type.
     """
     if batcher is not None and (max_batch_size is not None or max_wait_ms is not None):
         raise ValueError("pass max_batch_size/max_wait_ms to the batcher, not to @batched")
+    if batcher is not None and (group is not None or max_groups_per_batch is not None):
+        raise ValueError(
+            "pass group/max_groups_per_batch to the batcher (every policy takes them), "
+            "not to @batched"
+        )
     if batcher is None:
         batcher = DynamicBatcher(
             32 if max_batch_size is None else max_batch_size,
             5.0 if max_wait_ms is None else max_wait_ms,
+            group=group,
+            max_groups_per_batch=max_groups_per_batch,
         )
     elif not isinstance(batcher, Batcher):
         raise TypeError(f"batcher must be a batchkit Batcher, got {type(batcher).__name__}")

@@ -84,43 +84,54 @@ class ServingCore:
         name: The function's qualified name, for errors, events and thread names.
     """
 
-    def __init__(self, options: Options, name: str) -> None:
+    def __init__(
+        self,
+        options: Options,
+        name: str,
+        *,
+        wake: Callable[[], None],
+        settings_changed: Callable[[], None] = _nothing,
+        forked: Callable[[], None] = _nothing,
+        check_loop: LoopCheck | None = None,
+    ) -> None:
         self.options = options
         self.name = name
         self.clock = options.clock
-        self.sched = Scheduler(
-            options.policy,
-            max_queue_size=options.max_queue_size,
-            max_concurrent_batches=options.max_concurrent_batches,
-            max_latency_s=options.max_latency_s,
-        )
         # Re-entrant: listeners run under it and may call f.stats() or remove themselves.
         self.lock = threading.RLock()
-        self.closed = False
-        self.listeners: list[Listener] = []
-        self.keyless = options.policy.key is None  # one bucket, no key to compute
-        self.bulk_arrivals = self._takes_bulk_arrivals()  # (read at every admission)
-        # Set by the driver. wake(): under the lock, something changed: make sure a
-        # batch leaves if one is ready. check_loop(loop): under the lock, before an
-        # enqueue, refuse (raise) a caller's loop the driver cannot serve.
-        self.wake: Callable[[], None] = _nothing
-        self.check_loop: LoopCheck | None = None
-        # settings_changed(): under the lock, after configure() changed something.
-        self.settings_changed: Callable[[], None] = _nothing
-        # forked(): under the lock, in a child process just forked (see _before_fork).
-        self.forked: Callable[[], None] = _nothing
-        # Kept by the driver: worker threads stuck in a timed-out call, and whether
-        # they are still replaced (see ThreadDriver).
-        self.abandoned_workers = 0
-        self.healthy = True
         self.admission: BlockingAdmission | None = None  # when_full="block"
         if options.when_full == "block":
             self.admission = BlockingAdmission(
                 self.lock, self._admit_if_room_locked, self._gave_up_waiting_locked, self.clock
             )
-            self.sched.on_room = self._room_freed_locked
-        self.sched.on_shed = self._shed_locked
-        self.sched.on_select_failed = deliver  # (their error set: the policy's)
+        self.sched = Scheduler(
+            options.policy,
+            max_queue_size=options.max_queue_size,
+            max_concurrent_batches=options.max_concurrent_batches,
+            max_latency_s=options.max_latency_s,
+            on_room=None if self.admission is None else self._room_freed_locked,
+            on_shed=self._shed_locked,
+            on_select_failed=deliver,  # (their error set: the policy's)
+        )
+        self.closed = False
+        self.listeners: list[Listener] = []
+        self.group = options.policy.group  # the policy's group, if any
+        # One bucket, no key or group to compute.
+        self.keyless = options.policy.key is None and self.group is None
+        self.bulk_arrivals = self._takes_bulk_arrivals()  # (read at every admission)
+        # The driver's hooks, all called under the lock. wake(): something changed:
+        # make sure a batch leaves if one is ready. check_loop(loop): before an
+        # enqueue, refuse (raise) a caller's loop the driver cannot serve.
+        # settings_changed(): configure() changed something. forked(): in a child
+        # process just forked (see _before_fork).
+        self.wake = wake
+        self.check_loop = check_loop
+        self.settings_changed = settings_changed
+        self.forked = forked
+        # Kept by the driver: worker threads stuck in a timed-out call, and whether
+        # they are still replaced (see ThreadDriver).
+        self.abandoned_workers = 0
+        self.healthy = True
         _cores.add(self)
 
     # -- admission -----------------------------------------------------------
@@ -140,7 +151,8 @@ class ServingCore:
         *,
         channel: Channel | None = None,
     ) -> Request:
-        """A request for `item`; the policy's key runs here, so its errors reach this caller.
+        """A request for `item`; the policy's key and group run here, so their errors
+        reach this caller.
 
         Args:
             item: The caller's item.
@@ -157,7 +169,11 @@ class ServingCore:
             return new_request(item, 0.0, None, priority, loop, channel)
         policy = self.options.policy
         key = policy.key_of(item)
-        return new_request(item, key, policy.bucket_of(key), priority, loop, channel)
+        if self.group is None:
+            return new_request(item, key, policy.bucket_of(key), priority, loop, channel)
+        group = policy.group_of(item)
+        bucket = (group, policy.bucket_of(key))
+        return new_request(item, key, bucket, priority, loop, channel, 0.0, group)
 
     def submit(self, req: Request) -> None:
         """Enqueue a request.

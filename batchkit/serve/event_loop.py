@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from batchkit.errors import BatcherClosed, BatchTimeout
 from batchkit.loops import on_loop_thread, schedule_on_loop
-from batchkit.serve import callers
-from batchkit.serve.callers import AsyncCall
 from batchkit.serve.core import ServingCore
 from batchkit.serve.execute import BatchRun, Outcome, run_steps
+from batchkit.serve.options import Options
 from batchkit.serve.request import deliver
 from batchkit.serve.scheduler import FormedBatch
 from batchkit.serve.streaming import run_stream_async
@@ -79,12 +78,20 @@ class LoopDriver:
 
     Args:
         fn: The async batch function (or async generator function).
-        core: The function's serving core; the driver installs its callbacks there.
+        options: The function's validated options.
+        name: The function's qualified name, for errors and events.
     """
 
-    def __init__(self, fn: Callable[[Any], Awaitable[Any]], core: ServingCore) -> None:
+    def __init__(self, fn: Callable[[Any], Awaitable[Any]], options: Options, name: str) -> None:
         self.fn = fn
-        self.core = core
+        self.core = ServingCore(
+            options,
+            name,
+            wake=self.wake,
+            check_loop=self._check_loop_locked,
+            settings_changed=self._settings_changed_locked,
+            forked=self._forked_locked,
+        )
         self.loop: asyncio.AbstractEventLoop | None = None  # the loop it serves
         # While set, the scheduler is changed only by the thread running this loop, so
         # its default-lane callers are admitted without the lock (the lane of callers.acall).
@@ -95,13 +102,6 @@ class LoopDriver:
         self._timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._drained: asyncio.Event | None = None
-        core.wake = self.wake
-        core.check_loop = self._check_loop_locked
-        core.settings_changed = self._settings_changed_locked
-        core.forked = self._forked_locked
-        # One item from asyncio: the callers' coroutine, taking the lock-free lane when
-        # it can (the checked path binds the loop under the lock: see check_loop).
-        self.acall: AsyncCall = callers.bind_acall(core, self)
 
     # -- which loop ------------------------------------------------------------
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -336,80 +336,6 @@ class LoopDriver:
             with core.lock:
                 core.sched.stats.batch_timeouts += 1
         return outcome
-
-    # -- callers -------------------------------------------------------------------
-    def call(self, item: Any, *, priority: int = 0, timeout: float | None = None) -> Any:
-        """`f(x)` of an async function: the awaitable of `acall`.
-
-        Args:
-            item: The item.
-            priority: Lower values are served first.
-            timeout: Seconds the item may wait before its batch starts; None for no
-                bound.
-        """
-        return self.acall(item, priority=priority, timeout=timeout)
-
-    def call_many(
-        self, items: Iterable[Any], *, priority: int = 0, timeout: float | None = None
-    ) -> list[Any]:
-        """Refused: an async function's many items are awaited.
-
-        Args:
-            items: The items.
-            priority: Every item's priority.
-            timeout: Seconds, from this call, within which each item must start;
-                None for no bound.
-
-        Raises:
-            TypeError: Always (use `amap`).
-        """
-        name = self.core.name
-        raise TypeError(f"{name} is async: use 'await {name}.amap(items)'")
-
-    def stream(
-        self, item: Any, *, priority: int = 0, timeout: float | None = None
-    ) -> callers.ThreadStream:
-        """Refused: an async generator's chunks are read from asyncio.
-
-        Args:
-            item: The item.
-            priority: Lower values are served first.
-            timeout: Seconds the item may wait before its batch starts; None for no
-                bound.
-
-        Raises:
-            TypeError: Always (use `astream`).
-        """
-        name = self.core.name
-        raise TypeError(f"{name} is an async generator function: use '{name}.astream(x)'")
-
-    def astream(
-        self, item: Any, *, priority: int = 0, timeout: float | None = None
-    ) -> callers.LoopStream:
-        """One item's stream, read from asyncio on this driver's loop.
-
-        Args:
-            item: The item.
-            priority: Lower values are served first.
-            timeout: Seconds the item may wait before its batch starts; None for no
-                bound.
-        """
-        self.bind(asyncio.get_running_loop())
-        return callers.LoopStream(self.core, item, priority, timeout)
-
-    async def amap(
-        self, items: Iterable[Any], *, priority: int = 0, timeout: float | None = None
-    ) -> list[Any]:
-        """Many items from asyncio.
-
-        Args:
-            items: The items.
-            priority: Every item's priority.
-            timeout: Seconds, from this call, within which each item must start;
-                None for no bound.
-        """
-        self.bind(asyncio.get_running_loop())
-        return await callers.amap(self.core, items, priority, timeout)
 
     # -- shutdown ------------------------------------------------------------------
     async def aclose(self, timeout: float | None = None) -> None:

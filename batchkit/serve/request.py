@@ -49,6 +49,7 @@ class Request:
         "loop",
         "channel",
         "deadline",
+        "group",
         "_done",
     )
 
@@ -67,6 +68,7 @@ class Request:
     loop: asyncio.AbstractEventLoop | None  # an asyncio caller's running loop
     channel: Channel | None  # where a streaming caller reads its chunks
     deadline: float  # admission time + target; set only under a latency target
+    group: Hashable  # the policy's group of the item (None without `group`)
     _done: threading.Lock | None  # a thread caller's wait
 
     def wait(self, timeout: float | None) -> bool:
@@ -111,6 +113,7 @@ def new_request(
     loop: asyncio.AbstractEventLoop | None = None,
     channel: Channel | None = None,
     enqueued_at: float = 0.0,
+    group: Hashable = None,
 ) -> Request:
     """A waiting request: the one way a `Request` is made.
 
@@ -127,6 +130,8 @@ def new_request(
             for a thread caller.
         channel: Where a streaming caller reads its chunks; None for a plain call.
         enqueued_at: When it was admitted, on the core's clock (admission sets it).
+        group: The policy's group of the item (None without `group`); a grouped
+            request's `bucket` is `(group, bucket_of(key))`.
     """
     req: Request = _new_object(Request)
     req.item = item
@@ -135,6 +140,7 @@ def new_request(
     req.priority = priority
     req.seq = 0
     req.enqueued_at = enqueued_at
+    req.group = group
     req.state = WAITING
     req.value = None
     req.error = None

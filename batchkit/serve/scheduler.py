@@ -72,6 +72,13 @@ class Scheduler:
             requests that can no longer be in time (they go to `on_shed`), sends a
             batch off early rather than let its oldest member be late, and forms no
             batch so large that its most urgent member would be late.
+        on_room: Called (under the caller's lock) whenever requests leave the
+            queue: who waits for room (`when_full="block"`) may be let in.
+        on_shed: Called with the waiting requests dropped as too late to answer
+            in time, their error (`Overloaded`) set: the serving core answers them.
+        on_select_failed: Called with the requests a failing `policy.select()`
+            was choosing among, their error set (what it raised); without it, the
+            error is raised from `poll()`.
     """
 
     def __init__(
@@ -81,6 +88,9 @@ class Scheduler:
         max_queue_size: int | None = None,
         max_concurrent_batches: int = 1,
         max_latency_s: float | None = None,
+        on_room: Callable[[], None] | None = None,
+        on_shed: Callable[[list[Request]], None] | None = None,
+        on_select_failed: Callable[[list[Request]], None] | None = None,
     ) -> None:
         self.policy = policy
         self.target = None if max_latency_s is None else LatencyTarget(max_latency_s, policy)
@@ -99,20 +109,19 @@ class Scheduler:
         self.lock_free_thread: int | None = None
         self._placed = 0  # waiting requests already in a bucket
         self.in_flight = 0
+        # With a policy `group`: a bucket is (group, the policy's bucket), and a batch
+        # takes from at most this many of them.
+        self.grouped = policy.group is not None
+        self.groups_per_batch: int = policy.max_groups_per_batch or 1
         self._closing = WhenClosing()
         self._rules = rules_for(policy, self._closing, self.target)
         self.running: dict[int, FormedBatch] = {}
         # Learned after out-of-memory: a bucket's effective maximum batch size, raised
         # again by a quarter after PROBE_AFTER successful batches at the cap.
         self.caps: dict[Hashable, int] = {}
-        self.on_room: Callable[[], None] | None = None  # called when requests leave the queue
-        # Called with the waiting requests dropped as too late to answer in time, their
-        # error (Overloaded) set: the serving core answers them.
-        self.on_shed: Callable[[list[Request]], None] | None = None
-        # Called with the requests a failing policy.select() was choosing among, their
-        # error set (what it raised): the serving core answers them. Without it the
-        # error is raised from poll().
-        self.on_select_failed: Callable[[list[Request]], None] | None = None
+        self.on_room = on_room
+        self.on_shed = on_shed
+        self.on_select_failed = on_select_failed
         self._cap_successes: dict[Hashable, int] = {}
         # Under a latency target: a batch ran past its predicted end, so the schedule
         # the waiting requests were admitted on slipped; and when a batch still
@@ -221,6 +230,8 @@ class Scheduler:
 
     def _enqueue(self, req: Request, probe: bool = False) -> None:
         self.stats.requests = req.seq = self.stats.requests + 1  # seq: arrival order
+        if self.grouped:
+            self.stats.record_group_request(req.group)
         self._place(req)
         self._placed += 1
         if self.target is not None:
@@ -514,12 +525,14 @@ class Scheduler:
             self._shed_overdue_front(name, bucket, now)
         queue = bucket.clean_queue()
         candidates = bucket.candidates(self.policy.candidate_limit)
+        if self.groups_per_batch > 1:
+            candidates += self._other_groups_candidates(name, len(candidates))
         try:
             chosen = self._select(candidates)
         except Exception as exc:
             if self.on_select_failed is None:
                 raise
-            self._fail_selection(bucket, candidates, exc)
+            self._fail_selection(candidates, exc)
             return None, now
         if self.caps and name in self.caps:
             cap = self.caps[name]
@@ -532,8 +545,12 @@ class Scheduler:
             req.state = RUNNING
         # The usual batch, the front of the one clean deque, leaves it at once. (Checked
         # against the deque itself: a policy's select() may reorder or skip.)
-        front = queue is not None and _is_prefix(chosen, queue)
-        bucket.taken(len(chosen), front=front)
+        if self.groups_per_batch > 1 and any(req.bucket != name for req in chosen):
+            for other, count in _count_by_bucket(chosen).items():
+                self.buckets[other].taken(count)
+        else:
+            front = queue is not None and _is_prefix(chosen, queue)
+            bucket.taken(len(chosen), front=front)
         self.in_flight += 1
         self._left_waiting(chosen)
         padded = self.policy.padded_size(len(chosen))
@@ -553,12 +570,33 @@ class Scheduler:
             )
         return chosen
 
-    def _fail_selection(
-        self, bucket: Bucket, candidates: list[Request], error: Exception
-    ) -> None:
+    def _other_groups_candidates(self, name: Hashable, have: int) -> list[Request]:
+        """Under `max_groups_per_batch` > 1: the waiting requests of the next oldest
+        other groups of the same policy bucket (at most `max_groups_per_batch - 1` of
+        them, oldest head first), to fill a batch that one group leaves short."""
+        limit = self.policy.candidate_limit
+        if limit is not None and have >= limit:
+            return []
+        heads = []
+        for other_name, other in self.buckets.items():
+            if other_name != name and other.live and other_name[1] == name[1]:  # type: ignore[index]
+                head = other.head()
+                assert head is not None
+                heads.append((head.priority, head.seq, other_name))
+        heads.sort(key=lambda h: (h[0], h[1]))
+        more: list[Request] = []
+        for _, _, other_name in heads[: self.groups_per_batch - 1]:
+            left = None if limit is None else limit - have - len(more)
+            more += self.buckets[other_name].candidates(left)
+            if left is not None and len(more) >= limit - have:  # type: ignore[operator]
+                break
+        return more
+
+    def _fail_selection(self, candidates: list[Request], error: Exception) -> None:
         """A policy bug must not stall every caller: answer the requests its `select`
         was choosing among with what it raised; the others go on waiting."""
-        bucket.drop_waiting(candidates)
+        for name, reqs in _by_bucket(candidates).items():
+            self.buckets[name].drop_waiting(reqs)
         for req in candidates:
             req.error = error
         self.stats.failed += len(candidates)
@@ -595,3 +633,19 @@ def _is_prefix(chosen: list[Request], queue: deque[Request]) -> bool:
     """Whether `chosen` is exactly the first `len(chosen)` requests of `queue`, in
     order. (A `Request` defines no `__eq__`: the lists compare by identity.)"""
     return len(chosen) <= len(queue) and chosen == list(itertools.islice(queue, len(chosen)))
+
+
+def _by_bucket(reqs: list[Request]) -> dict[Hashable, list[Request]]:
+    """`reqs` by bucket name, in their order."""
+    out: dict[Hashable, list[Request]] = {}
+    for req in reqs:
+        out.setdefault(req.bucket, []).append(req)
+    return out
+
+
+def _count_by_bucket(reqs: list[Request]) -> dict[Hashable, int]:
+    """How many of `reqs` each bucket holds."""
+    counts: dict[Hashable, int] = {}
+    for req in reqs:
+        counts[req.bucket] = counts.get(req.bucket, 0) + 1
+    return counts

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -13,6 +14,30 @@ from batchkit.serve.latency import LearnedLatency
 if TYPE_CHECKING:
     from batchkit.serve.request import Request
 
+__all__ = ["DispatchReason", "GroupStats", "Stats", "StatsRecorder"]
+
+
+@dataclass(frozen=True)
+class GroupStats:
+    """One group's share of a grouped function's traffic (`Stats.groups`).
+
+    Attributes:
+        requests: Requests of the group admitted to the queue.
+        batches: Batches that held at least one of its requests.
+        queue_wait: Seconds from one of its requests' admission until its batch
+            left the queue (percentiles of the most recent samples).
+    """
+
+    requests: int
+    batches: int
+    queue_wait: Percentiles
+
+
+@dataclass
+class _GroupCounts:
+    requests: int = 0
+    batches: int = 0
+    queue_wait: deque[float] = field(default_factory=lambda: deque(maxlen=SAMPLE_WINDOW))
 
 
 @dataclass(frozen=True)
@@ -68,6 +93,9 @@ class Stats:
             (not counted in `requests`).
         shed: Admitted requests dropped with `Overloaded` before they ran: they
             could no longer be answered within `max_latency_ms`.
+        groups: With `group` (see `@batched`), per group: its requests,
+            batches and queue waits ([`GroupStats`][batchkit.serve.stats.GroupStats]);
+            empty without `group`.
         latency_model: Under `max_latency_ms`, the learned batch-time model; None
             without a target, or until enough batches have run.
     """
@@ -98,6 +126,7 @@ class Stats:
     overloaded: int = 0
     shed: int = 0
     latency_model: LearnedLatency | None = None
+    groups: dict[Hashable, GroupStats] = field(default_factory=dict)
 
     @property
     def mean_batch_size(self) -> float:
@@ -135,6 +164,18 @@ class StatsRecorder:
     batch_timeouts: int = 0
     overloaded: int = 0
     shed: int = 0
+    groups: dict[Hashable, _GroupCounts] = field(default_factory=dict)
+
+    def record_group_request(self, group: Hashable) -> None:
+        """A request of `group` was admitted (grouped functions only).
+
+        Args:
+            group: Its group.
+        """
+        counts = self.groups.get(group)
+        if counts is None:
+            counts = self.groups[group] = _GroupCounts()
+        counts.requests += 1
 
     def record_batch(
         self, requests: list[Request], reason: DispatchReason, padded: int, now: float
@@ -155,6 +196,17 @@ class StatsRecorder:
         self.reasons[reason] = self.reasons.get(reason, 0) + 1
         # (A comprehension's specialised slot reads beat map() with attrgetter here.)
         self.queue_wait.extend([now - req.enqueued_at for req in requests])
+        if self.groups:
+            self._record_groups(requests, now)
+
+    def _record_groups(self, requests: list[Request], now: float) -> None:
+        seen: set[Hashable] = set()
+        for req in requests:
+            counts = self.groups[req.group]
+            counts.queue_wait.append(now - req.enqueued_at)
+            if req.group not in seen:
+                seen.add(req.group)
+                counts.batches += 1
 
     def snapshot(
         self,
@@ -205,4 +257,8 @@ class StatsRecorder:
             overloaded=self.overloaded,
             shed=self.shed,
             latency_model=latency_model,
+            groups={
+                g: GroupStats(c.requests, c.batches, Percentiles.of(c.queue_wait))
+                for g, c in self.groups.items()
+            },
         )

@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 from batchkit.errors import BatcherClosed
-from batchkit.serve import callers
-from batchkit.serve.callers import AsyncCall
 from batchkit.serve.core import ServingCore
 from batchkit.serve.execute import BatchRun, Outcome, contained, run_steps, start_run
+from batchkit.serve.options import Options
 from batchkit.serve.request import deliver
 from batchkit.serve.scheduler import FormedBatch
 from batchkit.serve.streaming import run_stream_sync
@@ -68,26 +66,26 @@ class ThreadDriver:
 
     Args:
         fn: The sync batch function (or generator function).
-        core: The function's serving core; the driver installs its callbacks there.
+        options: The function's validated options.
+        name: The function's qualified name, for errors and thread names.
     """
 
-    def __init__(self, fn: Callable[[Any], Any], core: ServingCore) -> None:
+    def __init__(self, fn: Callable[[Any], Any], options: Options, name: str) -> None:
         self.fn = fn
-        self.core = core
+        self.core = core = ServingCore(
+            options,
+            name,
+            wake=self._wake_locked,
+            settings_changed=self._settings_changed_locked,
+            forked=self._forked_locked,
+        )
         self.cond = threading.Condition(core.lock)
         self.workers: list[Worker] = []  # live workers (not stuck in a timed-out call)
         self.idle_workers = 0
-        self._warned_on_loop = False
         self.watchdog: Watchdog | None = None
-        timeout = core.options.batch_timeout
-        if timeout is not None and not core.options.streaming:
-            self.watchdog = Watchdog(core.lock, core.clock, timeout, self._expired, core.name)
-        core.wake = self._wake_locked
-        core.settings_changed = self._settings_changed_locked
-        core.forked = self._forked_locked
-        # One item from asyncio (the function runs on a worker thread, never on the
-        # loop): the callers' coroutine itself, so that a call is one coroutine.
-        self.acall: AsyncCall = callers.bind_acall(core, None)
+        timeout = options.batch_timeout
+        if timeout is not None and not options.streaming:
+            self.watchdog = Watchdog(core.lock, core.clock, timeout, self._expired, name)
 
     def _wake_locked(self) -> None:
         if not self.workers:
@@ -241,85 +239,6 @@ class ThreadDriver:
         finally:
             with self.cond:
                 watchdog.call_ended_locked(worker)
-
-    # -- callers -----------------------------------------------------------
-    def call(self, item: Any, *, priority: int = 0, timeout: float | None = None) -> Any:
-        """One item from a thread: block until its result (or error).
-
-        Warns (`RuntimeWarning`, once) when this thread runs an event loop.
-
-        Args:
-            item: The item.
-            priority: Lower values are served first.
-            timeout: Seconds the item may wait before its batch starts; None for no
-                bound.
-        """
-        if not self._warned_on_loop and asyncio._get_running_loop() is not None:
-            self._warn_blocking_on_loop()
-        return callers.call(self.core, item, priority, timeout)
-
-    def _warn_blocking_on_loop(self) -> None:
-        self._warned_on_loop = True
-        name = self.core.name
-        warnings.warn(
-            f"{name}(x) blocks this thread, which is running an event loop: nothing else "
-            f"on the loop runs meanwhile, so its calls cannot batch together (batches of "
-            f"one). Use 'await {name}.acall(x)' from asyncio.",
-            RuntimeWarning,
-            stacklevel=4,
-        )
-
-    def call_many(
-        self, items: Iterable[Any], *, priority: int = 0, timeout: float | None = None
-    ) -> list[Any]:
-        """Many items from a thread (see `batchkit.serve.callers.call_many`).
-
-        Args:
-            items: The items.
-            priority: Every item's priority.
-            timeout: Seconds, from this call, within which each item must start;
-                None for no bound.
-        """
-        return callers.call_many(self.core, items, priority, timeout)
-
-    def stream(
-        self, item: Any, *, priority: int = 0, timeout: float | None = None
-    ) -> callers.ThreadStream:
-        """One item's stream, read from a thread.
-
-        Args:
-            item: The item.
-            priority: Lower values are served first.
-            timeout: Seconds the item may wait before its batch starts; None for no
-                bound.
-        """
-        return callers.ThreadStream(self.core, item, priority, timeout)
-
-    def astream(
-        self, item: Any, *, priority: int = 0, timeout: float | None = None
-    ) -> callers.LoopStream:
-        """One item's stream, read from asyncio (the generator runs on a worker thread).
-
-        Args:
-            item: The item.
-            priority: Lower values are served first.
-            timeout: Seconds the item may wait before its batch starts; None for no
-                bound.
-        """
-        return callers.LoopStream(self.core, item, priority, timeout)
-
-    async def amap(
-        self, items: Iterable[Any], *, priority: int = 0, timeout: float | None = None
-    ) -> list[Any]:
-        """Many items from asyncio.
-
-        Args:
-            items: The items.
-            priority: Every item's priority.
-            timeout: Seconds, from this call, within which each item must start;
-                None for no bound.
-        """
-        return await callers.amap(self.core, items, priority, timeout)
 
     # -- shutdown ------------------------------------------------------------
     def close(self, timeout: float | None = None) -> None:
