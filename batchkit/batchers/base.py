@@ -12,7 +12,6 @@ each batch within `max_groups_per_batch` groups (`batchkit.batchers.groups`).
 from __future__ import annotations
 
 import itertools
-import math
 import numbers
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from typing import Any, Generic, Protocol, TypeVar
@@ -20,7 +19,7 @@ from typing import Any, Generic, Protocol, TypeVar
 import numpy as np
 
 # Re-exported: @batched and the simulator import it from here.
-from batchkit.batchers.checks import positive_count
+from batchkit.batchers.checks import positive_count, wait_ms
 from batchkit.batchers.cost import PADDED, BatchCost, CostLike, as_batch_cost
 from batchkit.batchers.groups import GroupFn, check_group_options, checked_group, pools
 from batchkit.batchers.sampler import BatchSampler, check_non_negative_int, check_rank
@@ -180,8 +179,7 @@ class Batcher:
         max_batch_size = positive_count("max_batch_size", max_batch_size)
         max_tokens = positive_count("max_tokens", max_tokens, allow_none=True)
         max_groups_per_batch = check_group_options(group, max_groups_per_batch)
-        if max_wait_ms is not None and not (max_wait_ms >= 0 and math.isfinite(max_wait_ms)):
-            raise ValueError(f"max_wait_ms must be a finite number >= 0, got {max_wait_ms!r}")
+        max_wait_ms = wait_ms("max_wait_ms", max_wait_ms, allow_none=True)
         if key is not None and not callable(key):
             raise TypeError(f"key must be callable, got {type(key).__name__}")
         self.max_batch_size = max_batch_size

@@ -66,3 +66,34 @@ def positive_count(name: str, value: object, *, allow_none: bool = False) -> int
             f"got {given!r}"
         )
     return value
+
+
+@overload
+def wait_ms(name: str, value: object, *, allow_none: Literal[False] = False) -> float: ...
+@overload
+def wait_ms(name: str, value: object, *, allow_none: bool) -> float | None: ...
+def wait_ms(name: str, value: object, *, allow_none: bool = False) -> float | None:
+    """`value` as a wait in milliseconds: a finite real number >= 0.
+
+    The one check of a wait, for a policy's `max_wait_ms` and for a live
+    `configure(max_wait_ms=...)` alike: a bool is refused (`True` is not "1 ms").
+
+    Args:
+        name: the argument's name, for the message.
+        value: the value to check.
+        allow_none: None passes too (and is returned).
+
+    Returns:
+        The wait as a float (None when `value` is None and that is allowed).
+
+    Raises:
+        ValueError: `value` is not a finite number >= 0 (the message names it).
+    """
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    wait = float(value)
+    if not (wait >= 0 and math.isfinite(wait)):
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    return wait

@@ -15,8 +15,8 @@ from batchkit.serve.batched import BatchedFunction, batched
 from batchkit.serve.channels import END
 from batchkit.serve.events import BatchEvent, DropEvent, Listener
 from batchkit.serve.latency import LearnedLatency
+from batchkit.serve.options import Settings
 from batchkit.serve.scheduler import Scheduler
-from batchkit.serve.settings import Settings
 from batchkit.serve.stats import DispatchReason, Stats
 
 __all__ = [

@@ -16,14 +16,19 @@ from collections.abc import AsyncIterator, Callable, Hashable, Iterable, Iterato
 from typing import Any, Generic, Literal, Protocol, TypeVar, overload
 
 from batchkit.batchers.base import Batcher
-from batchkit.batchers.checks import positive_count
 from batchkit.batchers.dynamic import DynamicBatcher
 from batchkit.serve import callers
 from batchkit.serve.core import ServingCore
 from batchkit.serve.event_loop import LoopDriver
 from batchkit.serve.events import Listener
-from batchkit.serve.options import Clock, OomRecovery, Options, empty_cuda_cache
-from batchkit.serve.settings import Settings, check_latency_target, is_positive_finite
+from batchkit.serve.options import (
+    Clock,
+    OnOom,
+    Options,
+    Settings,
+    check_serving_options,
+    oom_recovery,
+)
 from batchkit.serve.stats import Stats
 from batchkit.serve.threads import ThreadDriver
 
@@ -547,67 +552,6 @@ class BatchedFunction(Generic[R]):
         return qualname
 
 
-OnOom = Callable[[], None]
-
-
-def _oom_recovery(
-    oom_errors: type[BaseException] | tuple[type[BaseException], ...] | None,
-    on_oom: OnOom | Literal[False] | None,
-) -> OomRecovery:
-    """The out-of-memory handling `@batched`'s two options ask for.
-
-    Args:
-        oom_errors: None (the default) for the built-in out-of-memory types; extra
-            types (a tuple, or one type) are added to them; `()` turns splitting
-            off.
-        on_oom: None for the default hook (`empty_cuda_cache`); False for none; else
-            the callable to run.
-
-    Raises:
-        TypeError: `on_oom` is not callable, None or False, or `oom_errors` holds
-            something that is not an exception type.
-    """
-    if on_oom is not None and on_oom is not False and not callable(on_oom):
-        raise TypeError(f"on_oom must be callable, None or False, got {type(on_oom).__name__}")
-    hook = empty_cuda_cache if on_oom is None else (on_oom or None)
-    if oom_errors is None:
-        return OomRecovery(on_oom=hook)
-    if isinstance(oom_errors, type):
-        oom_errors = (oom_errors,)
-    for t in oom_errors:
-        if not (isinstance(t, type) and issubclass(t, BaseException)):
-            raise TypeError(f"oom_errors must hold exception types, got {t!r}")
-    return OomRecovery(enabled=len(oom_errors) > 0, extra_types=tuple(oom_errors), on_oom=hook)
-
-
-def _check_serving_options(
-    max_queue_size: int | None,
-    max_concurrent_batches: int,
-    when_full: str,
-    batch_timeout: float | None,
-    max_latency_ms: float | None = None,
-) -> None:
-    """Raise ValueError naming the first option of `@batched` that is not valid.
-
-    Args:
-        max_queue_size: A positive int, or None.
-        max_concurrent_batches: A positive int.
-        when_full: `"reject"` or `"block"` (which needs a `max_queue_size`).
-        batch_timeout: A finite number of seconds above 0, or None.
-        max_latency_ms: A finite number of milliseconds above 0, or None.
-    """
-    # (Checked here to name the option first; `Options` stores them as ints.)
-    positive_count("max_queue_size", max_queue_size, allow_none=True)
-    positive_count("max_concurrent_batches", max_concurrent_batches)
-    if when_full not in ("reject", "block"):
-        raise ValueError(f'when_full must be "reject" or "block", got {when_full!r}')
-    if when_full == "block" and max_queue_size is None:
-        raise ValueError('when_full="block" needs a max_queue_size')
-    if batch_timeout is not None and not is_positive_finite(batch_timeout):
-        raise ValueError(f"batch_timeout must be a number of seconds > 0, got {batch_timeout!r}")
-    check_latency_target(max_latency_ms)
-
-
 # The overloads state the defaults a caller gets (the API reference shows them); the
 # implementation takes None for "not given", to refuse a size or wait beside a batcher.
 @overload
@@ -799,7 +743,7 @@ def batched(
         )
     elif not isinstance(batcher, Batcher):
         raise TypeError(f"batcher must be a batchkit Batcher, got {type(batcher).__name__}")
-    _check_serving_options(
+    check_serving_options(
         max_queue_size, max_concurrent_batches, when_full, batch_timeout, max_latency_ms
     )
     for name, cb in (("collate", collate), ("split", split)):
@@ -812,7 +756,7 @@ def batched(
         max_queue_size=max_queue_size,
         max_concurrent_batches=max_concurrent_batches,
         clock=clock or time.monotonic,
-        oom=_oom_recovery(oom_errors, on_oom),
+        oom=oom_recovery(oom_errors, on_oom),
         batch_timeout=None if batch_timeout is None else float(batch_timeout),
         max_latency_s=None if max_latency_ms is None else max_latency_ms / 1e3,
         isolate_errors=bool(isolate_errors),

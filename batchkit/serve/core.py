@@ -25,10 +25,9 @@ from batchkit.serve.admission import BlockingAdmission
 from batchkit.serve.channels import Channel
 from batchkit.serve.events import BatchEvent, DropEvent, DropReason, Listener, notify
 from batchkit.serve.execute import BatchRun, start_run
-from batchkit.serve.options import Options
+from batchkit.serve.options import Options, Settings, check_settings, read_settings, reconfigured
 from batchkit.serve.request import DONE, RUNNING, Request, deliver, new_request, resolve_on_loop
 from batchkit.serve.scheduler import FormedBatch, Scheduler
-from batchkit.serve.settings import Settings, check_settings, read_settings, reconfigured
 from batchkit.serve.stats import Stats
 
 LoopCheck = Callable[["asyncio.AbstractEventLoop | None"], None]

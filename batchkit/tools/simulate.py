@@ -9,6 +9,11 @@ a token budget cuts the batches as online, by the policy's `cost`; with
 `max_latency_ms` the scheduler refuses and sheds what would be late, as online, and
 the result counts them and the goodput.
 
+With `groups` (each request's group: drawn from a count or weights, or a trace's
+group column) the policy gets `group=` and `max_groups_per_batch=`, grouped requests
+go through the scheduler as `@batched(group=...)` sends them, a batch of `g` groups
+runs `switch_ms * (g - 1)` longer, and the result holds each group's latency.
+
 Each of the `max_concurrent_batches` slots is assumed to run its batch as if
 alone (replicas, or streams that do not slow each other down).
 """
@@ -41,55 +46,81 @@ from batchkit.batchers.sorted import SortedBatcher
 from batchkit.batchers.static import StaticBatcher
 from batchkit.errors import QueueFull
 from batchkit.serve.latency import LearnedLatency
+from batchkit.serve.options import check_has_wait
 from batchkit.serve.request import DONE, new_request
 from batchkit.serve.scheduler import FormedBatch, Scheduler
-from batchkit.serve.settings import check_has_wait
 
 
 class LatencyModel:
-    """Seconds a batch takes: `a + b * size + c * cost`, or a profile's curve `+ c * cost`.
+    """Seconds a batch takes: `a + b * size + c * cost + s * (groups - 1)`, or a
+    profile's curve in place of `a + b * size`.
 
     `size` is the padded batch size (what the function is called with); `cost` is the
     policy's cost of the batch's keys ([`BatchCost`][batchkit.batchers.cost.BatchCost]:
     batch size x longest key for `"padded"`, the default; the keys' total for
     `"sum"`), and 0 when the simulation has no keys. So `c` prices tokens, as
     [`LearnedLatency.per_cost_ms`][batchkit.serve.LearnedLatency] does online.
+    `groups` is how many distinct groups the batch holds (1 without groups): `s`,
+    `switch_ms`, prices each group past the first (loading another adapter, switching
+    weights or a task's head).
 
     Args:
-        fn: seconds a batch of `n` items takes, without the cost term (called once
-            per size, then cached).
+        fn: seconds a batch of `n` items takes, without the cost and switching terms
+            (called once per size, then cached).
         description: how the size part reads in reports (`"5 ms + 0.5 ms x batch
-            size"`); the cost term, if any, is appended.
+            size"`); the cost and switching terms, if any, are appended.
         per_cost_ms: c, milliseconds per unit of a batch's cost (>= 0; default 0).
+        switch_ms: s, milliseconds each group past the first adds to a batch (>= 0;
+            default 0).
 
     Raises:
-        ValueError: a `per_cost_ms` that is negative or not finite.
+        ValueError: a `per_cost_ms` or `switch_ms` that is negative or not finite.
     """
 
     def __init__(
-        self, fn: Callable[[int], float], description: str, *, per_cost_ms: float = 0.0
+        self,
+        fn: Callable[[int], float],
+        description: str,
+        *,
+        per_cost_ms: float = 0.0,
+        switch_ms: float = 0.0,
     ) -> None:
         _check_ms("per_cost_ms", per_cost_ms)
+        _check_ms("switch_ms", switch_ms)
         self._fn = fn
         self._cache: dict[int, float] = {}
         self._per_cost_s = per_cost_ms / 1e3
+        self._switch_s = switch_ms / 1e3
         self.per_cost_ms = float(per_cost_ms)
-        self.description = (
-            f"{description} + {per_cost_ms:g} ms x batch cost" if per_cost_ms else description
-        )
+        self.switch_ms = float(switch_ms)
+        if per_cost_ms:
+            description += f" + {per_cost_ms:g} ms x batch cost"
+        if switch_ms:
+            description += f" + {switch_ms:g} ms x extra group"
+        self.description = description
 
     @classmethod
-    def linear(cls, fixed_ms: float, per_item_ms: float, per_cost_ms: float = 0.0) -> LatencyModel:
-        """`fixed_ms + per_item_ms * n + per_cost_ms * cost` milliseconds.
+    def linear(
+        cls,
+        fixed_ms: float,
+        per_item_ms: float,
+        per_cost_ms: float = 0.0,
+        *,
+        switch_ms: float = 0.0,
+    ) -> LatencyModel:
+        """`fixed_ms + per_item_ms * n + per_cost_ms * cost + switch_ms * (groups - 1)` ms.
 
         Args:
             fixed_ms: a, a batch's fixed time, in milliseconds (>= 0).
             per_item_ms: b, each item's time, in milliseconds (>= 0).
             per_cost_ms: c, the time per unit of the batch's cost (tokens, by the
                 policy's `cost`), in milliseconds (>= 0; default 0).
+            switch_ms: s, the time each group past the first adds to a batch, in
+                milliseconds (>= 0; default 0).
 
         Raises:
-            ValueError: a negative or infinite value, or all of them 0.
+            ValueError: a negative or infinite value, or `fixed_ms`, `per_item_ms`
+                and `per_cost_ms` all 0.
         """
         for name, v in (("fixed_ms", fixed_ms), ("per_item_ms", per_item_ms)):
             _check_ms(name, v)
@@ -100,11 +131,17 @@ class LatencyModel:
             lambda n: (fixed_ms + per_item_ms * n) / 1e3,
             f"{fixed_ms:g} ms + {per_item_ms:g} ms x batch size",
             per_cost_ms=per_cost_ms,
+            switch_ms=switch_ms,
         )
 
     @classmethod
     def from_points(
-        cls, sizes: Sequence[int], latencies_ms: Sequence[float], *, per_cost_ms: float = 0.0
+        cls,
+        sizes: Sequence[int],
+        latencies_ms: Sequence[float],
+        *,
+        per_cost_ms: float = 0.0,
+        switch_ms: float = 0.0,
     ) -> LatencyModel:
         """Measured (batch size, ms) points; linear in between, the last slope beyond.
 
@@ -115,10 +152,12 @@ class LatencyModel:
             latencies_ms: each size's latency, in milliseconds (> 0).
             per_cost_ms: c, milliseconds per unit of batch cost added to the measured
                 time (>= 0; default 0: the points hold the whole time).
+            switch_ms: s, milliseconds each group past the first adds to a batch
+                (>= 0; default 0: the points were measured on batches of one group).
 
         Raises:
             ValueError: no points, a size below 1, a latency that is not positive, or
-                a bad `per_cost_ms`.
+                a bad `per_cost_ms` or `switch_ms`.
         """
         pairs = list(zip(sizes, latencies_ms))
         if not pairs:
@@ -139,10 +178,12 @@ class LatencyModel:
             return float(np.interp(n, xs, ys))
 
         desc = f"profile of {len(xs)} sizes ({int(xs[0])}..{int(xs[-1])})"
-        return cls(lambda n: ms(n) / 1e3, desc, per_cost_ms=per_cost_ms)
+        return cls(lambda n: ms(n) / 1e3, desc, per_cost_ms=per_cost_ms, switch_ms=switch_ms)
 
     @classmethod
-    def from_profile(cls, profile: Any, *, per_cost_ms: float = 0.0) -> LatencyModel:
+    def from_profile(
+        cls, profile: Any, *, per_cost_ms: float = 0.0, switch_ms: float = 0.0
+    ) -> LatencyModel:
         """From a [`ProfileResult`][batchkit.ProfileResult] or its JSON file.
 
         A profile times batches of one input shape, so it holds no lengths or cost:
@@ -155,9 +196,12 @@ class LatencyModel:
         Args:
             profile: a `ProfileResult`, or the path of a `batchkit profile --json` file.
             per_cost_ms: c, milliseconds per unit of batch cost (>= 0; default 0).
+            switch_ms: s, milliseconds each group past the first adds to a batch
+                (>= 0; default 0: a profile times batches of one group).
 
         Raises:
-            ValueError: the file cannot be read or holds no profile.
+            ValueError: the file cannot be read or holds no profile, or a bad
+                `per_cost_ms` or `switch_ms`.
         """
         if isinstance(profile, (str, Path)):
             try:
@@ -168,16 +212,22 @@ class LatencyModel:
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 raise ValueError(f"cannot read profile {str(profile)!r}: {exc}") from None
             model = cls.from_points(sizes, lat)
-            return cls(model._fn, f"{model.description} from {profile}", per_cost_ms=per_cost_ms)
+            return cls(
+                model._fn,
+                f"{model.description} from {profile}",
+                per_cost_ms=per_cost_ms,
+                switch_ms=switch_ms,
+            )
         return cls.from_points(
             [p.batch_size for p in profile.points],
             [p.latency_ms for p in profile.points],
             per_cost_ms=per_cost_ms,
+            switch_ms=switch_ms,
         )
 
     @classmethod
     def from_learned(
-        cls, learned: LearnedLatency | None, *, with_margin: bool = False
+        cls, learned: LearnedLatency | None, *, with_margin: bool = False, switch_ms: float = 0.0
     ) -> LatencyModel:
         """The batch-time model a latency target learned online, to simulate with.
 
@@ -190,11 +240,13 @@ class LatencyModel:
             with_margin: add its `margin_ms` (the recent residuals' upper quantile)
                 to every batch: a pessimistic device. By default the fit alone, the
                 device's typical time.
+            switch_ms: s, milliseconds each group past the first adds to a batch
+                (>= 0; default 0: the learned fit has no switching term).
 
         Raises:
             ValueError: `learned` is None (no latency target) or still warming up
                 (it has not seen enough batches yet), or its coefficients are not
-                finite numbers >= 0, or all 0.
+                finite numbers >= 0, or all 0, or a bad `switch_ms`.
         """
         if learned is None or learned.state == "warming":
             raise ValueError(
@@ -203,21 +255,27 @@ class LatencyModel:
                 "the target has seen enough batches"
             )
         fixed = learned.fixed_ms + (learned.margin_ms if with_margin else 0.0)
-        model = cls.linear(fixed, learned.per_item_ms, learned.per_cost_ms)
+        model = cls.linear(fixed, learned.per_item_ms, learned.per_cost_ms, switch_ms=switch_ms)
         model.description = f"learned {model.description}"
         return model
 
-    def seconds(self, n: int, cost: float = 0.0) -> float:
-        """Simulated run time of a batch of `n` items whose keys cost `cost`, in seconds.
+    def seconds(self, n: int, cost: float = 0.0, groups: int = 1) -> float:
+        """Simulated run time of a batch of `n` items whose keys cost `cost` and that
+        holds `groups` distinct groups, in seconds.
 
         Args:
             n: the batch size the function is called with.
             cost: the policy's cost of the batch's keys (0 without keys).
+            groups: the batch's distinct groups (1 without groups).
         """
         t = self._cache.get(n)
         if t is None:
             t = self._cache[n] = self._fn(n)
-        return t + self._per_cost_s * cost if cost else t
+        if cost:
+            t += self._per_cost_s * cost
+        if groups > 1:
+            t += self._switch_s * (groups - 1)
+        return t
 
     def __repr__(self) -> str:
         return f"LatencyModel({self.description})"
@@ -236,11 +294,13 @@ LatencyLike = LatencyModel | tuple[float, ...] | LearnedLatency | str | Path | A
 
 
 def as_latency_model(latency: LatencyLike) -> LatencyModel:
-    """A model from `(a, b)` or `(a, b, c)` ms, a learned model, a profile, or itself.
+    """A model from `(a, b)`, `(a, b, c)` or `(a, b, c, s)` ms, a learned model, a
+    profile, or itself.
 
     Args:
         latency: a [`LatencyModel`][batchkit.LatencyModel], a `(fixed_ms,
-            per_item_ms)` or `(fixed_ms, per_item_ms, per_cost_ms)` tuple, a
+            per_item_ms)`, `(fixed_ms, per_item_ms, per_cost_ms)` or `(fixed_ms,
+            per_item_ms, per_cost_ms, switch_ms)` tuple, a
             [`LearnedLatency`][batchkit.serve.LearnedLatency], or a profile (result
             or JSON path).
 
@@ -250,12 +310,14 @@ def as_latency_model(latency: LatencyLike) -> LatencyModel:
     if isinstance(latency, LatencyModel):
         return latency
     if isinstance(latency, tuple):
-        if len(latency) not in (2, 3):
+        if len(latency) not in (2, 3, 4):
             raise ValueError(
-                "a latency tuple is (fixed_ms, per_item_ms) or (fixed_ms, per_item_ms, "
-                f"per_cost_ms), got {len(latency)} values"
+                "a latency tuple is (fixed_ms, per_item_ms), (fixed_ms, per_item_ms, "
+                f"per_cost_ms) or (fixed_ms, per_item_ms, per_cost_ms, switch_ms), got "
+                f"{len(latency)} values"
             )
-        return LatencyModel.linear(*(float(v) for v in latency))
+        values = [float(v) for v in latency]
+        return LatencyModel.linear(*values[:3], switch_ms=values[3] if len(values) == 4 else 0.0)
     if isinstance(latency, LearnedLatency):
         return LatencyModel.from_learned(latency)
     return LatencyModel.from_profile(latency)

@@ -1,5 +1,6 @@
 """Counts: ints and whole-number floats (as YAML and JSON configs give them) are taken
-and stored as ints; other floats, bools and numbers below 1 are refused by name."""
+and stored as ints; other floats, bools and numbers below 1 are refused by name. Waits:
+one check for a policy and a live change."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from batchkit.batchers.checks import check_positive_int, positive_count
+import batchkit
+from batchkit import DynamicBatcher
+from batchkit.batchers.checks import check_positive_int, positive_count, wait_ms
 
 
 @pytest.mark.parametrize("value", [1, 4, 4.0, 1.0, np.float32(8), np.int64(3), 2.0**60])
@@ -66,3 +69,19 @@ def test_every_policy_takes_its_counts_as_whole_number_floats_and_stores_ints() 
     assert len(boundaries.boundaries) == 4
     with pytest.raises(ValueError, match="max_batch_size must be a positive int"):
         batchkit.DynamicBatcher(8.5)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad", [True, False, -1, float("nan"), float("inf"), "5", None])
+def test_a_wait_is_a_finite_number_of_at_least_zero_never_a_bool(bad: object) -> None:
+    with pytest.raises(ValueError, match="max_wait_ms"):
+        wait_ms("max_wait_ms", bad)
+
+
+def test_a_policy_and_a_live_change_refuse_the_same_waits() -> None:
+    for bad in (True, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="max_wait_ms"):
+            DynamicBatcher(4, bad)  # type: ignore[arg-type]
+        f = batchkit.batched(lambda xs: xs)
+        with pytest.raises(ValueError, match="max_wait_ms"):
+            f.configure(max_wait_ms=bad)
+    assert wait_ms("max_wait_ms", 0) == 0.0 and wait_ms("w", None, allow_none=True) is None

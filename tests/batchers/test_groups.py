@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from batchkit import BucketedBatcher, DynamicBatcher, PackingBatcher, SortedBatcher, StaticBatcher
 from batchkit.batchers.base import Batcher
-from batchkit.serve.settings import reconfigured
+from batchkit.serve.options import reconfigured
 from tests.batchers._costs import costs, within_budget
 
 Item = tuple[int, Hashable]  # (length, group)

@@ -206,7 +206,7 @@ def test_a_whole_number_float_batch_size_is_taken_and_stored_as_an_int() -> None
 
 
 def test_check_settings_returns_the_counts_as_ints() -> None:
-    from batchkit.serve.settings import check_settings, reconfigured
+    from batchkit.serve.options import check_settings, reconfigured
 
     assert check_settings(16.0, 2.5, 2, 100, 50.0) == (16, 2.5, 2, 100, 50.0)
     batch = check_settings(16.0, None, None, None)[0]
