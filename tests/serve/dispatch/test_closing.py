@@ -1,5 +1,4 @@
 from batchkit.serve.dispatch import DispatchReason, WhenClosing
-
 from tests.serve.dispatch._buckets import bucket_of
 
 

@@ -2,7 +2,6 @@ from batchkit import DynamicBatcher
 from batchkit.serve.dispatch import BeforeDeadline, DispatchReason
 from batchkit.serve.request import new_request
 from batchkit.serve.targets import LatencyTarget
-
 from tests.serve.dispatch._buckets import bucket_of
 
 

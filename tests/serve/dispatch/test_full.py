@@ -1,6 +1,5 @@
 from batchkit import DynamicBatcher
 from batchkit.serve.dispatch import DispatchReason, WhenFull
-
 from tests.serve.dispatch._buckets import bucket_of
 
 

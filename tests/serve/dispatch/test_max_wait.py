@@ -1,5 +1,4 @@
 from batchkit.serve.dispatch import AfterMaxWait, DispatchReason
-
 from tests.serve.dispatch._buckets import bucket_of
 
 
