@@ -17,7 +17,7 @@ from batchkit.serve.events import BatchEvent, DropEvent, Listener
 from batchkit.serve.latency import LearnedLatency
 from batchkit.serve.options import Settings
 from batchkit.serve.scheduler import Scheduler
-from batchkit.serve.stats import DispatchReason, Stats
+from batchkit.serve.stats import DispatchReason, GroupStats, Stats
 
 __all__ = [
     "END",
@@ -29,6 +29,7 @@ __all__ = [
     "BatchkitError",
     "DispatchReason",
     "DropEvent",
+    "GroupStats",
     "LearnedLatency",
     "Listener",
     "Overloaded",

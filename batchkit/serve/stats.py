@@ -94,7 +94,7 @@ class Stats:
         shed: Admitted requests dropped with `Overloaded` before they ran: they
             could no longer be answered within `max_latency_ms`.
         groups: With `group` (see `@batched`), per group: its requests,
-            batches and queue waits ([`GroupStats`][batchkit.serve.stats.GroupStats]);
+            batches and queue waits ([`GroupStats`][batchkit.serve.GroupStats]);
             empty without `group`.
         latency_model: Under `max_latency_ms`, the learned batch-time model; None
             without a target, or until enough batches have run.
