@@ -78,7 +78,8 @@ def call(core: ServingCore, item: Any, priority: int, timeout: float | None) -> 
         TypeError: `timeout` is not a number (nothing was queued).
         ValueError: `timeout` is NaN or negative (nothing was queued).
     """
-    timeout = checked_timeout(timeout)
+    if timeout is not None:
+        timeout = checked_timeout(timeout)
     req = core.make_request(item, priority, None)
     left = timeout
     if core.admission is None:

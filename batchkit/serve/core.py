@@ -24,7 +24,7 @@ from batchkit.errors import BatcherClosed, BatchTimeout, Overloaded, QueueFull, 
 from batchkit.serve.admission import BlockingAdmission
 from batchkit.serve.channels import Channel
 from batchkit.serve.events import BatchEvent, DropEvent, DropReason, Listener, notify
-from batchkit.serve.execute import BatchRun, start_run
+from batchkit.serve.execute import BatchRun
 from batchkit.serve.options import Options, Settings, check_settings, read_settings, reconfigured
 from batchkit.serve.request import DONE, RUNNING, Request, deliver, new_request, resolve_on_loop
 from batchkit.serve.scheduler import FormedBatch, Scheduler
@@ -370,7 +370,7 @@ class ServingCore:
         if run.first_output_at is not None:
             stats.first_chunk.append(run.first_output_at - batch.dispatched_at)
         bucket = batch.requests[0].bucket
-        if run.hit_oom:
+        if run.oom_splits:
             stats.oom_splits += run.oom_splits
             sched.learn_cap(bucket, max(run.largest_ok, 1))
         elif sched.caps:
@@ -391,7 +391,7 @@ class ServingCore:
         now = self.clock()
         self.sched.finish(batch, now, clean=False)
         if self.listeners:  # every request failed (answered here or by a close before)
-            self._report_batch(batch, start_run(batch.requests, self.options), now)
+            self._report_batch(batch, BatchRun(batch.requests, self.options), now)
         return abandoned
 
     def fail_all_locked(self, error: BaseException) -> None:

@@ -105,8 +105,9 @@ class BatchRun:
 
     Args:
         requests: The batch's requests, in batch order.
-        oom: Out-of-memory handling: which errors split a part, and the hook to run.
-        isolate_errors: Split a part whose call raised, to find the failing items.
+        options: The function's options: out-of-memory handling (which errors split
+            a part, and the hook to run) and `isolate_errors` (split a part whose
+            call raised, to find the failing items).
     """
 
     __slots__ = (
@@ -123,12 +124,10 @@ class BatchRun:
         "first_output_at",
     )
 
-    def __init__(
-        self, requests: Sequence[Request], *, oom: OomRecovery, isolate_errors: bool
-    ) -> None:
+    def __init__(self, requests: Sequence[Request], options: Options) -> None:
         self.requests = requests
-        self.oom = oom
-        self.isolate_errors = isolate_errors
+        self.oom = options.oom
+        self.isolate_errors = options.isolate_errors
         self._todo: list[Part] = [(0, len(requests))]
         self.values: list[Any] = [None] * len(requests)
         self.errors: dict[int, BaseException] = {}  # position -> that request's error
@@ -206,11 +205,6 @@ class BatchRun:
         if oom:
             _run_oom_hook(self.oom)
 
-    @property
-    def hit_oom(self) -> bool:
-        """Whether any part ran out of memory."""
-        return self.oom_splits > 0
-
 
 def _run_oom_hook(oom: OomRecovery) -> None:
     if oom.on_oom is None:
@@ -219,16 +213,6 @@ def _run_oom_hook(oom: OomRecovery) -> None:
         oom.on_oom()
     except Exception:  # noqa: BLE001 - a failing hook must not cost the callers their retry
         log.exception("batchkit on_oom hook %r failed", oom.on_oom)
-
-
-def start_run(requests: Sequence[Request], options: Options) -> BatchRun:
-    """The bookkeeping for running `requests`, with their split-and-retry rules.
-
-    Args:
-        requests: The batch's requests.
-        options: The function's options (out-of-memory handling, `isolate_errors`).
-    """
-    return BatchRun(requests, oom=options.oom, isolate_errors=options.isolate_errors)
 
 
 def run_steps(
@@ -252,7 +236,7 @@ def run_steps(
         The settled run, once every request has its outcome (after any
         split-and-retry).
     """
-    run = start_run(requests, options)
+    run = BatchRun(requests, options)
     while (part := run.next_part()) is not None:
         padded = options.policy.padded_size(part[1] - part[0])
         argument = prepare(run, part, padded, options)

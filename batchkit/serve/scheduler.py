@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from batchkit.batchers.base import Batcher
 from batchkit.errors import Overloaded, QueueFull
 from batchkit.serve.buckets import Bucket
-from batchkit.serve.dispatch import DispatchReason, WhenClosing, rules_for
+from batchkit.serve.dispatch import DispatchReason, rules_for
 from batchkit.serve.request import DROPPED, RUNNING, WAITING, Request
 from batchkit.serve.stats import StatsRecorder
 from batchkit.serve.targets import LatencyTarget
@@ -113,8 +113,8 @@ class Scheduler:
         # takes from at most this many of them.
         self.grouped = policy.group is not None
         self.groups_per_batch: int = policy.max_groups_per_batch or 1
-        self._closing = WhenClosing()
-        self._rules = rules_for(policy, self._closing, self.target)
+        self._closing = False
+        self._rules = rules_for(policy, self.target)
         self.running: dict[int, FormedBatch] = {}
         # Learned after out-of-memory: a bucket's effective maximum batch size, raised
         # again by a quarter after PROBE_AFTER successful batches at the cap.
@@ -139,7 +139,7 @@ class Scheduler:
         self.policy = policy
         if self.target is not None:
             self.target.policy = policy
-        self._rules = rules_for(policy, self._closing, self.target)
+        self._rules = rules_for(policy, self.target, closing=self._closing)
 
     def set_max_latency(self, seconds: float) -> None:
         """Give every request a latency target from now on, those waiting too (their
@@ -152,18 +152,19 @@ class Scheduler:
         waiting = [req for bucket in self.buckets.values() for req in bucket.candidates(None)]
         if self.target is None:
             self.target = LatencyTarget(seconds, self.policy)
-            self._rules = rules_for(self.policy, self._closing, self.target)
+            self._rules = rules_for(self.policy, self.target, closing=self._closing)
         self.target.retarget(seconds, waiting)
 
     @property
     def closing(self) -> bool:
         """Whether `close` was called: what waits leaves at once."""
-        return self._closing.closing
+        return self._closing
 
     def close(self) -> None:
         """Send every waiting batch at once from now on (`DispatchReason.CLOSING`):
         nothing more will arrive."""
-        self._closing.closing = True
+        self._closing = True
+        self._rules = rules_for(self.policy, self.target, closing=True)
 
     def set_max_queue_size(self, limit: int) -> None:
         """Bound the queue from now on (requests already waiting stay, even past it).

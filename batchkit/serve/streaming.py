@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 from batchkit.serve.channels import END, Channel
-from batchkit.serve.execute import BatchRun, contained, start_run
+from batchkit.serve.execute import BatchRun, contained
 from batchkit.serve.options import Clock, Options
 from batchkit.serve.request import Request
 
@@ -39,7 +39,7 @@ class StreamBatch:
     """
 
     def __init__(self, requests: Sequence[Request], options: Options, name: str) -> None:
-        self.run: BatchRun = start_run(requests, options)
+        self.run: BatchRun = BatchRun(requests, options)
         self.name = name
         self.positions: list[int] = []  # batch positions of the items the generator sees
         self.padded = 0

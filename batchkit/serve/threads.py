@@ -16,7 +16,7 @@ from typing import Any
 
 from batchkit.errors import BatcherClosed
 from batchkit.serve.core import ServingCore
-from batchkit.serve.execute import BatchRun, Outcome, contained, run_steps, start_run
+from batchkit.serve.execute import BatchRun, Outcome, contained, run_steps
 from batchkit.serve.options import Options
 from batchkit.serve.request import deliver
 from batchkit.serve.scheduler import FormedBatch
@@ -222,7 +222,7 @@ class ThreadDriver:
                 del argument
                 if worker.abandoned:
                     steps.close()
-                    return start_run(batch.requests, core.options)  # (dropped unread)
+                    return BatchRun(batch.requests, core.options)  # (dropped unread)
         except StopIteration as done:
             run: BatchRun = done.value
             return run

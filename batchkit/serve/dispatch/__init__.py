@@ -30,17 +30,19 @@ __all__ = [
 
 
 def rules_for(
-    policy: Batcher, closing: WhenClosing, target: LatencyTarget | None
+    policy: Batcher, target: LatencyTarget | None, *, closing: bool = False
 ) -> list[DispatchRule]:
     """The rules that send a policy's batches, in the order they are asked.
 
     Args:
         policy: The batching policy (its `max_tokens`, `dispatch_when_idle` and
             `max_wait_s`).
-        closing: The scheduler's closing rule (it sets its flag on close).
         target: The latency target, or None.
+        closing: The function is closing: what waits leaves at once.
     """
-    rules: list[DispatchRule] = [WhenFull(policy), closing]
+    rules: list[DispatchRule] = [WhenFull(policy)]
+    if closing:
+        rules.append(WhenClosing())
     if policy.dispatch_when_idle:
         rules.append(WhenIdle())
     if policy.max_wait_s is not None:

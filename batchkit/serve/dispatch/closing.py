@@ -7,15 +7,12 @@ from batchkit.serve.dispatch.rule import DispatchReason
 
 
 class WhenClosing:
-    """Send every bucket's batch at once once `closing` is set (by `Scheduler.close`)."""
+    """Send every bucket's batch at once: the rule `Scheduler.close` adds."""
 
     reason = DispatchReason.CLOSING
 
-    def __init__(self) -> None:
-        self.closing = False
-
     def due(self, bucket: Bucket, limit: int, in_flight: int, now: float) -> float | None:
-        """`now` while closing; None otherwise.
+        """`now`: nothing more will arrive, so waiting gains nothing.
 
         Args:
             bucket: The bucket (not read).
@@ -23,4 +20,4 @@ class WhenClosing:
             in_flight: Batches running now (not read).
             now: The current time.
         """
-        return now if self.closing else None
+        return now
