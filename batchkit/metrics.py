@@ -23,13 +23,18 @@ latency histograms and requests by outcome come from its listener events
 and its load gauges are read at scrape time from ``batcher.stats()`` and its KV pool.
 Every series carries a ``batcher`` label. The names are listed in
 `METRIC_NAMES` and documented in ``docs/metrics.md``.
+
+Per-group series (label ``group``) are written only for what was tracked with
+``track(f, groups=True)``: a label's cardinality is the user's call. They are read at
+scrape time from ``stats().groups`` (listed in `GROUP_METRIC_NAMES`).
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 try:
@@ -68,6 +73,7 @@ __all__ = [
     "DEFAULT_LATENCY_BUCKETS",
     "DEFAULT_SIZE_BUCKETS",
     "GENERATION_METRICS",
+    "GROUP_METRIC_NAMES",
     "METRIC_NAMES",
     "PrometheusMetrics",
 ]
@@ -105,7 +111,34 @@ METRIC_NAMES: dict[str, str] = {
     "generation_kv_blocks_free": "gauge (read at scrape, paged mode): KV blocks free",
 }
 """Every metric family as exposed (counters with their ``_total``), without the
-namespace, and what it measures."""
+namespace, and what it measures (the per-group ones are in `GROUP_METRIC_NAMES`)."""
+
+GROUP_METRIC_NAMES: dict[str, str] = {
+    "inference_group_admitted_requests_total": (
+        "counter (read at scrape), label group: a group's requests admitted to the queue"
+    ),
+    "inference_group_batches_total": (
+        "counter (read at scrape), label group: batches holding a request of the group"
+    ),
+    "inference_group_queue_wait_seconds": (
+        "gauge (read at scrape), labels group, quantile: p50/p99 of a group's recent waits"
+    ),
+    "generation_group_admitted_requests_total": (
+        "counter (read at scrape), label group: a group's requests that started"
+    ),
+    "generation_group_steps_total": (
+        "counter (read at scrape), label group: steps computing a sequence of the group"
+    ),
+    "generation_group_tokens_computed_total": (
+        "counter (read at scrape), label group: tokens computed for the group"
+    ),
+    "generation_group_tokens_generated_total": (
+        "counter (read at scrape), label group: tokens sampled for the group"
+    ),
+}
+"""The per-group families, written only for what was tracked with ``groups=True``
+(``@batched`` functions: ``inference_group_*``; continuous batchers:
+``generation_group_*``), without the namespace, and what each measures."""
 
 DEFAULT_GENERATION_BUCKETS: tuple[float, ...] = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -170,6 +203,7 @@ class _Tracker:
         label_values: dict[str, tuple[str, ...]] = LABEL_VALUES,
     ) -> None:
         self.name = name
+        self.groups = False  # write its per-group series (set by track, under the lock)
         self._owner = owner
         self._children: list[tuple[Counter | Histogram, tuple[str, ...]]] = []
         self._record: dict[tuple[str, str | None], Callable[[float], None]] = {}
@@ -291,6 +325,7 @@ class PrometheusMetrics:
         for spec in GENERATION_METRICS:
             self._register(spec, generation_buckets)
         self.registry.register(_GenerationScrapeTime(self))
+        self.registry.register(_GroupSeries(self))
 
     def _register(self, spec: MetricSpec, buckets: Sequence[float]) -> None:
         """Create and register the family of ``spec``."""
@@ -307,11 +342,19 @@ class PrometheusMetrics:
         self.registry.register(family)
 
     # -- which functions ------------------------------------------------------
-    def track(self, f: BatchedFunction[Any] | ContinuousBatcher, name: str | None = None) -> str:
+    def track(
+        self,
+        f: BatchedFunction[Any] | ContinuousBatcher,
+        name: str | None = None,
+        *,
+        groups: bool = False,
+    ) -> str:
         """Export ``f``'s metrics under ``batcher=name`` (default: ``f``'s qualname; a
         [`ContinuousBatcher`][batchkit.ContinuousBatcher]'s ``name``).
 
-        Tracking the same function under the same name again does nothing.
+        Tracking the same function under the same name again keeps its series; only
+        ``groups`` takes the new call's value (the per-group series are read at
+        scrape time, so switching them on or off loses nothing).
         Continuous batchers have names of their own (their series are other families).
         A function is tracked weakly: once it is garbage-collected, its series go at
         the next scrape.
@@ -320,14 +363,22 @@ class PrometheusMetrics:
             f: A ``@batched`` function or a
                 [`ContinuousBatcher`][batchkit.ContinuousBatcher].
             name: The ``batcher`` label of its series.
+            groups: Also export one series per group (label ``group``, the group as
+                ``str(group)``), read from ``f.stats().groups`` at each scrape: for a
+                function, its requests admitted, batches and queue-wait p50/p99; for a
+                continuous batcher, its requests started, steps and tokens. One series
+                per group ever seen: for a few groups (adapters, tasks), not one per
+                user. Groups whose ``str()`` is equal share a series (counters
+                summed, quantiles the largest of theirs).
 
         Returns:
             The label.
 
         Raises:
-            TypeError: ``f`` is neither.
+            TypeError: ``f`` is neither, or ``groups`` is not a bool.
             ValueError: ``name`` is empty, is already used by another function, or
-                ``f`` is tracked under another name.
+                ``f`` is tracked under another name; ``groups=True`` for a function
+                made without ``group=`` (it has no groups).
         """
         if isinstance(f, ContinuousBatcher):
             label = f.name if name is None else name
@@ -339,11 +390,20 @@ class PrometheusMetrics:
             )
         if not isinstance(label, str) or not label:
             raise ValueError(f"name must be a non-empty string, got {label!r}")
+        if not isinstance(groups, bool):
+            raise TypeError(f"groups must be True or False, got {groups!r}")
+        if groups and isinstance(f, BatchedFunction) and f.options.policy.group is None:
+            raise ValueError(
+                f"groups=True: {f.__qualname__} has no groups to export "
+                "(make it with @batched(group=...), or give its policy a group)"
+            )
         with self._lock:
             if isinstance(f, ContinuousBatcher):
-                batcher_tracker = self._claim(self._tracked_batchers, f, label, _GenerationTracker)
+                batcher_tracker = self._claim(
+                    self._tracked_batchers, f, label, _GenerationTracker, groups
+                )
             else:
-                tracker = self._claim(self._tracked, f, label, _Tracker)
+                tracker = self._claim(self._tracked, f, label, _Tracker, groups)
         if isinstance(f, ContinuousBatcher):
             if batcher_tracker is not None:
                 f.add_listener(batcher_tracker)
@@ -357,15 +417,18 @@ class PrometheusMetrics:
         f: Any,
         label: str,
         make: Callable[[PrometheusMetrics, str], _T],
+        groups: bool,
     ) -> _T | None:
         """Under the lock: a new tracker (``make``) for ``f`` under ``label``, entered in
-        ``table``; None if ``f`` is there already; ``ValueError`` if ``label`` is
-        another's, or ``f`` is tracked under another name."""
+        ``table``; None if ``f`` is there already (its ``groups`` then updated);
+        ``ValueError`` if ``label`` is another's, or ``f`` is tracked under another
+        name."""
         what = "a continuous batcher" if isinstance(f, ContinuousBatcher) else "a function"
         known = table.get(label)
         if known is not None:
             holder = known[0]()
             if holder is f:
+                known[1].groups = groups
                 return None
             if holder is not None:
                 raise ValueError(f"{what} is already tracked as batcher={label!r}")
@@ -374,6 +437,7 @@ class PrometheusMetrics:
         if any(ref() is f for ref, _ in table.values()):
             raise ValueError(f"{_shown(f)} is already tracked under another name")
         tracker = make(self, label)
+        tracker.groups = groups
         table[label] = (weakref.ref(f), tracker)
         return tracker
 
@@ -411,6 +475,19 @@ class PrometheusMetrics:
         with self._lock:
             items = [(name, ref()) for name, (ref, _) in self._tracked_batchers.items()]
         return {name: b for name, b in items if b is not None}
+
+    def _tracked_with_groups(
+        self,
+    ) -> tuple[dict[str, BatchedFunction[Any]], dict[str, ContinuousBatcher]]:
+        """The functions and the continuous batchers tracked with ``groups=True``, by
+        label (those still alive)."""
+        with self._lock:
+            functions = [(n, ref()) for n, (ref, t) in self._tracked.items() if t.groups]
+            batchers = [(n, ref()) for n, (ref, t) in self._tracked_batchers.items() if t.groups]
+        return (
+            {n: f for n, f in functions if f is not None},
+            {n: b for n, b in batchers if b is not None},
+        )
 
     def _prune_dead(self) -> None:
         """Forget functions that were garbage-collected (they were tracked weakly)."""
@@ -571,3 +648,110 @@ class _GenerationScrapeTime:
                 gauges["generation_kv_blocks_used"].add_metric([label], pool.num_used)
                 gauges["generation_kv_blocks_free"].add_metric([label], pool.num_free)
         return [*counters.values(), *gauges.values()]
+
+
+_S = TypeVar("_S")
+
+
+def _by_label(groups: Mapping[Hashable, _S]) -> dict[str, list[_S]]:
+    """Each group's stats under its label, ``str(group)``: groups that print alike
+    share one (a series is named by its labels alone, and two samples with the same
+    labels would make the scrape invalid)."""
+    out: dict[str, list[_S]] = {}
+    for group, stats in groups.items():
+        out.setdefault(str(group), []).append(stats)
+    return out
+
+
+class _GroupSeries:
+    """A custom collector: the per-group series of what was tracked with
+    ``groups=True``, read when scraped from ``stats().groups``.
+
+    The runtime counts each group anyway, so nothing is recorded per event; a scrape
+    reads one ``stats()`` per object tracked with groups, and none for the others. With
+    nothing tracked with groups it writes no family at all (its names are only
+    reserved, by ``describe``).
+    """
+
+    def __init__(self, owner: PrometheusMetrics) -> None:
+        self.owner = owner
+        self.prefix = f"{owner.namespace}_" if owner.namespace else ""
+
+    def describe(self) -> Iterable[Metric]:
+        """Names for the registry's duplicate check (no samples)."""
+        return [*self._function_families({}), *self._batcher_families({})]
+
+    def collect(self) -> Iterable[Metric]:
+        """The families of the kinds tracked with groups (a function's, a continuous
+        batcher's), one sample per group."""
+        functions, batchers = self.owner._tracked_with_groups()
+        families: list[Metric] = []
+        if functions:
+            families += self._function_families(functions)
+        if batchers:
+            families += self._batcher_families(batchers)
+        return families
+
+    def _function_families(self, tracked: dict[str, BatchedFunction[Any]]) -> list[Metric]:
+        p = self.prefix
+        labels = ["batcher", "group"]
+        admitted = CounterMetricFamily(
+            p + "inference_group_admitted_requests",
+            "Requests of the group admitted to the queue.",
+            labels=labels,
+        )
+        batches = CounterMetricFamily(
+            p + "inference_group_batches",
+            "Batches that held at least one request of the group.",
+            labels=labels,
+        )
+        # Gauges, not a summary: a summary's _count and _sum must count every request
+        # since the start, and the stats keep only a window of recent waits.
+        wait = GaugeMetricFamily(
+            p + "inference_group_queue_wait_seconds",
+            "Seconds from admission to the batch leaving the queue, quantiles of the "
+            "group's most recent 4096 requests (NaN before its first batch).",
+            labels=[*labels, "quantile"],
+        )
+        for name, f in tracked.items():
+            for group, parts in _by_label(f.stats().groups).items():
+                admitted.add_metric([name, group], sum(s.requests for s in parts))
+                batches.add_metric([name, group], sum(s.batches for s in parts))
+                waits = [s.queue_wait for s in parts if s.queue_wait.count]
+                # The quantile of merged samples is at most the largest of the parts'.
+                wait.add_metric([name, group, "0.5"], max((w.p50 for w in waits), default=math.nan))
+                wait.add_metric(
+                    [name, group, "0.99"], max((w.p99 for w in waits), default=math.nan)
+                )
+        return [admitted, batches, wait]
+
+    def _batcher_families(self, tracked: dict[str, ContinuousBatcher]) -> list[Metric]:
+        p = self.prefix
+        labels = ["batcher", "group"]
+        admitted = CounterMetricFamily(
+            p + "generation_group_admitted_requests",
+            "Requests of the group that started (ran a first step).",
+            labels=labels,
+        )
+        steps = CounterMetricFamily(
+            p + "generation_group_steps",
+            "Steps that computed at least one sequence of the group.",
+            labels=labels,
+        )
+        computed = CounterMetricFamily(
+            p + "generation_group_tokens_computed",
+            "Tokens computed for the group: prefill, recompute and decode.",
+            labels=labels,
+        )
+        generated = CounterMetricFamily(
+            p + "generation_group_tokens_generated",
+            "Tokens sampled for the group.",
+            labels=labels,
+        )
+        for name, batcher in tracked.items():
+            for group, parts in _by_label(batcher.stats().groups).items():
+                admitted.add_metric([name, group], sum(s.admitted for s in parts))
+                steps.add_metric([name, group], sum(s.steps for s in parts))
+                computed.add_metric([name, group], sum(s.tokens_computed for s in parts))
+                generated.add_metric([name, group], sum(s.tokens_generated for s in parts))
+        return [admitted, steps, computed, generated]
