@@ -3,7 +3,8 @@
 ``ContinuousBatcher`` drives a step function: every step, finished sequences leave and
 waiting ones join, with chunked prefill, a token budget, and (with a
 `BlockAllocator`) paged KV memory with preemption by recompute.
-The scheduler core (``Scheduler``) is pure and usable on its own. Listeners
+The scheduler core (``StepScheduler``; ``Scheduler`` is its older name) is pure and
+usable on its own. Listeners
 (``add_listener``) get a ``StepEvent`` per step and a ``FinishEvent`` per answered
 request (``batchkit.metrics`` exports them to Prometheus). ``submit(..., sampling=Sampling(...))``
 samples a request with its own generator; step functions pick tokens with
@@ -15,9 +16,12 @@ from batchkit.generate.batcher import ContinuousBatcher
 from batchkit.generate.handle import GenerationHandle
 from batchkit.generate.observe import FinishEvent, GenerationListener, StepEvent
 from batchkit.generate.sampling import Sampling, TokenSampler, next_tokens
-from batchkit.generate.scheduler import Scheduler
+from batchkit.generate.scheduler import StepScheduler
 from batchkit.generate.sequence import ScheduledSeq, SeqStatus, Sequence, StepBatch
 from batchkit.generate.stats import GenerationGroupStats, GenerationStats
+
+# The name it had before `batchkit.serve.Scheduler` and this one were told apart.
+Scheduler = StepScheduler
 
 __all__ = [
     "ContinuousBatcher",
@@ -29,6 +33,7 @@ __all__ = [
     "Sampling",
     "ScheduledSeq",
     "Scheduler",
+    "StepScheduler",
     "SeqStatus",
     "Sequence",
     "StepBatch",

@@ -16,11 +16,11 @@ from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
 from batchkit.errors import BatcherClosed, QueueFull
-from batchkit.generate.driver import LoopDriver, StepDriver, StepFn, ThreadDriver
+from batchkit.generate.driver import StepDriver, StepFn, StepLoopDriver, StepThreadDriver
 from batchkit.generate.handle import GenerationHandle
 from batchkit.generate.observe import GenerationListener, StepObserver
 from batchkit.generate.sampling import Sampling
-from batchkit.generate.scheduler import Scheduler
+from batchkit.generate.scheduler import StepScheduler
 from batchkit.generate.sequence import Sequence
 from batchkit.generate.stats import GenerationStats
 from batchkit.generate.tokens import is_index, token_ids
@@ -45,7 +45,7 @@ class ContinuousBatcher:
 
     A request's ``priority`` reaches running sequences: a more urgent one (lower
     value) preempts the least urgent running sequences for a row or KV blocks (see
-    [`Scheduler`][batchkit.generate.Scheduler]).
+    [`StepScheduler`][batchkit.generate.StepScheduler]).
 
     A request's ``group`` (an adapter, a task: any hashable) reaches the step function
     as ``seq.group``; with ``max_groups_per_step``, a step holds sequences of at most
@@ -116,7 +116,7 @@ class ContinuousBatcher:
         self._eos = frozenset(token_ids([eos] if is_index(eos) else eos, "eos_token_id"))
         self.max_queue_size = max_queue_size
         self.clock = clock
-        self.sched = Scheduler(
+        self.sched = StepScheduler(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             allocator=allocator,
@@ -127,7 +127,7 @@ class ContinuousBatcher:
         self._waiters = Waiters()
         self._lock = self._waiters.lock  # guards the scheduler, the driver and the handles
         self._observer = StepObserver(self.name)
-        driver = LoopDriver if self.is_async else ThreadDriver
+        driver = StepLoopDriver if self.is_async else StepThreadDriver
         self._driver: StepDriver = driver(
             step_fn, self.sched, self._waiters, name=self.name, clock=clock, observer=self._observer
         )

@@ -1,8 +1,8 @@
 """The drivers of `ContinuousBatcher`: the loops that run its steps.
 
-A sync step function runs on one worker thread (`ThreadDriver`, started by the
+A sync step function runs on one worker thread (`StepThreadDriver`, started by the
 first submit), an async one as a task on the event loop of the first submit
-(`LoopDriver`). Between steps, under the batcher's lock, a driver drops
+(`StepLoopDriver`). Between steps, under the batcher's lock, a driver drops
 timed-out requests, schedules, and after the step applies its tokens and wakes the
 callers whose requests moved. What both share (applying a step, answering callers,
 draining on close) is `StepDriver`'s. The batcher
@@ -18,7 +18,7 @@ from typing import Any
 
 from batchkit.errors import BatcherClosed, RequestTimeout
 from batchkit.generate.observe import StepObserver
-from batchkit.generate.scheduler import Scheduler
+from batchkit.generate.scheduler import StepScheduler
 from batchkit.generate.sequence import SeqStatus, Sequence, StepBatch
 from batchkit.generate.waiters import Waiters
 from batchkit.loops import call_on_loop, on_loop_thread
@@ -44,7 +44,7 @@ class StepDriver:
     def __init__(
         self,
         step_fn: StepFn,
-        sched: Scheduler,
+        sched: StepScheduler,
         waiters: Waiters,
         *,
         name: str,
@@ -222,7 +222,7 @@ class StepDriver:
         self.work.notify_all()
 
 
-class ThreadDriver(StepDriver):
+class StepThreadDriver(StepDriver):
     """A sync step function's driver: one worker thread, started by the first request.
 
     Args:
@@ -290,7 +290,7 @@ class ThreadDriver(StepDriver):
                 self.apply_locked(batch, output, error)
 
 
-class LoopDriver(StepDriver):
+class StepLoopDriver(StepDriver):
     """An async step function's driver: a task on the event loop of the first request
     (a new one on the caller's loop if that loop closed or cancelled it).
 

@@ -1,6 +1,6 @@
 """The continuous-batching scheduler: a pure, synchronous core (no threads, no clock).
 
-Every step, `Scheduler.schedule` picks the sequences to compute: running ones
+Every step, `StepScheduler.schedule` picks the sequences to compute: running ones
 first (a decode token each, or their next prefill chunk), then waiting ones,
 first-come-first-served within a priority (lower values first), while there are
 free rows (``max_num_seqs``), tokens in the step's budget
@@ -23,7 +23,7 @@ of other groups join as running groups drain, oldest first, with backfilling beh
 the first one the limit stops (`batchkit.generate.groups` states the rule and its
 bound).
 
-`Scheduler.update` takes the step's sampled tokens and retires sequences that
+`StepScheduler.update` takes the step's sampled tokens and retires sequences that
 hit a stop token or their length limit. The rows and blocks themselves are taken and
 given back by its `SeqResources`; the drivers
 (`batchkit.generate.driver`) add threads, handles and time.
@@ -44,7 +44,7 @@ from batchkit.generate.tokens import check_step_tokens
 from batchkit.kv.allocator import BlockAllocator
 
 
-class Scheduler:
+class StepScheduler:
     """Iteration-level scheduling over a waiting queue and a running set.
 
     Args:
@@ -139,9 +139,9 @@ class Scheduler:
     def in_flight(self) -> StepBatch | None:
         """The batch of the last step scheduled, until its results are applied.
 
-        Set by [`schedule`][batchkit.generate.Scheduler.schedule], cleared by
-        [`update`][batchkit.generate.Scheduler.update] (or
-        [`fail_step`][batchkit.generate.Scheduler.fail_step]); None between steps.
+        Set by [`schedule`][batchkit.generate.StepScheduler.schedule], cleared by
+        [`update`][batchkit.generate.StepScheduler.update] (or
+        [`fail_step`][batchkit.generate.StepScheduler.fail_step]); None between steps.
         """
         return self._in_flight
 
@@ -190,7 +190,7 @@ class Scheduler:
 
         Raises:
             ValueError: It can never fit (see
-                [`check_fits`][batchkit.generate.Scheduler.check_fits]).
+                [`check_fits`][batchkit.generate.StepScheduler.check_fits]).
             TypeError: Its ``group`` is not hashable.
         """
         try:
@@ -231,8 +231,8 @@ class Scheduler:
     def schedule(self) -> StepBatch:
         """The next step's batch (possibly empty).
 
-        Call [`update`][batchkit.generate.Scheduler.update] with its tokens (or
-        [`fail_step`][batchkit.generate.Scheduler.fail_step]) before the next one.
+        Call [`update`][batchkit.generate.StepScheduler.update] with its tokens (or
+        [`fail_step`][batchkit.generate.StepScheduler.fail_step]) before the next one.
 
         Scheduled in this order: waiting requests more urgent than some running
         sequence (preempting less urgent ones for their row and blocks); the running
@@ -433,11 +433,11 @@ class Scheduler:
         A sequence cancelled while the step ran gets nothing (its token is dropped). A
         bad entry (not an integer token id, or None where the sequence must sample)
         fails its own sequence only: see
-        [`take_errored`][batchkit.generate.Scheduler.take_errored].
+        [`take_errored`][batchkit.generate.StepScheduler.take_errored].
 
         Args:
             batch: The batch of the last
-                [`schedule`][batchkit.generate.Scheduler.schedule].
+                [`schedule`][batchkit.generate.StepScheduler.schedule].
             tokens: One entry per ``batch.seqs``, in order: the next token id, or
                 ``None`` for a sequence that does not sample this step.
             now: The time of the results, in seconds (for the token-latency
@@ -449,7 +449,7 @@ class Scheduler:
         Raises:
             RuntimeError: ``batch`` is not the last scheduled one.
             ValueError: ``tokens`` has the wrong length; the whole step failed (as by
-                [`fail_step`][batchkit.generate.Scheduler.fail_step]).
+                [`fail_step`][batchkit.generate.StepScheduler.fail_step]).
         """
         if batch is not self._in_flight:
             raise RuntimeError("update() expects the batch of the last schedule()")
@@ -527,7 +527,7 @@ class Scheduler:
         """Finish ``seq`` now; False if it had finished already.
 
         During a step its resources stay held until
-        [`update`][batchkit.generate.Scheduler.update] (the step may be writing them);
+        [`update`][batchkit.generate.StepScheduler.update] (the step may be writing them);
         that step's token is then dropped.
 
         Args:
@@ -560,7 +560,7 @@ class Scheduler:
 
         Args:
             batch: The batch of the last
-                [`schedule`][batchkit.generate.Scheduler.schedule].
+                [`schedule`][batchkit.generate.StepScheduler.schedule].
             reason: The aborted sequences' finish reason.
 
         Returns:
@@ -585,7 +585,7 @@ class Scheduler:
 
         Args:
             seqs: Sequences of this scheduler.
-            reason: Their finish reason (see [`abort`][batchkit.generate.Scheduler.abort]).
+            reason: Their finish reason (see [`abort`][batchkit.generate.StepScheduler.abort]).
 
         Returns:
             Those aborted (those not finished already).
@@ -614,7 +614,7 @@ class Scheduler:
         """Abort every waiting and running sequence.
 
         Args:
-            reason: Their finish reason (see [`abort`][batchkit.generate.Scheduler.abort]).
+            reason: Their finish reason (see [`abort`][batchkit.generate.StepScheduler.abort]).
 
         Returns:
             Those aborted.

@@ -28,7 +28,7 @@ class Sequence:
 
     ``prompt_ids`` becomes ``token_ids`` as it is (no copy): generated tokens are
     appended to it. ``ContinuousBatcher.submit`` passes its own copy; code driving the
-    [`Scheduler`][batchkit.generate.Scheduler] directly should do the same if it
+    [`StepScheduler`][batchkit.generate.StepScheduler] directly should do the same if it
     keeps the prompt list.
 
     Args:
@@ -39,10 +39,10 @@ class Sequence:
         priority: Lower values are served first.
         arrival_time: When it arrived, in seconds (for the latency statistics).
         deadline: The time by which it must have started, or it times out (see
-            [`Scheduler.expire`][batchkit.generate.Scheduler.expire]); ``None``: never.
+            [`StepScheduler.expire`][batchkit.generate.StepScheduler.expire]); ``None``: never.
         sampling: How it picks its tokens; ``None``: greedy.
         group: The group it belongs to (an adapter, a task): any hashable; ``None``
-            is the one default group. See ``Scheduler``'s ``max_groups_per_step``.
+            is the one default group. See ``StepScheduler``'s ``max_groups_per_step``.
     """
 
     __slots__ = (

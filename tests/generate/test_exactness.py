@@ -13,7 +13,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchkit.generate import Scheduler, Sequence, StepBatch
+from batchkit.generate import Sequence, StepBatch, StepScheduler
 from batchkit.kv import BlockAllocator, blocks_for, build_layout
 from tests.generate._toy import VOCAB, PagedToy, SlottedToy, solo
 
@@ -53,7 +53,7 @@ def scenarios(draw: st.DrawFn) -> dict:
     }
 
 
-def run(sc: dict) -> tuple[list[Sequence], Scheduler]:
+def run(sc: dict) -> tuple[list[Sequence], StepScheduler]:
     alloc = None
     if sc["paged"]:
         alloc = BlockAllocator(
@@ -62,7 +62,7 @@ def run(sc: dict) -> tuple[list[Sequence], Scheduler]:
         step = PagedToy(sc["num_blocks"], sc["block_size"])
     else:
         step = SlottedToy()
-    sched = Scheduler(
+    sched = StepScheduler(
         max_num_seqs=sc["max_num_seqs"],
         max_num_batched_tokens=sc["budget"],
         allocator=alloc,

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from batchkit.generate import ContinuousBatcher, Scheduler, SeqStatus, Sequence, StepBatch
+from batchkit.generate import ContinuousBatcher, SeqStatus, Sequence, StepBatch, StepScheduler
 from batchkit.kv import BlockAllocator
 from tests.generate._toy import PagedToy, SlottedToy, solo
 
@@ -21,7 +21,7 @@ class Prompt(list):  # type: ignore[type-arg]
 
 
 def test_deadlines_of_started_requests_do_not_keep_their_tokens_alive() -> None:
-    sched = Scheduler(max_num_seqs=1, max_num_batched_tokens=8)
+    sched = StepScheduler(max_num_seqs=1, max_num_batched_tokens=8)
     alive: list[weakref.ref[Prompt]] = []
     for i in range(500):  # long timeouts, each request served before the next arrives
         prompt = Prompt([1])
@@ -43,8 +43,8 @@ def make(
     budget: int = 64,
     allocator: BlockAllocator | None = None,
     cap: int | None = None,
-) -> Scheduler:
-    return Scheduler(
+) -> StepScheduler:
+    return StepScheduler(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=budget,
         allocator=allocator,
@@ -52,7 +52,7 @@ def make(
     )
 
 
-def step(sched: Scheduler, model: Callable[[StepBatch], list[int | None]]) -> StepBatch:
+def step(sched: StepScheduler, model: Callable[[StepBatch], list[int | None]]) -> StepBatch:
     batch = sched.schedule()
     sched.update(batch, model(batch))
     return batch
@@ -63,7 +63,7 @@ def shares(batch: StepBatch) -> dict[int, int]:
     return {s.request_id: s.num_tokens for s in batch.seqs}
 
 
-def run_to_end(sched: Scheduler, model: Callable[[StepBatch], list[int | None]]) -> None:
+def run_to_end(sched: StepScheduler, model: Callable[[StepBatch], list[int | None]]) -> None:
     for _ in range(1000):
         if not sched.has_work:
             return
