@@ -1,10 +1,11 @@
 """What the scheduler's sequences hold while they run: a row each and, in paged mode, KV blocks.
 
-`SeqResources` (held by the `Scheduler`)
-checks that a request could ever fit the KV pool, gives a sequence its row and its
-blocks (adopting any prefix-cache hit), grows its blocks step by step, registers the
-blocks a step completed in the prefix cache, and takes rows and blocks back when a
-sequence finishes or is preempted. The scheduler decides who runs.
+`SeqResources` (held by the `Scheduler`) checks that a request could ever fit the KV
+pool, gives a sequence its row and its blocks (adopting any prefix-cache hit of its
+group), grows its blocks step by step, registers the blocks a step completed in the
+prefix cache under its group (an adapter's keys and values are its own), and takes
+rows and blocks back when a sequence finishes or is preempted. The scheduler decides
+who runs.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class SeqResources:
         nothing is taken or counted as a lookup."""
         alloc = self.allocator
         assert alloc is not None
-        hits = alloc.match_prefix(seq.token_ids)
+        hits = alloc.match_prefix(seq.token_ids, group=seq.group)  # its adapter's blocks only
         cached = len(hits) * alloc.block_size
         n = min(seq.num_tokens - cached, chunk)
         need = blocks_for(cached + n, alloc.block_size) - len(hits)
@@ -204,5 +205,8 @@ class SeqResources:
         blocks = seq.block_table.block_ids
         for j in range(start // bs, end // bs):
             alloc.prefix.insert(
-                blocks[j], blocks[j - 1] if j else -1, seq.token_ids[j * bs : (j + 1) * bs]
+                blocks[j],
+                blocks[j - 1] if j else -1,
+                seq.token_ids[j * bs : (j + 1) * bs],
+                group=seq.group,
             )

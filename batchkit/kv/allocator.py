@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import operator
 from collections import Counter, OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 from batchkit.errors import BatchkitError
@@ -84,7 +84,7 @@ class BlockAllocator:
             ``0 .. num_blocks-1``.
         block_size: Tokens per block (a positive int).
         prefix_caching: Keep freed full blocks' contents in a prefix cache, so that
-            sequences with an equal prefix share them (see
+            sequences of one group with an equal prefix share them (see
             [`lookup_prefix`][batchkit.BlockAllocator.lookup_prefix]).
 
     Raises:
@@ -114,7 +114,7 @@ class BlockAllocator:
     # -- the pool -------------------------------------------------------------
     @property
     def prefix_caching(self) -> bool:
-        """Whether full blocks are shared between sequences with equal prefixes."""
+        """Whether full blocks are shared between sequences of one group with equal prefixes."""
         return self.prefix is not None
 
     @property
@@ -295,25 +295,31 @@ class BlockAllocator:
         return self._stored_total
 
     # -- prefix caching -------------------------------------------------------
-    def lookup_prefix(self, token_ids: Sequence[int]) -> list[int]:
+    def lookup_prefix(self, token_ids: Sequence[int], *, group: Hashable = None) -> list[int]:
         """Blocks holding the longest cached prefix of ``token_ids``, each retained once.
 
         Only full blocks are shared, and never the whole prompt: at least its last token
-        is left to compute, so the step that computes it can sample. Empty without
-        prefix caching. The same as
+        is left to compute, so the step that computes it can sample. Only blocks
+        computed in ``group`` are found: another group's (another adapter's) keys and
+        values differ. Empty without prefix caching. The same as
         [`adopt_prefix`][batchkit.BlockAllocator.adopt_prefix] of
         [`match_prefix`][batchkit.BlockAllocator.match_prefix].
 
         Args:
             token_ids: The sequence's token ids (its prompt), from the start.
+            group: The sequence's group (``Sequence.group``; ``None``: the default
+                group), as its blocks were registered.
 
         Returns:
             The shared blocks, in order: they hold its first ``len(result) *
             block_size`` tokens.
-        """
-        return self.adopt_prefix(token_ids, self.match_prefix(token_ids))
 
-    def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
+        Raises:
+            TypeError: ``group`` is not hashable.
+        """
+        return self.adopt_prefix(token_ids, self.match_prefix(token_ids, group=group))
+
+    def match_prefix(self, token_ids: Sequence[int], *, group: Hashable = None) -> list[int]:
         """The blocks [`lookup_prefix`][batchkit.BlockAllocator.lookup_prefix] would return.
 
         They are neither retained nor counted in the statistics: this checks first
@@ -321,11 +327,17 @@ class BlockAllocator:
 
         Args:
             token_ids: The sequence's token ids (its prompt), from the start.
+            group: The sequence's group (``None``: the default group).
+
+        Raises:
+            TypeError: ``group`` is not hashable.
         """
         prefix = self.prefix
         if prefix is None:
             return []
-        return prefix.match(token_ids, max_blocks=self._shareable_blocks(token_ids), count=False)
+        return prefix.match(
+            token_ids, max_blocks=self._shareable_blocks(token_ids), count=False, group=group
+        )
 
     def adopt_prefix(self, token_ids: Sequence[int], hits: list[int]) -> list[int]:
         """Retain ``hits`` and count the lookup in the hit-rate statistics.

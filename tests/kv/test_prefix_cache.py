@@ -1,11 +1,14 @@
 """The prefix cache: full blocks only, never the whole prompt, verified hits, no stale
-entries; copies of one prefix all registered; eviction order (uncached blocks first,
-then least recently freed, a sequence from its end); the hit-rate counters.
+entries; chains per group (an adapter's blocks found by its own requests only, the
+default group's digests unchanged); copies of one prefix all registered; eviction
+order (uncached blocks first, then least recently freed, a sequence from its end); the
+hit-rate counters.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Hashable
 
 import pytest
 from hypothesis import given
@@ -16,15 +19,18 @@ from batchkit.generate import ContinuousBatcher, StepBatch
 from batchkit.kv import BlockAllocator, BlockTable, OutOfBlocks
 
 
-def _fill(alloc: BlockAllocator, tokens: list[int]) -> BlockTable:
-    """A table holding ``tokens``, its full blocks registered as computed."""
+def _fill(alloc: BlockAllocator, tokens: list[int], group: Hashable = None) -> BlockTable:
+    """A table holding ``tokens``, its full blocks registered as computed in ``group``."""
     t = BlockTable(alloc)
     t.append(len(tokens))
     bs = alloc.block_size
     assert alloc.prefix is not None
     for j in range(len(tokens) // bs):
         alloc.prefix.insert(
-            t.block_ids[j], t.block_ids[j - 1] if j else -1, tokens[j * bs : (j + 1) * bs]
+            t.block_ids[j],
+            t.block_ids[j - 1] if j else -1,
+            tokens[j * bs : (j + 1) * bs],
+            group=group,
         )
     return t
 
@@ -109,6 +115,75 @@ def test_block_digest_is_128_bit_and_chained() -> None:
     d = prefix_mod.block_digest(b"", [1, 2])
     assert len(d) == 16
     assert prefix_mod.block_digest(d, [3, 4]) != prefix_mod.block_digest(b"", [3, 4])
+
+
+# -- groups ---------------------------------------------------------------------------
+def test_a_prefix_is_found_by_its_own_group_only() -> None:
+    alloc = BlockAllocator(16, 2, prefix_caching=True)
+    prompt = [1, 2, 3, 4, 5]
+    a = _fill(alloc, prompt, group="lora-a")
+    assert alloc.lookup_prefix(prompt, group="lora-b") == []  # another adapter's keys
+    assert alloc.lookup_prefix(prompt) == []  # nor the default group's
+    assert alloc.lookup_prefix(prompt, group="lora-a") == a.block_ids[:2]
+    b = _fill(alloc, prompt, group="lora-b")  # computed again: a chain of its own
+    assert alloc.lookup_prefix(prompt, group="lora-b") == b.block_ids[:2]
+    assert alloc.lookup_prefix(prompt, group="lora-a") == a.block_ids[:2]
+    s = alloc.stats()
+    assert s.num_cached == 4 and (s.prefix_queries, s.prefix_hits) == (10, 6)
+
+
+def test_the_default_groups_digests_are_those_of_a_cache_without_groups() -> None:
+    alloc = BlockAllocator(8, 2, prefix_caching=True)
+    assert alloc.prefix is not None
+    t = _fill(alloc, [1, 2, 3, 4])
+    first = prefix_mod.block_digest(b"", [1, 2])
+    assert prefix_mod.root_digest(None) == b""
+    assert alloc.prefix.digest_of(t.block_ids[0]) == first
+    assert alloc.prefix.digest_of(t.block_ids[1]) == prefix_mod.block_digest(first, [3, 4])
+    other = _fill(alloc, [1, 2, 3, 4], group="lora-a")
+    assert alloc.prefix.digest_of(other.block_ids[0]) == prefix_mod.block_digest(
+        prefix_mod.root_digest("lora-a"), [1, 2]
+    )
+    assert len({prefix_mod.root_digest(g) for g in (None, "lora-a", "lora-b", 0)}) == 4
+
+
+def test_equal_groups_share_and_groups_with_equal_hashes_do_not() -> None:
+    assert hash(-1) == hash(-2)  # CPython: -1 is hash()'s error value, so -1 hashes as -2
+    assert prefix_mod.root_digest(-1) == prefix_mod.root_digest(-2)  # one root ...
+    alloc = BlockAllocator(8, 2, prefix_caching=True)
+    t = _fill(alloc, [1, 2, 3], group=-1)
+    assert alloc.lookup_prefix([1, 2, 3], group=-2) == []  # ... told apart by the group
+    assert alloc.lookup_prefix([1, 2, 3], group=-1) == t.block_ids[:1]
+    # Equal as dict keys, so one group to the scheduler: they share.
+    assert alloc.lookup_prefix([1, 2, 3], group=-1.0) == t.block_ids[:1]
+
+
+def test_a_colliding_digest_of_another_group_is_a_miss(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(prefix_mod, "block_digest", lambda parent, tokens: b"same")
+    alloc = BlockAllocator(8, 2, prefix_caching=True)
+    a = _fill(alloc, [1, 2, 3, 4, 0], group="lora-a")
+    assert alloc.lookup_prefix([1, 2, 3, 4, 0], group="lora-b") == []  # same hash, tokens
+    assert alloc.lookup_prefix([1, 2, 3, 4, 0], group="lora-a") == a.block_ids[:2]
+    # A chain of b's own, under the same "hash": each group finds its own copy.
+    b = _fill(alloc, [1, 2, 3, 4, 0], group="lora-b")
+    assert alloc.lookup_prefix([1, 2, 3, 4, 0], group="lora-b") == b.block_ids[:2]
+    assert alloc.lookup_prefix([1, 2, 3, 4, 0], group="lora-a") == a.block_ids[:2]
+
+
+def test_a_block_after_another_groups_block_is_refused_naming_both() -> None:
+    alloc = BlockAllocator(4, 2, prefix_caching=True)
+    assert alloc.prefix is not None
+    parent, child = alloc.allocate(2)
+    alloc.prefix.insert(parent, -1, [1, 2], group="lora-a")
+    with pytest.raises(ValueError, match=r"block 1 of group 'lora-b'.*block 0.*'lora-a'"):
+        alloc.prefix.insert(child, parent, [3, 4], group="lora-b")
+    assert child not in alloc.prefix
+
+
+def test_an_unhashable_group_is_a_type_error() -> None:
+    alloc = BlockAllocator(4, 2, prefix_caching=True)
+    with pytest.raises(TypeError):
+        alloc.lookup_prefix([1, 2, 3], group=["lora-a"])  # type: ignore[arg-type]
 
 
 # -- copies of one prefix ------------------------------------------------------------
@@ -236,8 +311,10 @@ def test_prefix_hit_rate_counts_each_admitted_request_once() -> None:
 
 # -- a model of what the blocks hold -----------------------------------------------
 prompt = st.lists(st.integers(1, 2), min_size=1, max_size=10)
+# None (the default group), an adapter, and two groups whose hash() is equal (-1, -2).
+group = st.sampled_from([None, None, "lora-a", -1, -2])
 cache_op = st.one_of(
-    st.tuples(st.just("admit"), st.lists(prompt, min_size=1, max_size=3)),
+    st.tuples(st.just("admit"), st.lists(st.tuples(group, prompt), min_size=1, max_size=3)),
     st.tuples(st.just("free"), st.integers(0, 9)),
     st.tuples(st.just("grab"), st.integers(0, 3)),  # a raw allocate (or release) by a user
 )
@@ -245,13 +322,15 @@ cache_op = st.one_of(
 
 @given(st.integers(2, 16), st.lists(cache_op, max_size=40))
 def test_hits_are_the_longest_cached_prefix_and_hold_its_tokens(num_blocks: int, ops: list) -> None:
-    """Sequences admitted in groups (looked up together, then computed and registered,
-    as in one scheduler step), freed, and blocks grabbed raw, against a model of the
-    contents each block holds: every hit holds the looked-up prefix, and no cached
-    prefix is missed while some copy of each of its blocks lives."""
+    """Sequences of several groups (adapters) admitted together (looked up together,
+    then computed and registered, as in one scheduler step), freed, and blocks grabbed
+    raw, against a model of the contents each block holds: every hit holds the
+    looked-up prefix computed in the sequence's own group, and no cached prefix of its
+    group is missed while some copy of each of its blocks lives."""
     bs = 2
     alloc = BlockAllocator(num_blocks, bs, prefix_caching=True)
-    holds: dict[int, tuple[int, ...]] = {}  # cached block -> the whole prefix it ends
+    # cached block -> its group and the whole prefix it ends
+    holds: dict[int, tuple[Hashable, tuple[int, ...]]] = {}
     tables: list[tuple[BlockTable, list[int]]] = []
     raw: list[list[int]] = []
 
@@ -261,17 +340,17 @@ def test_hits_are_the_longest_cached_prefix_and_hold_its_tokens(num_blocks: int,
 
     for name, arg in ops:
         if name == "admit":
-            group = []
-            for tokens in arg:
+            admitted = []
+            for group, tokens in arg:
                 shareable = (len(tokens) - 1) // bs
                 live = set(holds.values())
                 expect = 0
-                while expect < shareable and tuple(tokens[: (expect + 1) * bs]) in live:
+                while expect < shareable and (group, tuple(tokens[: (expect + 1) * bs])) in live:
                     expect += 1
-                hits = alloc.lookup_prefix(tokens)
+                hits = alloc.lookup_prefix(tokens, group=group)
                 assert len(hits) == expect
                 for j, b in enumerate(hits):
-                    assert holds[b] == tuple(tokens[: (j + 1) * bs])
+                    assert holds[b] == (group, tuple(tokens[: (j + 1) * bs]))
                 table = BlockTable(alloc)
                 table.adopt(hits, len(hits) * bs)
                 try:
@@ -280,14 +359,14 @@ def test_hits_are_the_longest_cached_prefix_and_hold_its_tokens(num_blocks: int,
                     table.free()
                     continue
                 allocated(table.block_ids[len(hits) :])
-                group.append((table, tokens, len(hits)))
-            for table, tokens, cached in group:  # the step ran: register what it computed
+                admitted.append((table, group, tokens, len(hits)))
+            for table, group, tokens, cached in admitted:  # the step ran: register its blocks
                 assert alloc.prefix is not None
                 for j in range(cached, len(tokens) // bs):
                     block = table.block_ids[j]
                     parent = table.block_ids[j - 1] if j else -1
-                    alloc.prefix.insert(block, parent, tokens[j * bs : (j + 1) * bs])
-                    holds[block] = tuple(tokens[: (j + 1) * bs])
+                    alloc.prefix.insert(block, parent, tokens[j * bs : (j + 1) * bs], group=group)
+                    holds[block] = (group, tuple(tokens[: (j + 1) * bs]))
                 tables.append((table, tokens))
         elif name == "free" and tables:
             tables.pop(arg % len(tables))[0].free()

@@ -101,7 +101,7 @@ def continuous_batcher(
             the model's position embeddings. A prompt that leaves no room is refused
             at ``submit`` (``ValueError``).
         **options: Any other [`ContinuousBatcher`][batchkit.ContinuousBatcher] option
-            (``max_queue_size``, ``name``, ``clock``).
+            (``max_queue_size``, ``max_groups_per_step``, ``name``, ``clock``).
 
     Returns:
         The batcher; ``batcher.step_fn`` is the ``PagedLM``.
