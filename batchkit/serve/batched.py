@@ -26,6 +26,7 @@ from batchkit.serve.options import (
     OnOom,
     Options,
     Settings,
+    SettingsChange,
     check_serving_options,
     oom_recovery,
 )
@@ -466,13 +467,10 @@ class BatchedFunction(Generic[R]):
             ValueError: A value is not valid, or the policy has no such setting;
                 nothing was changed.
         """
-        return self._core.configure(
-            max_batch_size=max_batch_size,
-            max_wait_ms=max_wait_ms,
-            max_concurrent_batches=max_concurrent_batches,
-            max_queue_size=max_queue_size,
-            max_latency_ms=max_latency_ms,
+        changes = SettingsChange(
+            max_batch_size, max_wait_ms, max_concurrent_batches, max_queue_size, max_latency_ms
         )
+        return self._core.configure(changes)
 
     def load(self) -> tuple[int, int]:
         """`(queue depth, batches in flight)` now, cheaply (what a metrics scrape reads)."""

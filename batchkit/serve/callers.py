@@ -197,20 +197,8 @@ def bind_acall(core: ServingCore, lane: LockFreeLane | None) -> AsyncCall:
     """
 
     async def acall(item: Any, *, priority: int = 0, timeout: float | None = None) -> Any:
-        """One item from asyncio: await its result, honouring timeout and cancellation.
-
-        Args:
-            item: The item.
-            priority: Lower values are served first.
-            timeout: Seconds the item may wait before it starts; None for no bound.
-
-        Returns:
-            The item's result.
-
-        Raises:
-            TypeError: `timeout` is not a number (nothing was queued).
-            ValueError: `timeout` is NaN or negative (nothing was queued).
-        """
+        """One item from asyncio: await its result, honouring `timeout` and
+        cancellation (see `BatchedFunction.acall` for the arguments and errors)."""
         if timeout is not None:
             timeout = checked_timeout(timeout)
         loop = asyncio.get_running_loop()
@@ -243,22 +231,8 @@ def bind_acall(core: ServingCore, lane: LockFreeLane | None) -> AsyncCall:
 async def amap(
     core: ServingCore, items: Iterable[Any], priority: int, timeout: float | None
 ) -> list[Any]:
-    """`call_many` from asyncio.
-
-    Args:
-        core: The function's serving core.
-        items: The items.
-        priority: Every item's priority.
-        timeout: Seconds, from this call, within which each item must start; None
-            for no bound.
-
-    Returns:
-        One result per item, in input order.
-
-    Raises:
-        TypeError: `timeout` is not a number (nothing was queued).
-        ValueError: `timeout` is NaN or negative (nothing was queued).
-    """
+    """`call_many` from asyncio: the same arguments, results and errors; each item
+    is awaited on the caller's loop."""
     timeout = checked_timeout(timeout)
     loop = asyncio.get_running_loop()
     reqs = [core.make_request(x, priority, loop) for x in items]
@@ -403,16 +377,9 @@ class ThreadStream(Iterator[Any]):
 class LoopStream(AsyncIterator[Any]):
     """The chunks of one item's stream, read from asyncio (`f.astream(x)`).
 
-    Queued when made (or, with `when_full="block"`, at the first `__anext__`, which
-    may wait for room); `aclose()`, a cancelled read or dropping it leaves the stream.
-    Made inside a running event loop.
-
-    Args:
-        core: The function's serving core.
-        item: The item.
-        priority: Lower values are served first.
-        timeout: Seconds the item may wait before its batch starts; None for no
-            bound.
+    Made inside a running event loop, with `ThreadStream`'s arguments. Queued when
+    made (or, with `when_full="block"`, at the first `__anext__`, which may wait for
+    room); `aclose()`, a cancelled read or dropping it leaves the stream.
     """
 
     def __init__(

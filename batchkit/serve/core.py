@@ -25,7 +25,14 @@ from batchkit.serve.admission import BlockingAdmission
 from batchkit.serve.channels import Channel
 from batchkit.serve.events import BatchEvent, DropEvent, DropReason, Listener, notify
 from batchkit.serve.execute import BatchRun
-from batchkit.serve.options import Options, Settings, check_settings, read_settings, reconfigured
+from batchkit.serve.options import (
+    Options,
+    Settings,
+    SettingsChange,
+    check_settings,
+    read_settings,
+    reconfigured,
+)
 from batchkit.serve.request import DONE, RUNNING, Request, deliver, new_request, resolve_on_loop
 from batchkit.serve.scheduler import FormedBatch, Scheduler
 from batchkit.serve.stats import Stats
@@ -442,25 +449,13 @@ class ServingCore:
                 None if target is None else target.target_s,
             )
 
-    def configure(
-        self,
-        *,
-        max_batch_size: int | None = None,
-        max_wait_ms: float | None = None,
-        max_concurrent_batches: int | None = None,
-        max_queue_size: int | None = None,
-        max_latency_ms: float | None = None,
-    ) -> Settings:
+    def configure(self, changes: SettingsChange) -> Settings:
         """Change the given settings at once for batches formed from now on (a running
         batch is not touched). A bad value changes nothing.
 
         Args:
-            max_batch_size: The policy's largest batch; None leaves it.
-            max_wait_ms: The policy's longest wait, in milliseconds; None leaves it.
-            max_concurrent_batches: Batches that may run at once; None leaves it.
-            max_queue_size: Requests that may wait; None leaves it.
-            max_latency_ms: Each request's latency target (those waiting too, from
-                their admission); None leaves it.
+            changes: The settings to change (see `BatchedFunction.configure`); a
+                field that is None is left as it is.
 
         Returns:
             The settings in force afterwards.
@@ -471,7 +466,11 @@ class ServingCore:
         # (The counts as ints: a YAML or JSON config's 4.0 is stored as 4.)
         max_batch_size, max_wait_ms, max_concurrent_batches, max_queue_size, max_latency_ms = (
             check_settings(
-                max_batch_size, max_wait_ms, max_concurrent_batches, max_queue_size, max_latency_ms
+                changes.max_batch_size,
+                changes.max_wait_ms,
+                changes.max_concurrent_batches,
+                changes.max_queue_size,
+                changes.max_latency_ms,
             )
         )
         with self.lock:
@@ -520,9 +519,7 @@ class ServingCore:
             latency=now - batch.dispatched_at,
             # Requests a timed-out close already answered with BatcherClosed failed too.
             failed=sum(
-                1
-                for i, req in enumerate(batch.requests)
-                if i in run.errors or req.state != RUNNING
+                1 for i, req in enumerate(batch.requests) if i in run.errors or req.state != RUNNING
             ),
             tokens=float(sum(keys)),
             padded_tokens=float(batch.padded_size * max(keys, default=0.0)),

@@ -198,6 +198,18 @@ class Settings:
     max_latency_ms: float | None = None
 
 
+@dataclass(frozen=True)
+class SettingsChange:
+    """What one `f.configure(...)` asks to change: each field None is left as it is
+    (the fields are those of `Settings`)."""
+
+    max_batch_size: int | None = None
+    max_wait_ms: float | None = None
+    max_concurrent_batches: int | None = None
+    max_queue_size: int | None = None
+    max_latency_ms: float | None = None
+
+
 def read_settings(
     policy: Batcher,
     max_concurrent_batches: int,

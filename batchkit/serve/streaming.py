@@ -212,21 +212,10 @@ async def run_stream_async(
     name: str,
     clock: Clock,
 ) -> BatchRun:
-    """Iterate an async generator batch function; raises only a cancellation.
-
-    Anything else it raises, a `BaseException` too, fails its open streams with that
-    exception itself (the task running the batch does not fail).
-
-    Args:
-        fn: The async generator function.
-        requests: The batch's requests.
-        options: The function's options.
-        name: The function's name, for error messages.
-        clock: The clock the first chunk's time is read on.
-
-    Returns:
-        The settled run.
-    """
+    """`run_stream_sync` for an async generator function, on the event loop: the same
+    arguments and result; it raises only a cancellation. Anything else the generator
+    raises, a `BaseException` too, fails its open streams with that exception itself
+    (the task running the batch does not fail)."""
     stream = StreamBatch(requests, options, name)
     if not stream.prepare(options):
         return stream.run
