@@ -14,7 +14,7 @@ import contextlib
 import math
 import numbers
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 from batchkit.errors import RequestTimeout
 from batchkit.serve.channels import LoopChannel, Message, ThreadChannel
@@ -126,10 +126,7 @@ def call_many(
             try:
                 core.admission.submit(req, _left(core, timeout, started))
             except BaseException as exc:
-                error = _withdraw(core, reqs[:i], exc, timeout)
-                if error is exc:
-                    raise
-                raise error from None
+                _withdraw_and_raise(core, reqs[:i], exc, timeout)
     else:
         core.submit_many(reqs)
     for i, req in enumerate(reqs):
@@ -142,10 +139,10 @@ def call_many(
     return [req.outcome() for req in reqs]
 
 
-def _withdraw(
+def _withdraw_and_raise(
     core: ServingCore, reqs: Sequence[Request], error: BaseException, timeout: float | None
-) -> BaseException:
-    """Withdraw the items of a `map` admitted before `error` stopped it.
+) -> NoReturn:
+    """Withdraw the items of a `map` admitted before `error` stopped it, and raise.
 
     Args:
         core: The function's serving core.
@@ -153,16 +150,16 @@ def _withdraw(
         error: What stopped the admission; each withdrawn request gets it.
         timeout: The caller's `timeout`.
 
-    Returns:
-        The error for the caller (a timeout names the caller's `timeout`, not what
-        was left of it).
+    Raises:
+        BaseException: `error`, or for a timeout a `RequestTimeout` naming the
+            caller's `timeout` (not what was left of it).
     """
     timed_out = isinstance(error, RequestTimeout)
     for req in reqs:
         core.give_up(req, error, timed_out=timed_out)
     if timed_out and timeout is not None:
-        return core.timeout_error(timeout)
-    return error
+        raise core.timeout_error(timeout) from None
+    raise error
 
 
 # -- from asyncio --------------------------------------------------------------------
@@ -242,10 +239,7 @@ async def amap(
             try:
                 await core.admission.asubmit(req, _left(core, timeout, started))
             except BaseException as exc:
-                error = _withdraw(core, reqs[:i], exc, timeout)
-                if error is exc:
-                    raise
-                raise error from None
+                _withdraw_and_raise(core, reqs[:i], exc, timeout)
     else:
         core.submit_many(reqs)
     left = _left(core, timeout, started)
