@@ -1,6 +1,6 @@
 """What the scheduler's sequences hold while they run: a row each and, in paged mode, KV blocks.
 
-`SeqResources` (held by the `Scheduler`) checks that a request could ever fit the KV
+`SeqResources` (held by the `StepScheduler`) checks that a request could ever fit the KV
 pool, gives a sequence its row and its blocks (adopting any prefix-cache hit of its
 group), grows its blocks step by step, registers the blocks a step completed in the
 prefix cache under its group (an adapter's keys and values are its own), and takes

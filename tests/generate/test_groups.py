@@ -15,7 +15,7 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from batchkit.generate import ContinuousBatcher, Scheduler, SeqStatus, Sequence, StepBatch
+from batchkit.generate import ContinuousBatcher, SeqStatus, Sequence, StepBatch, StepScheduler
 from batchkit.kv import BlockAllocator
 from tests.generate._toy import VOCAB, PagedToy, SlottedToy, advance, solo
 
@@ -30,8 +30,8 @@ def make(
     allocator: BlockAllocator | None = None,
     cap: int | None = None,
     max_model_len: int | None = None,
-) -> Scheduler:
-    return Scheduler(
+) -> StepScheduler:
+    return StepScheduler(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=budget,
         allocator=allocator,
@@ -41,7 +41,7 @@ def make(
     )
 
 
-def step(sched: Scheduler, model: Model) -> StepBatch:
+def step(sched: StepScheduler, model: Model) -> StepBatch:
     batch = sched.schedule()
     sched.update(batch, model(batch))
     return batch
@@ -51,7 +51,7 @@ def ids(batch: StepBatch) -> set[int]:
     return {s.request_id for s in batch.seqs}
 
 
-def run_to_end(sched: Scheduler, model: Model) -> list[StepBatch]:
+def run_to_end(sched: StepScheduler, model: Model) -> list[StepBatch]:
     batches: list[StepBatch] = []
     for _ in range(2000):
         if not sched.has_work:
