@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
+import re
 import sys
 import warnings
+from collections.abc import Hashable
 from typing import Any
 
 import numpy as np
@@ -31,7 +33,9 @@ from batchkit.tools.simulate import (
     poisson_arrivals,
     read_lengths,
     read_trace,
+    read_trace_groups,
     read_trace_lengths,
+    sample_groups,
     sample_lengths,
     simulate,
 )
@@ -51,8 +55,9 @@ def add_parser(commands: Any) -> None:
             "--rate, or the times in --trace), batches run for a + b x size + c x cost ms "
             "(or as a profile file says). Prints throughput, p50/p99/p99.9 latency and the "
             "batch-size histogram; with --max-latency-ms, the requests refused or shed and "
-            "the goodput. Comma-separated --max-batch-size/--max-wait-ms/--max-concurrent-"
-            "batches values give one table row per combination."
+            "the goodput; with --groups, the groups per batch and each group's p99. "
+            "Comma-separated --max-batch-size/--max-wait-ms/--max-concurrent-batches/"
+            "--max-groups-per-batch values give one table row per combination."
         ),
     )
     arrivals = p.add_mutually_exclusive_group(required=True)
@@ -104,30 +109,86 @@ def add_parser(commands: Any) -> None:
                         help="what --max-tokens bounds and --per-cost-ms counts: padded = "
                              "batch size x longest (default), sum = total tokens (packed, "
                              "padding-free)")  # fmt: skip
+    grouped = p.add_argument_group("groups (adapters, models, tasks: max_groups_per_batch)")
+    group_source = grouped.add_mutually_exclusive_group()
+    group_source.add_argument("--groups", type=group_spec, metavar="N|NAME=WEIGHT,...",
+                              help="each request's group, drawn (with --seed): N groups "
+                                   "0..N-1 (by --group-skew), or NAME=WEIGHT pairs such as "
+                                   "a=3,b=1")  # fmt: skip
+    group_source.add_argument("--trace-groups", action="store_true",
+                              help="each request's group: the --trace CSV's column headed "
+                                   "'group'")  # fmt: skip
+    grouped.add_argument("--group-skew", type=non_negative_float, metavar="SKEW",
+                         help="--groups N: group k is drawn with weight 1 / (k + 1)^SKEW "
+                              "(Zipf; default 0: evenly)")  # fmt: skip
+    grouped.add_argument("--max-groups-per-batch", type=int_list,
+                         help="the most groups in one batch (default 1; comma-separated "
+                              "values sweep)")  # fmt: skip
     model = p.add_argument_group("latency model (default 5 ms + 0.5 ms x batch size)")
     model.add_argument("--latency-ms", type=non_negative_float, help="a: fixed cost of a batch")
     model.add_argument("--per-item-ms", type=non_negative_float, help="b: cost per item")
     model.add_argument("--per-cost-ms", type=non_negative_float,
                        help="c: cost per unit of a batch's cost, by --cost (per token; "
                             "needs lengths; default 0)")  # fmt: skip
+    model.add_argument("--switch-ms", type=non_negative_float,
+                       help="s: cost of each group past the first in a batch (needs "
+                            "groups; default 0)")  # fmt: skip
     model.add_argument("--profile", metavar="FILE.json",
                        help="a 'batchkit profile --json' file instead of a + b x size")  # fmt: skip
     p.set_defaults(run=run)
 
 
 LENGTH_OPTIONS = "--lengths, --length-dist or --trace-lengths"
+GROUP_OPTIONS = "--groups or --trace-groups"
+
+
+def group_spec(text: str) -> int | dict[str, float]:
+    """``"12"`` -> 12 groups; ``"a=3,b=1"`` -> each group's weight.
+
+    Args:
+        text: The command-line word.
+
+    Raises:
+        argparse.ArgumentTypeError: It is neither (argparse prints the message).
+    """
+    expected = "a number of groups such as 12, or NAME=WEIGHT pairs such as a=3,b=1"
+    text = text.strip()
+    if "=" not in text:
+        try:
+            count = positive_int(text)
+        except argparse.ArgumentTypeError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        return count
+    weights: dict[str, float] = {}
+    for pair in (p for p in re.split(r"[,\s]+", text) if p):
+        name, _, weight = (part.strip() for part in pair.partition("="))
+        if not name or not weight:
+            where = "" if pair == text else f" in {text!r}"
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {pair!r}{where}")
+        if name in weights:
+            raise argparse.ArgumentTypeError(f"group {name!r} is given twice in {text!r}")
+        try:
+            weights[name] = non_negative_float(weight)
+        except argparse.ArgumentTypeError:
+            raise argparse.ArgumentTypeError(
+                f"group {name!r}: its weight must be a number >= 0, got {weight!r}"
+            ) from None
+    if not any(weights.values()):
+        raise argparse.ArgumentTypeError(f"every group's weight is 0 in {text!r}")
+    return weights
 
 
 def _latency_model(args: argparse.Namespace) -> LatencyModel:
     linear = args.latency_ms is not None or args.per_item_ms is not None
     per_cost = 0.0 if args.per_cost_ms is None else args.per_cost_ms
+    switch = 0.0 if args.switch_ms is None else args.switch_ms
     if args.profile is not None:
         if linear:
             raise CliError("give either --profile or --latency-ms/--per-item-ms, not both")
-        return LatencyModel.from_profile(args.profile, per_cost_ms=per_cost)
+        return LatencyModel.from_profile(args.profile, per_cost_ms=per_cost, switch_ms=switch)
     fixed = 5.0 if args.latency_ms is None else args.latency_ms
     per_item = 0.5 if args.per_item_ms is None else args.per_item_ms
-    return LatencyModel.linear(fixed, per_item, per_cost)
+    return LatencyModel.linear(fixed, per_item, per_cost, switch_ms=switch)
 
 
 def _check_options(args: argparse.Namespace) -> None:
@@ -163,6 +224,27 @@ def _check_options(args: argparse.Namespace) -> None:
         raise CliError("--buckets is for --policy bucketed")
     if not args.eager and args.policy != "dynamic":
         raise CliError("--no-eager is for --policy dynamic (static never leaves before full)")
+    _check_group_options(args)
+
+
+def _check_group_options(args: argparse.Namespace) -> None:
+    """Group options that need groups, or a kind of them."""
+    if args.trace_groups and args.trace is None:
+        raise CliError("--trace-groups reads the groups from --trace FILE: give --trace")
+    if args.group_skew is not None and not isinstance(args.groups, int):
+        if args.groups is None:
+            raise CliError("--group-skew is the Zipf skew of --groups N: give --groups N")
+        raise CliError(
+            "--group-skew is for --groups N (a number of groups): NAME=WEIGHT pairs give "
+            "each group's weight"
+        )
+    if args.groups is None and not args.trace_groups:
+        if args.max_groups_per_batch is not None:
+            raise CliError(f"--max-groups-per-batch needs {GROUP_OPTIONS} (each request's group)")
+        if args.switch_ms:
+            raise CliError(
+                f"--switch-ms prices a batch's groups past the first: give {GROUP_OPTIONS}"
+            )
 
 
 def _keys(
@@ -185,6 +267,34 @@ def _keys(
         raise CliError(f"argument --lengths: {exc}") from None
     picked = np.random.default_rng(args.seed).choice(np.asarray(lengths), size=count)
     return [float(n) for n in picked.tolist()], f"lengths drawn from {args.lengths}"
+
+
+def _groups(args: argparse.Namespace, count: int) -> tuple[list[Hashable] | None, str]:
+    """Each request's group, and where it came from; None without groups."""
+    if args.trace_groups:
+        _, traced = read_trace_groups(args.trace)
+        return list(traced), f"groups from the group column of {args.trace}"
+    if args.groups is None:
+        return None, ""
+    skew = 0.0 if args.group_skew is None else args.group_skew
+    drawn = sample_groups(args.groups, count, args.seed, skew=skew)
+    if isinstance(args.groups, int):
+        how = f"Zipf skew {skew:g}" if skew else "evenly"
+        return drawn, f"groups drawn from {args.groups} groups ({how})"
+    weights = ",".join(f"{name}={weight:g}" for name, weight in args.groups.items())
+    return drawn, f"groups drawn from {weights}"
+
+
+def _describe_groups(groups: list[Hashable]) -> str:
+    """How many groups, and the share of the most requested one."""
+    counts: dict[Hashable, int] = {}
+    for group in groups:
+        counts[group] = counts.get(group, 0) + 1
+    top = max(counts, key=counts.__getitem__)
+    return (
+        f"{len(counts):,} groups, the most requested {top} ({counts[top] / len(groups):.0%} "
+        "of requests)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -219,11 +329,16 @@ def run(args: argparse.Namespace) -> int:
             ) from None
         source = f"{len(times)} Poisson arrivals at {args.rate:g} req/s (seed {args.seed})"
     keys, lengths_source = _keys(args, len(times), traced)
+    groups, groups_source = _groups(args, len(times))
     cost: CostLike = "sum" if args.cost == "sum" else "padded"
     waits: list[float | None] = list(args.max_wait_ms or [DEFAULT_MAX_WAIT_MS])
     if args.policy == "static":
         waits = [None]  # it has none (a wait given was refused above)
-    combos = list(itertools.product(args.max_batch_size, waits, args.max_concurrent_batches))
+    limits: list[int | None] = list(args.max_groups_per_batch or [None])  # None: the default, 1
+    settings = list(
+        itertools.product(args.max_batch_size, waits, args.max_concurrent_batches, limits)
+    )
+    combos = [(size, wait, slots) for size, wait, slots, _ in settings]
     results = []
     with (
         Progress("simulating", len(combos), enabled=sys.stderr.isatty() and len(combos) > 1) as bar,
@@ -232,7 +347,7 @@ def run(args: argparse.Namespace) -> int:
         # Printed below, once, in the report itself (SimResult.warnings), not as Python's
         # warning lines on stderr for every row of a sweep.
         warnings.simplefilter("ignore", SimulationWarning)
-        for size, wait, slots in combos:
+        for size, wait, slots, limit in settings:
             results.append(
                 simulate(
                     model,
@@ -246,6 +361,9 @@ def run(args: argparse.Namespace) -> int:
                         max_tokens=args.max_tokens,
                         cost=cost,
                         key=None if keys is None else len,
+                        # (Never called: simulate gives each request its group.)
+                        group=None if groups is None else groups.__getitem__,
+                        max_groups_per_batch=limit,
                     ),
                     policy=args.policy,
                     max_batch_size=size,
@@ -258,12 +376,16 @@ def run(args: argparse.Namespace) -> int:
                     max_tokens=args.max_tokens if args.eager else None,
                     cost=cost if args.eager else "padded",
                     buckets=args.buckets,
+                    groups=groups,
+                    max_groups_per_batch=limit if args.eager else None,
                 )
             )
             bar.advance()
     print(f"{source}; latency model {model.description}")
     if keys is not None:
         print(f"{lengths_source}: mean {sum(keys) / len(keys):,.1f}")
+    if groups is not None:
+        print(f"{groups_source}: {_describe_groups(groups)}")
     if not args.eager:
         print("not eager: a batch waits for full or --max-wait-ms even when nothing runs")
     if args.max_latency_ms is not None:
@@ -284,7 +406,9 @@ def format_table(combos: list[tuple[int, float | None, int]], results: list[SimR
     """One row per setting: the latency/throughput trade-off at a glance.
 
     With a latency target or a goodput threshold, each row adds the goodput (req/s
-    and % of offered) and the requests refused and shed.
+    and % of offered) and the requests refused and shed. With groups, each row adds
+    its `max_groups_per_batch` (after the slots), the mean groups per batch, and the
+    worst group's p99 and name (last).
 
     Args:
         combos: ``(max_batch_size, max_wait_ms, max_concurrent_batches)`` per run
@@ -292,22 +416,31 @@ def format_table(combos: list[tuple[int, float | None, int]], results: list[SimR
         results: The runs' results, in the same order.
     """
     good = any(r.goodput_ms is not None for r in results)
-    head = (
-        f"{'max_batch':>9}{'wait ms':>8}{'slots':>6}{'req/s':>9}{'p50 ms':>8}{'p99 ms':>8}"
-        f"{'p99.9 ms':>9}{'batch':>7}{'busy':>6}"
-    )
+    grouped = any(r.max_groups_per_batch is not None for r in results)
+    head = f"{'max_batch':>9}{'wait ms':>8}{'slots':>6}"
+    if grouped:
+        head += f"{'groups':>7}"
+    head += f"{'req/s':>9}{'p50 ms':>8}{'p99 ms':>8}{'p99.9 ms':>9}{'batch':>7}{'busy':>6}"
     if good:
         head += f"{'goodput':>9}{'good':>6}{'refused':>9}{'shed':>7}"
+    if grouped:
+        head += f"{'grp/b':>6}{'worst p99':>10}  group"
     lines = [head]
     for (size, wait, slots), r in zip(combos, results):
         shown = "-" if wait is None else f"{wait:g}"
-        row = (
-            f"{size:>9}{shown:>8}{slots:>6}{r.throughput:>9,.0f}{r.latency.p50:>8.1f}"
+        row = f"{size:>9}{shown:>8}{slots:>6}"
+        if grouped:
+            row += f"{r.max_groups_per_batch:>7}"
+        row += (
+            f"{r.throughput:>9,.0f}{r.latency.p50:>8.1f}"
             f"{r.latency.p99:>8.1f}{r.latency.p999:>9.1f}{r.mean_batch_size:>7.1f}"
             f"{r.utilization:>6.0%}"
         )
         if good:
             row += f"{r.goodput:>9,.0f}{r.goodput_fraction:>6.0%}{r.overloaded:>9,}{r.shed:>7,}"
+        if grouped:
+            worst = "-" if r.worst_group is None else str(r.worst_group)
+            row += f"{r.mean_groups_per_batch:>6.2f}{r.worst_group_p99:>10.1f}  {worst}"
         lines.append(row + _overload_mark(r))
     if any(_overload_mark(r) for r in results):
         lines.append(f"(!) overloaded: arrivals exceed capacity, {_excess(results[0])}")
@@ -366,6 +499,8 @@ def format_result(r: SimResult) -> str:
     ]
     if not math.isnan(r.mean_batch_cost):
         lines.append(f"batch cost    mean {r.mean_batch_cost:,.1f} (by the policy's cost)")
+    if r.max_groups_per_batch is not None:
+        lines += _group_lines(r)
     learned = r.learned_latency
     if learned is not None:
         # (Without lengths the scheduler sees no cost: its cost term is 0 by construction.)
@@ -381,6 +516,29 @@ def format_result(r: SimResult) -> str:
     lines.append("batch sizes")
     lines.extend(histogram(r.batch_sizes))
     return "\n".join(lines)
+
+
+def _group_lines(r: SimResult) -> list[str]:
+    """The groups per batch, and the worst and best groups' p99 latency."""
+    line = f"groups        {len(r.groups):,}, at most {r.max_groups_per_batch} a batch"
+    if r.batch_groups:  # (none when every request was refused)
+        spread = ", ".join(f"{g}: {n:,}" for g, n in r.groups_per_batch.items())
+        line += f"; per batch mean {r.mean_groups_per_batch:.2f} ({spread})"
+    lines = [line]
+    worst = r.worst_group
+    if worst is not None:
+        served = {g: s for g, s in r.groups.items() if s.served}
+        best = min(served, key=lambda g: served[g].latency.p99)
+        lines.append(
+            f"group p99 ms  worst {r.worst_group_p99:.2f} (group {worst}, "
+            f"{_requests(r.groups[worst].requests)}), best {served[best].latency.p99:.2f} "
+            f"(group {best}, {_requests(served[best].requests)})"
+        )
+    return lines
+
+
+def _requests(count: int) -> str:
+    return f"{count:,} request{'' if count == 1 else 's'}"
 
 
 def histogram(batch_sizes: dict[int, int], width: int = 40) -> list[str]:

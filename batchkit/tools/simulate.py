@@ -30,7 +30,7 @@ import numbers
 import re
 import statistics
 import warnings
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -362,7 +362,7 @@ def read_trace(path: str | Path) -> np.ndarray:
         ValueError: the file cannot be read, a line is not a finite number, or it
             holds no times.
     """
-    times, _ = _read_trace_rows(path, with_lengths=False)
+    times, _, _ = _read_trace_rows(path)
     arr = np.sort(np.array(times, dtype=np.float64))
     shifted: np.ndarray = arr - arr[0]
     return shifted
@@ -381,22 +381,54 @@ def read_trace_lengths(path: str | Path) -> tuple[np.ndarray, list[int]]:
     Raises:
         ValueError: the file cannot be read, or a line lacks a time or a length.
     """
-    times, lengths = _read_trace_rows(path, with_lengths=True)
+    times, lengths, _ = _read_trace_rows(path, with_lengths=True)
     order = np.argsort(np.array(times, dtype=np.float64), kind="stable")
     arr = np.array(times, dtype=np.float64)[order]
     shifted: np.ndarray = arr - arr[0]
     return shifted, [lengths[i] for i in order.tolist()]
 
 
-def _read_trace_rows(path: str | Path, *, with_lengths: bool) -> tuple[list[float], list[int]]:
-    """Each data line's time (and length, its second column), in the file's order."""
+GROUP_COLUMN = "group"  # the header of a trace's group column
+
+
+def read_trace_groups(path: str | Path) -> tuple[np.ndarray, list[str]]:
+    """Arrival times and request groups from a CSV trace with a `group` column.
+
+    As `read_trace` (comments, sorted and shifted to start at 0), with each line's
+    field in the column its header row names `group` (case and spaces aside; such as
+    `time,length,group`) as that request's group (its adapter, model or task), as
+    text, in the order of the returned times. Times that tie keep the file's order,
+    as `read_trace_lengths` keeps them, so the lengths and the groups of one trace
+    line up.
+
+    Args:
+        path: the trace file.
+
+    Raises:
+        ValueError: the file cannot be read, it has no header row naming a `group`
+            column, or a line lacks a time or a group.
+    """
+    times, _, groups = _read_trace_rows(path, with_groups=True)
+    order = np.argsort(np.array(times, dtype=np.float64), kind="stable")
+    arr = np.array(times, dtype=np.float64)[order]
+    shifted: np.ndarray = arr - arr[0]
+    return shifted, [groups[i] for i in order.tolist()]
+
+
+def _read_trace_rows(
+    path: str | Path, *, with_lengths: bool = False, with_groups: bool = False
+) -> tuple[list[float], list[int], list[str]]:
+    """Each data line's time (with its length, the second column, and its group, the
+    column headed `group`, when asked), in the file's order."""
     try:
         lines = Path(path).read_text().splitlines()
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"cannot read trace file {str(path)!r}: {exc}") from None
     times: list[float] = []
     lengths: list[int] = []
-    header = False
+    groups: list[str] = []
+    header: list[str] | None = None
+    group_column: int | None = None
     for lineno, line in enumerate(lines, 1):
         fields = [f.strip() for f in line.split("#", 1)[0].split(",")]
         text = fields[0]
@@ -406,18 +438,33 @@ def _read_trace_rows(path: str | Path, *, with_lengths: bool) -> tuple[list[floa
             t = float(text)
         except ValueError:
             if not (times or header) and re.search("[A-Za-z_]", text):
-                header = True  # a CSV's header row (docs/cli.md: "a CSV's first column works")
+                header = [f.lower() for f in fields]  # a CSV's header row (docs/cli.md)
+                if GROUP_COLUMN in header:
+                    group_column = header.index(GROUP_COLUMN)
                 continue
             raise ValueError(f"{path}:{lineno}: not an arrival time in seconds: {text!r}") from None
         if not math.isfinite(t):
             raise ValueError(f"{path}:{lineno}: arrival time must be finite, got {text!r}")
+        if with_groups and group_column is None:
+            named = "has no header row" if header is None else f"header {','.join(header)!r}"
+            raise ValueError(
+                f"{path}: no {GROUP_COLUMN!r} column: the trace {named}; a header row such "
+                f"as time,length,{GROUP_COLUMN} names the column of each request's group"
+            )
         times.append(t)
         if with_lengths:
             length = fields[1] if len(fields) > 1 else ""
             lengths.append(_length(length, f"{path}:{lineno}: second column"))
+        if group_column is not None and with_groups:
+            group = fields[group_column] if len(fields) > group_column else ""
+            if not group:
+                raise ValueError(
+                    f"{path}:{lineno}: no group in column {group_column + 1} ({GROUP_COLUMN!r})"
+                )
+            groups.append(group)
     if not times:
         raise ValueError(f"trace file {str(path)!r} holds no arrival times")
-    return times, lengths
+    return times, lengths, groups
 
 
 def _length(text: str, where: str) -> int:
@@ -496,6 +543,73 @@ def sample_lengths(spec: str, count: int, seed: int = 0) -> list[int]:
     return [int(n) for n in drawn.tolist()]
 
 
+GroupsLike = int | Mapping[Hashable, float] | Sequence[Hashable] | np.ndarray
+# The groups are drawn from a stream of their own: drawn from the arrivals' stream
+# (the same seed), a request's group would follow the gap before it.
+_GROUP_STREAM = 1
+
+
+def sample_groups(
+    groups: int | Mapping[Hashable, float], count: int, seed: int = 0, *, skew: float = 0.0
+) -> list[Hashable]:
+    """`count` request groups drawn from a number of groups or from weights.
+
+    - an int `n`: groups `0 .. n-1`, group `k` drawn with weight `1 / (k + 1) ** skew`
+      (Zipf: group 0 the most requested; `skew` 0, the default, draws them evenly);
+    - a mapping `{group: weight}`: each group in proportion to its weight (>= 0,
+      not all 0).
+
+    The same seed gives the same groups; they are drawn independently of the
+    Poisson arrivals of that seed.
+
+    Args:
+        groups: how many groups, or each group's weight.
+        count: how many requests (>= 1).
+        seed: the random seed.
+        skew: the Zipf exponent for an int `groups` (a finite number >= 0).
+
+    Raises:
+        ValueError: a count of groups below 1, an empty mapping, a weight that is
+            negative or not finite, weights all 0, a bad `skew`, or a `skew` with a
+            mapping (its weights say it all).
+        TypeError: `groups` is neither an int nor a mapping.
+    """
+    count = positive_count("count", count)
+    if not (_is_number(skew) and math.isfinite(skew) and skew >= 0):
+        raise ValueError(f"group_skew must be a finite number >= 0, got {skew!r}")
+    if isinstance(groups, Mapping):
+        if skew:
+            raise ValueError(
+                f"group_skew={skew!r} is for a number of groups: the weights of the "
+                "groups given say how often each is drawn"
+            )
+        names: list[Hashable] = list(groups)
+        if not names:
+            raise ValueError("groups is an empty mapping: give at least one group's weight")
+        for name in names:
+            weight = groups[name]
+            if not (_is_number(weight) and math.isfinite(weight) and weight >= 0):
+                raise ValueError(
+                    f"group {name!r}: its weight must be a finite number >= 0, got {weight!r}"
+                )
+        weights = np.array([float(groups[name]) for name in names], dtype=np.float64)
+        if weights.sum() == 0:
+            raise ValueError("every group's weight is 0: at least one must be drawn")
+    elif isinstance(groups, numbers.Integral) and not isinstance(groups, bool):
+        if groups < 1:
+            raise ValueError(f"groups must be a number of groups >= 1, got {groups!r}")
+        names = list(range(int(groups)))
+        weights = 1.0 / np.arange(1, len(names) + 1, dtype=np.float64) ** skew
+    else:
+        raise TypeError(
+            f"groups to draw from must be a number of groups or a mapping of group -> "
+            f"weight, got {type(groups).__name__}"
+        )
+    rng = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(_GROUP_STREAM,)))
+    drawn = rng.choice(len(names), size=count, p=weights / weights.sum())
+    return [names[k] for k in drawn.tolist()]
+
+
 @dataclass(frozen=True)
 class LatencySummary:
     """Percentiles of a latency sample, in milliseconds (NaN when empty)."""
@@ -522,6 +636,23 @@ class LatencySummary:
         return cls(
             float(p50), float(p90), float(p99), float(p999), float(ms.max()), float(ms.mean())
         )
+
+
+@dataclass(frozen=True)
+class GroupSummary:
+    """One group's share of a simulated run (`SimResult.groups`).
+
+    Attributes:
+        requests: requests of the group replayed.
+        served: those that ran.
+        batches: batches that held at least one of its requests.
+        latency: arrival to batch end, of its served requests.
+    """
+
+    requests: int
+    served: int
+    batches: int
+    latency: LatencySummary
 
 
 @dataclass(frozen=True)
@@ -576,6 +707,12 @@ class SimResult:
         warnings: settings that make the run meaningless, in words (a latency target
             or goodput threshold shorter than one batch's time); each was also
             issued as a `batchkit.tools.simulate.SimulationWarning`.
+        max_groups_per_batch: with groups, the policy's limit; None without.
+        groups: with groups, each group's requests, batches and latency
+            (`batchkit.tools.simulate.GroupSummary`), the most
+            requested first; empty without groups.
+        batch_groups: with groups, each batch's number of distinct groups, in the
+            order of `batch_log`; empty without groups.
     """
 
     requests: int
@@ -607,6 +744,37 @@ class SimResult:
     latencies_s: np.ndarray = field(repr=False)
     batch_log: list[tuple[float, float, int]] = field(repr=False)
     warnings: tuple[str, ...] = ()
+    max_groups_per_batch: int | None = None
+    groups: dict[Hashable, GroupSummary] = field(default_factory=dict)
+    batch_groups: list[int] = field(default_factory=list, repr=False)
+
+    @property
+    def groups_per_batch(self) -> dict[int, int]:
+        """Distinct groups in a batch -> number of batches; empty without groups."""
+        counts: dict[int, int] = {}
+        for g in self.batch_groups:
+            counts[g] = counts.get(g, 0) + 1
+        return dict(sorted(counts.items()))
+
+    @property
+    def mean_groups_per_batch(self) -> float:
+        """Distinct groups per batch, averaged; NaN without groups (or batches)."""
+        return statistics.fmean(self.batch_groups) if self.batch_groups else math.nan
+
+    @property
+    def worst_group(self) -> Hashable | None:
+        """The group whose served requests have the highest p99 latency (the first of
+        the most requested on a tie); None without groups or without a served request."""
+        served = [(g, s.latency.p99) for g, s in self.groups.items() if s.served]
+        if not served:
+            return None
+        return max(served, key=lambda gp: gp[1])[0]
+
+    @property
+    def worst_group_p99(self) -> float:
+        """The p99 latency of `worst_group`, in milliseconds; NaN when there is none."""
+        worst = self.worst_group
+        return math.nan if worst is None else self.groups[worst].latency.p99
 
 
 def describe_batcher(policy: Batcher) -> str:
@@ -622,6 +790,8 @@ def describe_batcher(policy: Batcher) -> str:
     buckets = (
         f", boundaries={list(policy.boundaries)}" if isinstance(policy, BucketedBatcher) else ""
     )
+    if policy.group is not None:
+        buckets += f", max_groups_per_batch={policy.max_groups_per_batch}"
     return f"{type(policy).__name__}(max_batch_size={policy.max_batch_size}{wait}{tokens}{buckets})"
 
 
@@ -638,11 +808,15 @@ def _make_batcher(
     cost: CostLike | BatchCost,
     keys: Sequence[float] | None,
     buckets: int | Sequence[float] | None,
+    groups: Sequence[Hashable] | None,
+    max_groups_per_batch: int | None,
 ) -> Batcher:
     """The policy named, with the key `@batched(key=len)` would give it when there are keys.
 
     With a key the scheduler knows each request's length, so a latency target learns
-    the cost term of the batch times too.
+    the cost term of the batch times too. With groups its `group` maps a request (its
+    index in the arrivals, the simulated item) to its group, as `group=` maps an item
+    online.
     """
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {', '.join(map(repr, POLICIES))}, got {policy!r}")
@@ -652,19 +826,29 @@ def _make_batcher(
     if policy in ("bucketed", "sorted") and keys is None:
         raise ValueError(f"policy={policy!r} groups requests by length: pass keys=")
     wait = DEFAULT_MAX_WAIT_MS if max_wait_ms is None else max_wait_ms
+    grouping: dict[str, Any] = {}
+    if groups is not None:
+        grouping = {"group": groups.__getitem__, "max_groups_per_batch": max_groups_per_batch}
     if policy == "dynamic":
-        return DynamicBatcher(max_batch_size, wait, max_tokens=max_tokens, cost=cost, key=key)
+        return DynamicBatcher(
+            max_batch_size, wait, max_tokens=max_tokens, cost=cost, key=key, **grouping
+        )
     if policy == "static":
         if max_tokens is not None:
             raise ValueError(
                 "max_tokens is not for policy='static': a static batch is a fixed size"
             )
-        static = StaticBatcher(max_batch_size)
+        static = StaticBatcher(max_batch_size, **grouping)
         check_has_wait(static, max_wait_ms)  # a wait it would ignore: refused, as configure does
         # It has no budget, but the latency model's cost term counts by this cost.
         static.cost, static.key = as_batch_cost(cost), key
         return static
-    options: dict[str, Any] = {"max_wait_ms": wait, "max_tokens": max_tokens, "cost": cost}
+    options: dict[str, Any] = {
+        "max_wait_ms": wait,
+        "max_tokens": max_tokens,
+        "cost": cost,
+        **grouping,
+    }
     if policy == "sorted":
         return SortedBatcher(batch_size=max_batch_size, **options)
     assert keys is not None
@@ -696,6 +880,9 @@ def simulate(
     max_tokens: int | None = None,
     cost: CostLike | BatchCost = "padded",
     buckets: int | Sequence[float] | None = None,
+    groups: GroupsLike | None = None,
+    group_skew: float | None = None,
+    max_groups_per_batch: int | None = None,
 ) -> SimResult:
     """Replay arrivals against a batcher and a latency model; see the module docstring.
 
@@ -708,6 +895,15 @@ def simulate(
     late ([`Overloaded`][batchkit.Overloaded], counted as `overloaded`), drops
     waiting ones that can no longer be in time (`shed`), and cuts batches so their
     most urgent member is in time. `goodput` counts the answers within the target.
+
+    With `groups` each request has a group (an adapter, a model, a task), the
+    policy has `group=` and `max_groups_per_batch=` as `@batched(group=...)` gives
+    them, and the requests reach the scheduler as a grouped function sends them: a
+    batch holds at most `max_groups_per_batch` groups, the oldest group first. A
+    batch of `g` groups runs the latency model's `switch_ms * (g - 1)` longer, and
+    the result holds each group's latency (`groups`, `worst_group`) and the groups
+    per batch (`mean_groups_per_batch`): simulate a few `max_groups_per_batch`
+    values to choose one.
 
     Args:
         latency: `(fixed_ms, per_item_ms)` or `(fixed_ms, per_item_ms, per_cost_ms)`,
@@ -745,6 +941,19 @@ def simulate(
             ([`as_batch_cost`][batchkit.batchers.cost.as_batch_cost]).
         buckets: the built bucketed policy's buckets: their boundaries, or how many
             of equal tokens to cut from `keys`; default up to 4 of equal tokens.
+        groups: each request's group: a sequence of hashable groups in the order of
+            `arrivals` (a trace's: `batchkit.tools.simulate.read_trace_groups`); or
+            drawn with `seed`, independently of the arrivals
+            (`batchkit.tools.simulate.sample_groups`): an int `n`,
+            groups `0 .. n-1` by Zipf weights of exponent `group_skew`, or a mapping
+            `{group: weight}`. None (the default): no groups.
+        group_skew: the Zipf exponent of an int `groups` (>= 0; None, the default:
+            0, every group equally often); group `k` is drawn with weight
+            `1 / (k + 1) ** group_skew`.
+        max_groups_per_batch: the built policy's most groups in one batch (needs
+            `groups`; default 1, as `group=` without it). A `batcher` given brings
+            its own (it must have `group=`; its group function is not called: the
+            requests' groups are `groups`).
 
     Raises:
         ValueError: neither `rate` nor `arrivals`, `keys` of another length, a token
@@ -752,9 +961,13 @@ def simulate(
             `batcher`, `max_wait_ms` for `policy="static"`, an
             unknown `policy`, a bucketed or sorted policy without `keys`, a target
             or goodput threshold that is not a positive number, or a latency model
-            whose batches take no time without `keys`; also when the policy's
-            `select` picks nothing, or a batch's end overflows (the replay could
-            never end).
+            whose batches take no time without `keys`; `groups` of another length,
+            bad weights or counts (see `sample_groups`), `group_skew` without an int
+            `groups`, `max_groups_per_batch` without `groups` or beside `batcher`,
+            a `batcher` with `group=` without `groups` or one without `group=`
+            with them; also when the policy's `select` picks nothing, or a batch's
+            end overflows (the replay could never end).
+        TypeError: `groups` of another type, such as a string, or an unhashable group.
 
     Warns:
         SimulationWarning: `max_latency_ms` or `goodput_ms` is shorter than the
@@ -778,6 +991,10 @@ def simulate(
         )
     if max_tokens is not None and keys is None:
         raise ValueError("max_tokens needs keys= (each request's length) to cut batches by")
+    _check_group_options(groups, max_groups_per_batch, batcher)
+    max_groups_per_batch = positive_count(
+        "max_groups_per_batch", max_groups_per_batch, allow_none=True
+    )
     model = as_latency_model(latency)
     if keys is None and model.seconds(1) == 0:
         raise ValueError(
@@ -794,13 +1011,25 @@ def simulate(
             raise ValueError("arrivals must be a non-empty 1-D sequence of finite times")
     if keys is not None and len(keys) != len(times):
         raise ValueError(f"keys has {len(keys)} entries for {len(times)} arrivals")
-    # keys[i] belongs to arrivals[i]: sort both together (stable: ties keep the given order).
+    request_groups = _request_groups(groups, group_skew, len(times), seed)
+    # keys[i] and groups[i] belong to arrivals[i]: sort them together (stable: ties keep
+    # the given order).
     order = np.argsort(times, kind="stable")
     times = times[order]
     if keys is not None:
         keys = [keys[i] for i in order.tolist()]
+    if request_groups is not None:
+        request_groups = [request_groups[i] for i in order.tolist()]
     policy_obj = batcher or _make_batcher(
-        policy, max_batch_size, max_wait_ms, max_tokens, cost, keys, buckets
+        policy,
+        max_batch_size,
+        max_wait_ms,
+        max_tokens,
+        cost,
+        keys,
+        buckets,
+        request_groups,
+        max_groups_per_batch,
     )
     sched = Scheduler(
         policy_obj,
@@ -808,15 +1037,105 @@ def simulate(
         max_concurrent_batches=max_concurrent_batches,
         max_latency_s=None if max_latency_ms is None else max_latency_ms / 1e3,
     )
-    replay = _replay(sched, times, model, keys)
+    replay = _replay(sched, times, model, keys, request_groups)
     threshold = max_latency_ms if goodput_ms is None else goodput_ms
     result = _summarise(sched, times, replay, model, policy_obj, keys, max_latency_ms, threshold)
+    if request_groups is not None:
+        result = dataclasses.replace(
+            result,
+            max_groups_per_batch=policy_obj.max_groups_per_batch,
+            groups=_group_summaries(request_groups, result.latencies_s, replay.group_batches),
+            batch_groups=replay.batch_groups,
+        )
     given = np.empty_like(result.latencies_s)  # back in the order the caller gave
     given[order] = result.latencies_s
     found = _target_warnings(model, policy_obj, keys, max_latency_ms, goodput_ms)
     for message in found:
         warnings.warn(message, SimulationWarning, stacklevel=2)
     return dataclasses.replace(result, latencies_s=given, warnings=found)
+
+
+def _check_group_options(
+    groups: GroupsLike | None, max_groups_per_batch: int | None, batcher: Batcher | None
+) -> None:
+    """Group options that need another one, or that belong on the batcher given."""
+    if groups is None and max_groups_per_batch is not None:
+        raise ValueError(
+            f"max_groups_per_batch={max_groups_per_batch!r} needs groups= (each request's "
+            "group, or how many groups to draw them from)"
+        )
+    if batcher is None:
+        return
+    if max_groups_per_batch is not None:
+        raise ValueError(
+            "max_groups_per_batch is set on the batcher given (group=, "
+            "max_groups_per_batch=), not here"
+        )
+    if groups is not None and batcher.group is None:
+        raise ValueError(
+            f"groups= needs a grouped batcher: the {type(batcher).__name__} given has no "
+            "group= (give it group= and max_groups_per_batch=, or let simulate build it)"
+        )
+    if groups is None and batcher.group is not None:
+        raise ValueError(
+            f"the {type(batcher).__name__} given has group=: pass groups= (each "
+            "request's group, or how many groups to draw them from) to simulate it"
+        )
+
+
+def _request_groups(
+    groups: GroupsLike | None, group_skew: float | None, count: int, seed: int
+) -> list[Hashable] | None:
+    """Each request's group, in the order of the arrivals given; None without groups."""
+    is_count = isinstance(groups, numbers.Integral) and not isinstance(groups, bool)
+    if group_skew is not None and not is_count:
+        given = "None" if groups is None else type(groups).__name__
+        raise ValueError(
+            f"group_skew={group_skew!r} is the Zipf exponent of groups=N (a number of "
+            f"groups to draw from), not of groups of type {given}"
+        )
+    skew = 0.0 if group_skew is None else group_skew
+    if groups is None:
+        return None
+    if isinstance(groups, Mapping):
+        return sample_groups(groups, count, seed, skew=skew)
+    if isinstance(groups, numbers.Integral) and not isinstance(groups, bool):
+        return sample_groups(int(groups), count, seed, skew=skew)
+    if isinstance(groups, (str, bytes)) or not isinstance(groups, (Sequence, np.ndarray)):
+        raise TypeError(
+            "groups must be a number of groups, a mapping of group -> weight or a "
+            f"sequence of each request's group, got {type(groups).__name__}"
+        )
+    if len(groups) != count:
+        raise ValueError(f"groups has {len(groups)} entries for {count} arrivals")
+    listed: list[Hashable] = groups.tolist() if isinstance(groups, np.ndarray) else list(groups)
+    for i, group in enumerate(listed):
+        try:
+            hash(group)
+        except TypeError:
+            raise TypeError(f"groups[{i}] must be hashable, got {type(group).__name__}") from None
+    return listed
+
+
+def _group_summaries(
+    groups: Sequence[Hashable], latencies_s: np.ndarray, batches: dict[Hashable, int]
+) -> dict[Hashable, GroupSummary]:
+    """Each group's requests, batches and latency, the most requested first (ties in
+    the order their first requests arrived)."""
+    members: dict[Hashable, list[int]] = {}
+    for i, group in enumerate(groups):
+        members.setdefault(group, []).append(i)
+    summaries = {}
+    for group, indices in sorted(members.items(), key=lambda m: -len(m[1])):
+        latencies = latencies_s[indices]
+        served = latencies[~np.isnan(latencies)]
+        summaries[group] = GroupSummary(
+            requests=len(indices),
+            served=int(served.size),
+            batches=batches.get(group, 0),
+            latency=LatencySummary.of_seconds(served),
+        )
+    return summaries
 
 
 class SimulationWarning(UserWarning):
@@ -860,10 +1179,16 @@ class _Replay:
     started_at: np.ndarray  # per request: when its batch started
     log: list[tuple[float, float, int]]  # (start, end, size) per batch
     costs: list[float]  # per batch: its cost by the policy's cost (with keys only)
+    batch_groups: list[int]  # per batch: its distinct groups (with groups only)
+    group_batches: dict[Hashable, int]  # per group: the batches that held it
 
 
 def _replay(
-    sched: Scheduler, times: np.ndarray, model: LatencyModel, keys: Sequence[float] | None
+    sched: Scheduler,
+    times: np.ndarray,
+    model: LatencyModel,
+    keys: Sequence[float] | None,
+    groups: Sequence[Hashable] | None,
 ) -> _Replay:
     """The event loop. At equal times: batches end, then arrivals join, then dispatch."""
     n = len(times)
@@ -874,6 +1199,8 @@ def _replay(
     order = itertools.count()
     log: list[tuple[float, float, int]] = []
     costs: list[float] = []
+    batch_groups: list[int] = []
+    group_batches: dict[Hashable, int] = {}
     policy = sched.policy
     inf = math.inf
     i, wake, now = 0, inf, 0.0
@@ -893,10 +1220,16 @@ def _replay(
             for req in batch.requests:
                 req.state = DONE
         while i < n and arrive[i] <= now:
-            if keys is None:
+            key = 0.0 if keys is None else float(keys[i])
+            if groups is not None:
+                # As a grouped function makes it (serve/core.py, make_request): the bucket
+                # is the group and the policy's bucket, and the request carries its group.
+                group = groups[i]
+                bucket = (group, policy.bucket_of(key))
+                req = new_request(i, key, bucket, 0, None, None, arrive[i], group)
+            elif keys is None:
                 req = new_request(i, 0.0, None, 0, enqueued_at=arrive[i])
             else:
-                key = float(keys[i])
                 req = new_request(i, key, policy.bucket_of(key), 0, enqueued_at=arrive[i])
             # Counted by the scheduler (QueueFull as rejected, its subclass Overloaded as
             # overloaded); the latency stays NaN. Shed requests are counted there too.
@@ -908,7 +1241,14 @@ def _replay(
             if formed is None:
                 break
             cost = 0.0 if keys is None else policy.cost.of([r.key for r in formed.requests])
-            seconds = model.seconds(formed.padded_size, cost)
+            distinct = 1
+            if groups is not None:
+                held = {r.group for r in formed.requests}
+                distinct = len(held)
+                batch_groups.append(distinct)
+                for group in held:
+                    group_batches[group] = group_batches.get(group, 0) + 1
+            seconds = model.seconds(formed.padded_size, cost, distinct)
             end = now + seconds
             if not math.isfinite(end):  # a batch that never ends would stall the replay
                 raise ValueError(
@@ -924,7 +1264,7 @@ def _replay(
                 done_at[req.item] = end
         # A wake-up never lies in the past, even when float rounding says the due time is now.
         wake = inf if wake_at is None else max(wake_at, math.nextafter(now, inf))
-    return _Replay(np.array(done_at), np.array(started_at), log, costs)
+    return _Replay(np.array(done_at), np.array(started_at), log, costs, batch_groups, group_batches)
 
 
 def _full_batch_seconds(
