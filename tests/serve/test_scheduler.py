@@ -507,3 +507,16 @@ def test_arrivals_no_other_thread_appends_to_are_all_placed_in_one_step(lane_thr
     batch, _ = sched.poll(0.0)
     assert batch is not None and batch.requests == reqs
     assert not sched.arrivals and sched.num_waiting == 0 and sched.stats.requests == 5
+
+
+def test_setting_closing_as_before_closes_and_a_closed_scheduler_stays_closed() -> None:
+    sched = Scheduler(DynamicBatcher(4, max_wait_ms=1000), max_concurrent_batches=2)
+    add(sched, 0, 0.0)
+    assert sched.poll(0.0)[0] is not None  # idle: leaves
+    add(sched, 1, 0.0)
+    assert sched.poll(0.0)[0] is None  # waits for its max wait
+    sched.closing = True
+    batch, _ = sched.poll(0.0)
+    assert batch is not None and batch.reason is DispatchReason.CLOSING
+    with pytest.raises(ValueError, match="reopen"):
+        sched.closing = False
