@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from batchkit.batchers.base import Batcher
 from batchkit.errors import Overloaded, QueueFull
 from batchkit.serve.buckets import Bucket
-from batchkit.serve.dispatch import DispatchReason, rules_for
+from batchkit.serve.dispatch import DispatchReason, DispatchRule, rules_for
 from batchkit.serve.request import DROPPED, RUNNING, WAITING, Request
 from batchkit.serve.stats import StatsRecorder
 from batchkit.serve.targets import LatencyTarget
@@ -109,12 +109,13 @@ class Scheduler:
         self.lock_free_thread: int | None = None
         self._placed = 0  # waiting requests already in a bucket
         self.in_flight = 0
-        # With a policy `group`: a bucket is (group, the policy's bucket), and a batch
-        # takes from at most this many of them.
-        self.grouped = policy.group is not None
-        self.groups_per_batch: int = policy.max_groups_per_batch or 1
         self._closing = False
-        self._rules = rules_for(policy, self.target)
+        # The dispatch rules, and with a policy `group` (a bucket is then (group, the
+        # policy's bucket)) how many groups a batch may take from: set by set_policy.
+        self._rules: list[DispatchRule] = []
+        self.grouped = False
+        self.groups_per_batch = 1
+        self.set_policy(policy)
         self.running: dict[int, FormedBatch] = {}
         # Learned after out-of-memory: a bucket's effective maximum batch size, raised
         # again by a quarter after PROBE_AFTER successful batches at the cap.
@@ -140,6 +141,8 @@ class Scheduler:
         if self.target is not None:
             self.target.policy = policy
         self._rules = rules_for(policy, self.target, closing=self._closing)
+        self.grouped = policy.group is not None
+        self.groups_per_batch = policy.max_groups_per_batch or 1
 
     def set_max_latency(self, seconds: float) -> None:
         """Give every request a latency target from now on, those waiting too (their
@@ -322,10 +325,8 @@ class Scheduler:
         return bucket, queue
 
     def _place(self, req: Request) -> None:
-        """Append `req` to its bucket (created if needed)."""
-        bucket = self.buckets.get(req.bucket)
-        if bucket is None:
-            bucket = self.buckets[req.bucket] = Bucket(self.policy.max_tokens is not None)
+        """Append `req` to its bucket (created, with its deque, by `_lane` if needed)."""
+        bucket, _ = self._lane(req.bucket, req.priority)
         bucket.append(req)
 
     def drop(self, req: Request) -> bool:
@@ -555,8 +556,8 @@ class Scheduler:
         # The usual batch, the front of the one clean deque, leaves it at once. (Checked
         # against the deque itself: a policy's select() may reorder or skip.)
         if self.groups_per_batch > 1 and any(req.bucket != name for req in chosen):
-            for other, count in _count_by_bucket(chosen).items():
-                self.buckets[other].taken(count)
+            for other, reqs in _by_bucket(chosen).items():
+                self.buckets[other].taken(len(reqs))
         else:
             front = queue is not None and _is_prefix(chosen, queue)
             bucket.taken(len(chosen), front=front)
@@ -584,7 +585,8 @@ class Scheduler:
         other groups of the same policy bucket (at most `max_groups_per_batch - 1` of
         them, oldest head first), to fill a batch that one group leaves short."""
         limit = self.policy.candidate_limit
-        if limit is not None and have >= limit:
+        room = None if limit is None else limit - have  # None: every candidate
+        if room is not None and room <= 0:
             return []
         heads = []
         for other_name, other in self.buckets.items():
@@ -595,9 +597,8 @@ class Scheduler:
         heads.sort(key=lambda h: (h[0], h[1]))
         more: list[Request] = []
         for _, _, other_name in heads[: self.groups_per_batch - 1]:
-            left = None if limit is None else limit - have - len(more)
-            more += self.buckets[other_name].candidates(left)
-            if left is not None and len(more) >= limit - have:  # type: ignore[operator]
+            more += self.buckets[other_name].candidates(None if room is None else room - len(more))
+            if room is not None and len(more) >= room:
                 break
         return more
 
@@ -650,11 +651,3 @@ def _by_bucket(reqs: list[Request]) -> dict[Hashable, list[Request]]:
     for req in reqs:
         out.setdefault(req.bucket, []).append(req)
     return out
-
-
-def _count_by_bucket(reqs: list[Request]) -> dict[Hashable, int]:
-    """How many of `reqs` each bucket holds."""
-    counts: dict[Hashable, int] = {}
-    for req in reqs:
-        counts[req.bucket] = counts.get(req.bucket, 0) + 1
-    return counts
