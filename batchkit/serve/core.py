@@ -34,7 +34,7 @@ from batchkit.serve.options import (
     reconfigured,
 )
 from batchkit.serve.request import DONE, RUNNING, Request, deliver, new_request, resolve_on_loop
-from batchkit.serve.scheduler import FormedBatch, Scheduler
+from batchkit.serve.scheduler import FormedBatch, Scheduler, group_bucket
 from batchkit.serve.stats import Stats
 
 LoopCheck = Callable[["asyncio.AbstractEventLoop | None"], None]
@@ -178,7 +178,7 @@ class ServingCore:
         if self.group is None:
             return new_request(item, key, policy.bucket_of(key), priority, loop, channel)
         group = policy.group_of(item)
-        bucket = (group, policy.bucket_of(key))
+        bucket = group_bucket(policy, key, group)
         return new_request(item, key, bucket, priority, loop, channel, 0.0, group)
 
     def submit(self, req: Request) -> None:

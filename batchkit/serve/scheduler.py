@@ -590,6 +590,7 @@ class Scheduler:
             return []
         heads = []
         for other_name, other in self.buckets.items():
+            # (Grouped names are (group, policy bucket): see group_bucket.)
             if other_name != name and other.live and other_name[1] == name[1]:  # type: ignore[index]
                 head = other.head()
                 assert head is not None
@@ -651,3 +652,17 @@ def _by_bucket(reqs: list[Request]) -> dict[Hashable, list[Request]]:
     for req in reqs:
         out.setdefault(req.bucket, []).append(req)
     return out
+
+
+def group_bucket(policy: Batcher, key: float, group: Hashable) -> tuple[Hashable, Hashable]:
+    """The bucket of a grouped request: its group and the policy's bucket of its key.
+
+    A batch never mixes buckets, so each holds one group; `max_groups_per_batch` fills
+    a short one from buckets of the same policy bucket (the name's second half).
+
+    Args:
+        policy: The batching policy (its `bucket_of`).
+        key: The request's key.
+        group: The request's group.
+    """
+    return (group, policy.bucket_of(key))

@@ -48,7 +48,7 @@ from batchkit.errors import QueueFull
 from batchkit.serve.latency import LearnedLatency
 from batchkit.serve.options import check_has_wait
 from batchkit.serve.request import DONE, new_request
-from batchkit.serve.scheduler import FormedBatch, Scheduler
+from batchkit.serve.scheduler import FormedBatch, Scheduler, group_bucket
 
 
 class LatencyModel:
@@ -1222,10 +1222,9 @@ def _replay(
         while i < n and arrive[i] <= now:
             key = 0.0 if keys is None else float(keys[i])
             if groups is not None:
-                # As a grouped function makes it (serve/core.py, make_request): the bucket
-                # is the group and the policy's bucket, and the request carries its group.
+                # As a grouped function makes it (serve/core.py, make_request).
                 group = groups[i]
-                bucket = (group, policy.bucket_of(key))
+                bucket = group_bucket(policy, key, group)
                 req = new_request(i, key, bucket, 0, None, None, arrive[i], group)
             elif keys is None:
                 req = new_request(i, 0.0, None, 0, enqueued_at=arrive[i])
