@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 import batchkit
 from batchkit import DynamicBatcher
 from batchkit.serve.request import Request, new_request
-from batchkit.serve.scheduler import Scheduler
+from batchkit.serve.scheduler import Scheduler, group_bucket
 
 
 def by_task(item: tuple[Hashable, int]) -> Hashable:
@@ -27,7 +27,7 @@ def add(sched: Scheduler, item: tuple[Hashable, int], now: float, priority: int 
     policy = sched.policy
     key = policy.key_of(item)
     group = policy.group_of(item)
-    req = new_request(item, key, (group, policy.bucket_of(key)), priority, None, None, now, group)
+    req = new_request(item, key, group_bucket(policy, key, group), priority, None, None, now, group)
     sched.add(req)
     return req
 
