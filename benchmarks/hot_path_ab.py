@@ -13,7 +13,10 @@ Choices:
 - ``constructor``: `new_request` (a function) against a `Request` subclass whose
   `__init__` makes the same request (a class call), on the event loop's lock-free lane;
 - ``lock``: `ServingCore.submit` taking the lock by acquire/release, against `with`,
-  for a sync function called with ``acall``.
+  for a sync function called with ``acall``;
+- ``lane``: the arrival lane open to the loop's callers (admitted without the lock),
+  against it shut (every asyncio caller makes its request and submits it under the
+  lock, as under a bounded queue).
 
 Usage::
 
@@ -38,6 +41,7 @@ import online  # noqa: E402
 import batchkit  # noqa: E402
 from batchkit.serve import callers  # noqa: E402
 from batchkit.serve.core import ServingCore  # noqa: E402
+from batchkit.serve.lane import ArrivalLane  # noqa: E402
 from batchkit.serve.request import WAITING, Request, new_request  # noqa: E402
 
 ROUND = 8192  # requests per timed round (a multiple of the batch size)
@@ -78,13 +82,23 @@ class _SlowRequest(Request):
 
 
 def _submit_with(self: ServingCore, req: Request) -> None:
+    """`ServingCore.submit` with the lock taken by `with` (the same body otherwise)."""
     with self.lock:
-        self.admit_locked(req)
+        if self.closed:
+            raise batchkit.BatcherClosed(f"{self.name} is closed")
+        if self.check_loop is not None:
+            self.check_loop(req.loop)
+        req.enqueued_at = self.clock()
+        if self.bulk_arrivals and req.priority == 0:
+            self.lane.arrivals.append(req)
+        else:
+            self.sched.add(req)  # (no bounded queue here: nothing is refused)
+        self.wake()
 
 
 def _install_constructor(kept: bool) -> None:
     # (the lock-free lane of callers.acall looks the constructor up at every call)
-    callers.new_request = new_request if kept else _SlowRequest  # type: ignore[attr-defined]
+    callers.new_request = new_request if kept else _SlowRequest  # type: ignore[attr-defined,assignment]
 
 
 _kept_submit = ServingCore.submit
@@ -94,10 +108,21 @@ def _install_lock(kept: bool) -> None:
     ServingCore.submit = _kept_submit if kept else _submit_with  # type: ignore[method-assign]
 
 
+_lanes: list[ArrivalLane] = []  # the lane of the function under test
+
+
+def _install_lane(kept: bool) -> None:
+    # Shut, every asyncio caller takes the lock (make_request, submit) as a caller of a
+    # bounded queue does; open again on the loop running the benchmark.
+    for lane in _lanes:
+        lane.loop = asyncio.get_running_loop() if kept else None
+
+
 CHOICES: dict[str, tuple[Callable[[bool], None], bool]] = {
     # name: (install(kept), whether the batch function is sync)
     "constructor": (_install_constructor, False),
     "lock": (_install_lock, True),
+    "lane": (_install_lane, False),
     "control": (lambda kept: None, False),
 }
 
@@ -112,6 +137,7 @@ async def pairs(choice: str, count: int) -> list[float]:
         online.identity if sync else identity
     )
     await online.closed_loop(f.acall, 4 * ROUND, online.CALLERS)  # warm-up
+    _lanes[:] = [] if sync else [f._driver.lane]  # type: ignore[attr-defined]
     ratios = []
     for i in range(count):
         times = {}

@@ -116,7 +116,7 @@ class BatchedFunction(Generic[R]):
             self._driver: Driver = loop_driver
             self._core = loop_driver.core
             # Its usual callers are admitted without the lock (see callers.bind_acall).
-            self._acall = callers.bind_acall(self._core, loop_driver)
+            self._acall = callers.bind_acall(self._core, loop_driver.lane)
         else:
             self._driver = ThreadDriver(fn, options, self.__qualname__)
             self._core = self._driver.core

@@ -14,11 +14,12 @@ import contextlib
 import math
 import numbers
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
-from typing import Any, NoReturn, Protocol
+from typing import Any, NoReturn
 
 from batchkit.errors import RequestTimeout
 from batchkit.serve.channels import LoopChannel, Message, ThreadChannel
 from batchkit.serve.core import ServingCore
+from batchkit.serve.lane import ArrivalLane
 from batchkit.serve.request import Request, new_request
 
 
@@ -93,7 +94,9 @@ def call(core: ServingCore, item: Any, priority: int, timeout: float | None) -> 
         if core.give_up(req, core.timeout_error(timeout), timed_out=True):
             raise req.error  # type: ignore[misc]
         req.wait(None)  # it started running: its result is on the way
-    return req.outcome()
+    if req.error is not None:
+        raise req.error
+    return req.value
 
 
 def call_many(
@@ -166,31 +169,16 @@ def _withdraw_and_raise(
 AsyncCall = Callable[..., Awaitable[Any]]
 """A driver's `acall(item, *, priority=0, timeout=None)`."""
 
-class LockFreeLane(Protocol):
-    """A driver whose usual asyncio calls are admitted without the lock: those at the
-    default priority on `owner_loop`, whose thread alone changes the scheduler while
-    it runs (the event loop driver). They are appended to the scheduler's `arrivals`,
-    placed in bulk at the next scheduling pass."""
 
-    owner_loop: asyncio.AbstractEventLoop | None
-    """The loop whose callers take the lane; None while it is shut (closed, bounded)."""
-
-    poll_due: bool
-    """A scheduling pass is scheduled already, or every slot is busy (the batch that
-    ends next polls): an arrival need not wake the driver."""
-
-    def wake(self) -> None:
-        """Schedule a scheduling pass (called on `owner_loop`)."""
-
-
-def bind_acall(core: ServingCore, lane: LockFreeLane | None) -> AsyncCall:
+def bind_acall(core: ServingCore, lane: ArrivalLane | None) -> AsyncCall:
     """A driver's `acall`: the coroutine function asyncio callers call, bound to the
-    driver's core and lock-free lane (the one coroutine per call).
+    driver's core and arrival lane (the one coroutine per call).
 
     Args:
         core: The function's serving core.
-        lane: The driver's lock-free admission (the event loop driver), or None:
-            every call is admitted under the lock.
+        lane: The arrival lane the event loop driver opens to its loop's callers
+            (see `batchkit.serve.lane`), or None: every call is admitted under the
+            lock.
     """
 
     async def acall(item: Any, *, priority: int = 0, timeout: float | None = None) -> Any:
@@ -199,11 +187,11 @@ def bind_acall(core: ServingCore, lane: LockFreeLane | None) -> AsyncCall:
         if timeout is not None:
             timeout = checked_timeout(timeout)
         loop = asyncio.get_running_loop()
-        if lane is not None and loop is lane.owner_loop and type(priority) is int and not priority:
-            # The usual call, taken here rather than in a method of the lane: one call
-            # less per request (measured in docs/performance.md).
+        if lane is not None and loop is lane.loop and type(priority) is int and not priority:
+            # The usual call, on the lane's own loop: admitted without the lock (taken
+            # here rather than in a method of the lane: one call less per request).
             req = new_request(item, 0.0, None, 0, loop, None, core.clock())
-            core.sched.arrivals.append(req)
+            lane.arrivals.append(req)
             if not lane.poll_due:  # (usually due: a burst of callers shares one pass)
                 lane.wake()
         else:
@@ -316,9 +304,7 @@ class ThreadStream(Iterator[Any]):
             bound.
     """
 
-    def __init__(
-        self, core: ServingCore, item: Any, priority: int, timeout: float | None
-    ) -> None:
+    def __init__(self, core: ServingCore, item: Any, priority: int, timeout: float | None) -> None:
         timeout = checked_timeout(timeout)
         self._core = core
         self._channel = ThreadChannel()
@@ -376,9 +362,7 @@ class LoopStream(AsyncIterator[Any]):
     room); `aclose()`, a cancelled read or dropping it leaves the stream.
     """
 
-    def __init__(
-        self, core: ServingCore, item: Any, priority: int, timeout: float | None
-    ) -> None:
+    def __init__(self, core: ServingCore, item: Any, priority: int, timeout: float | None) -> None:
         timeout = checked_timeout(timeout)
         loop = asyncio.get_running_loop()
         self._core = core

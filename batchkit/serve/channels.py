@@ -43,12 +43,19 @@ Kind = Literal["chunk", "end"]
 Message = tuple[Kind, Any]  # ("chunk", value) or ("end", None or the stream's error)
 
 
-class ThreadChannel:
-    """A stream read by a thread: chunks in a deque, a condition to wait on."""
+class _ChannelEnds:
+    """What both channels share: a stream ends once, and its consumer may leave.
 
-    def __init__(self) -> None:
-        self._items: deque[Message] = deque()
-        self._cond = threading.Condition()
+    A message is sent under `guard`, so that a chunk never follows the end (the
+    producer and a close may end a stream at once). A channel sends its messages
+    its own way (`_send`).
+
+    Args:
+        guard: Held while a message is sent.
+    """
+
+    def __init__(self, guard: threading.Lock | threading.Condition) -> None:
+        self._guard = guard
         self._finished = False
         self.left = False  # the consumer stopped reading: the producer may stop
 
@@ -63,10 +70,9 @@ class ThreadChannel:
         Args:
             chunk: What the generator yielded for this item.
         """
-        with self._cond:
+        with self._guard:
             if not self._finished:
-                self._items.append(("chunk", chunk))
-                self._cond.notify()
+                self._send(("chunk", chunk))
 
     def finish(self, error: BaseException | None) -> None:
         """End the stream; later calls change nothing.
@@ -74,11 +80,26 @@ class ThreadChannel:
         Args:
             error: What the consumer raises at the end; None for a plain end.
         """
-        with self._cond:
+        with self._guard:
             if not self._finished:
                 self._finished = True
-                self._items.append(("end", error))
-                self._cond.notify()
+                self._send(("end", error))
+
+    def _send(self, message: Message) -> None:
+        raise NotImplementedError
+
+
+class ThreadChannel(_ChannelEnds):
+    """A stream read by a thread: messages in a deque, a condition to wait on."""
+
+    def __init__(self) -> None:
+        self._items: deque[Message] = deque()
+        self._cond = threading.Condition()
+        super().__init__(self._cond)
+
+    def _send(self, message: Message) -> None:
+        self._items.append(message)
+        self._cond.notify()
 
     def get(self, timeout: float | None) -> Message | None:
         """The next message, waiting for it.
@@ -96,7 +117,7 @@ class ThreadChannel:
             return self._items.popleft()
 
 
-class LoopChannel:
+class LoopChannel(_ChannelEnds):
     """A stream read by a task on `loop`: messages reach it on that loop, from any thread.
 
     Args:
@@ -104,37 +125,12 @@ class LoopChannel:
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(threading.Lock())
         self.loop = loop
         self._queue: asyncio.Queue[Message] = asyncio.Queue()
-        self._lock = threading.Lock()  # the producer and a close may end it at once
-        self._finished = False
-        self.left = False
 
-    @property
-    def done(self) -> bool:
-        """Nothing more will be read: the stream ended, or its consumer left."""
-        return self._finished or self.left
-
-    def put(self, chunk: Any) -> None:
-        """One chunk for the consumer (dropped once the stream has ended).
-
-        Args:
-            chunk: What the generator yielded for this item.
-        """
-        with self._lock:
-            if not self._finished:
-                call_on_loop(self.loop, self._queue.put_nowait, ("chunk", chunk))
-
-    def finish(self, error: BaseException | None) -> None:
-        """End the stream; later calls change nothing.
-
-        Args:
-            error: What the consumer raises at the end; None for a plain end.
-        """
-        with self._lock:
-            if not self._finished:
-                self._finished = True
-                call_on_loop(self.loop, self._queue.put_nowait, ("end", error))
+    def _send(self, message: Message) -> None:
+        call_on_loop(self.loop, self._queue.put_nowait, message)
 
     async def get(self) -> Message:
         """The next message (on the consumer's loop)."""

@@ -7,7 +7,10 @@ listeners and the counters. A driver (`batchkit.serve.threads` or
 `batchkit.serve.event_loop`) runs the batches it forms (`batchkit.serve.execute` and
 `batchkit.serve.streaming`: how a batch runs) and reports back here. The core knows
 nothing of threads or event loops: a driver gives it its callbacks, `wake`,
-`check_loop` and `settings_changed`.
+`check_loop`, `settings_changed` and `forked`, and (the event loop driver) the
+arrival lane its own callers append to without the lock (`batchkit.serve.lane`).
+A driver asks the core for the next batch (`next_batch_locked`), never the
+scheduler itself.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from batchkit.serve.admission import BlockingAdmission
 from batchkit.serve.channels import Channel
 from batchkit.serve.events import BatchEvent, DropEvent, DropReason, Listener, notify
 from batchkit.serve.execute import BatchRun
+from batchkit.serve.lane import ArrivalLane
 from batchkit.serve.options import (
     Options,
     Settings,
@@ -88,6 +92,14 @@ class ServingCore:
     Args:
         options: The function's validated options.
         name: The function's qualified name, for errors, events and thread names.
+        wake: Under the lock: something changed; make sure a batch leaves if one
+            is ready.
+        settings_changed: Under the lock: `configure` changed something.
+        forked: Under the lock, in a child process just forked (see `_before_fork`).
+        check_loop: Under the lock, before an enqueue: refuse (raise) a caller's
+            loop the driver cannot serve.
+        lane: Where the default lane's requests arrive (the event loop driver opens
+            it to its loop's callers); a lane of its own when None.
     """
 
     def __init__(
@@ -99,6 +111,7 @@ class ServingCore:
         settings_changed: Callable[[], None] = _nothing,
         forked: Callable[[], None] = _nothing,
         check_loop: LoopCheck | None = None,
+        lane: ArrivalLane | None = None,
     ) -> None:
         self.options = options
         self.name = name
@@ -110,14 +123,14 @@ class ServingCore:
             self.admission = BlockingAdmission(
                 self.lock, self._admit_if_room_locked, self._gave_up_waiting_locked, self.clock
             )
+        self.lane = ArrivalLane() if lane is None else lane
         self.sched = Scheduler(
             options.policy,
             max_queue_size=options.max_queue_size,
             max_concurrent_batches=options.max_concurrent_batches,
             max_latency_s=options.max_latency_s,
+            lane=self.lane,
             on_room=None if self.admission is None else self._room_freed_locked,
-            on_shed=self._shed_locked,
-            on_select_failed=deliver,  # (their error set: the policy's)
         )
         self.closed = False
         self.listeners: list[Listener] = []
@@ -125,11 +138,6 @@ class ServingCore:
         # One bucket, no key or group to compute.
         self.keyless = options.policy.key is None and self.group is None
         self.bulk_arrivals = self._takes_bulk_arrivals()  # (read at every admission)
-        # The driver's hooks, all called under the lock. wake(): something changed:
-        # make sure a batch leaves if one is ready. check_loop(loop): before an
-        # enqueue, refuse (raise) a caller's loop the driver cannot serve.
-        # settings_changed(): configure() changed something. forked(): in a child
-        # process just forked (see _before_fork).
         self.wake = wake
         self.check_loop = check_loop
         self.settings_changed = settings_changed
@@ -142,8 +150,8 @@ class ServingCore:
 
     # -- admission -----------------------------------------------------------
     def _takes_bulk_arrivals(self) -> bool:
-        """Whether default-priority requests skip `Scheduler.add`: appended to its
-        `arrivals` and placed in bulk at the next scheduling step. Only for a keyless
+        """Whether default-priority requests skip `Scheduler.add`: appended to the
+        arrival lane and placed in bulk at the next scheduling step. Only for a keyless
         policy, and not with a bounded queue or a latency target, which must refuse at
         once (`QueueFull`, `Overloaded`)."""
         sched = self.sched
@@ -182,7 +190,8 @@ class ServingCore:
         return new_request(item, key, bucket, priority, loop, channel, 0.0, group)
 
     def submit(self, req: Request) -> None:
-        """Enqueue a request.
+        """Enqueue a request (under the lock; re-entrant: a blocked admission calls it
+        holding the lock already).
 
         Args:
             req: A request from `make_request`.
@@ -196,30 +205,22 @@ class ServingCore:
         # "What the hot path keeps"). The one place that does so: every call passes here.
         self.lock.acquire()
         try:
-            self.admit_locked(req)
+            if self.closed:
+                raise BatcherClosed(f"{self.name} is closed")
+            if self.check_loop is not None:
+                self.check_loop(req.loop)
+            req.enqueued_at = self.clock()
+            if self.bulk_arrivals and req.priority == 0:
+                self.lane.arrivals.append(req)
+            else:
+                try:
+                    self.sched.add(req)
+                except QueueFull as refused:
+                    self.dropped(_refusal_reason(refused), 1)
+                    raise
+            self.wake()
         finally:
             self.lock.release()
-
-    def admit_locked(self, req: Request) -> None:
-        """Under the lock: `submit`.
-
-        Args:
-            req: A request from `make_request`.
-        """
-        if self.closed:
-            raise BatcherClosed(f"{self.name} is closed")
-        if self.check_loop is not None:
-            self.check_loop(req.loop)
-        req.enqueued_at = self.clock()
-        if self.bulk_arrivals and req.priority == 0:
-            self.sched.arrivals.append(req)
-        else:
-            try:
-                self.sched.add(req)
-            except QueueFull as refused:
-                self.dropped(_refusal_reason(refused), 1)
-                raise
-        self.wake()
 
     def submit_many(self, reqs: Sequence[Request]) -> None:
         """Enqueue several requests atomically: all of them, or none.
@@ -253,7 +254,7 @@ class ServingCore:
         limit = self.sched.max_queue_size
         if not self.closed and limit is not None and self.sched.num_waiting >= limit:
             return False
-        self.admit_locked(req)  # raises BatcherClosed when closed
+        self.submit(req)  # raises BatcherClosed when closed
         return True
 
     def _room_freed_locked(self) -> None:
@@ -261,10 +262,25 @@ class ServingCore:
         if self.admission is not None:
             self.admission.room_freed(None if limit is None else limit - self.sched.num_waiting)
 
-    def _shed_locked(self, shed: list[Request]) -> None:
-        """The scheduler dropped these waiting requests as too late (their error set)."""
-        self.dropped("overloaded", len(shed))
-        deliver(shed)
+    def next_batch_locked(self) -> tuple[FormedBatch | None, float | None, bool]:
+        """Under the lock: the scheduler's next batch to run now, if any.
+
+        The waiting requests it dropped on the way (too late for a latency target, or
+        the candidates of a policy `select` that raised) are answered here, their
+        error set by the scheduler.
+
+        Returns:
+            `(batch, wake_at, busy)`: the batch that leaves now, or None; when to ask
+            again if nothing changes (None: only an event can make a batch ready);
+            whether every batch slot is busy now (the batch that ends next asks).
+        """
+        sched = self.sched
+        batch, wake_at, dropped = sched.decide(self.clock())
+        if dropped:
+            shed = sum(1 for req in dropped if isinstance(req.error, Overloaded))
+            self.dropped("overloaded", shed)
+            deliver(dropped)
+        return batch, wake_at, sched.in_flight >= sched.max_concurrent_batches
 
     def _gave_up_waiting_locked(self, timeout: float) -> RequestTimeout:
         self.sched.stats.timeouts += 1
@@ -344,8 +360,11 @@ class ServingCore:
         """
         now = self.clock()
         clean = run.calls == 1 and not run.errors and not batch.answered
-        self.sched.finish(batch, now, clean=clean)
-        self._learn_from_locked(batch, run)
+        sched = self.sched
+        sched.finish(batch, now, clean=clean)
+        sched.stats.calls += run.calls
+        if not clean or sched.caps or run.first_output_at is not None:
+            self._learn_from_locked(batch, run)
         if self.listeners:
             self._report_batch(batch, run, now)
         if not run.errors and not batch.answered:  # the usual case: every item succeeded
@@ -370,9 +389,8 @@ class ServingCore:
         return done
 
     def _learn_from_locked(self, batch: FormedBatch, run: BatchRun) -> None:
-        """Count the run's calls and splits; learn or probe the bucket's size cap."""
+        """Count a run's splits and first chunk; learn or probe the bucket's size cap."""
         stats, sched = self.sched.stats, self.sched
-        stats.calls += run.calls
         stats.isolated += run.isolated
         if run.first_output_at is not None:
             stats.first_chunk.append(run.first_output_at - batch.dispatched_at)
@@ -400,6 +418,44 @@ class ServingCore:
         if self.listeners:  # every request failed (answered here or by a close before)
             self._report_batch(batch, BatchRun(batch.requests, self.options), now)
         return abandoned
+
+    def abandon_running_locked(self, error: BaseException) -> list[Request]:
+        """Under the lock: `abandon_locked` every running batch (their thread or loop is
+        gone: a fork, a closed loop).
+
+        Args:
+            error: What their unanswered callers get.
+
+        Returns:
+            The requests failed here, to deliver.
+        """
+        abandoned: list[Request] = []
+        for batch in list(self.sched.running.values()):
+            abandoned += self.abandon_locked(batch, error)
+        return abandoned
+
+    def is_running(self, batch: FormedBatch) -> bool:
+        """Under the lock: whether `batch` still holds its slot (not settled yet)."""
+        return id(batch) in self.sched.running
+
+    def count_batch_timeout_locked(self) -> None:
+        """Under the lock: a call ran past `batch_timeout` (counted in `stats()`)."""
+        self.sched.stats.batch_timeouts += 1
+
+    @property
+    def drained(self) -> bool:
+        """Under the lock: nothing waiting and nothing running."""
+        return self.sched.drained
+
+    @property
+    def num_waiting(self) -> int:
+        """Under the lock: how many requests wait to run."""
+        return self.sched.num_waiting
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        """The batch slots in force (`configure` may change them)."""
+        return self.sched.max_concurrent_batches
 
     def fail_all_locked(self, error: BaseException) -> None:
         """Under the lock: answer every waiting and running request with `error`.
@@ -557,7 +613,7 @@ class ServingCore:
             # Arrivals are counted, not placed: an event loop's callers append to them
             # without the lock, so only the scheduling thread may move them.
             return self.sched.stats.snapshot(
-                unplaced=len(self.sched.arrivals),
+                unplaced=len(self.lane.arrivals),
                 queue_depth=self.sched.num_waiting,
                 in_flight=self.sched.in_flight,
                 caps={

@@ -10,7 +10,7 @@ expiry is a single `call_later` timer. Batches run as tasks, at most
 from __future__ import annotations
 
 import asyncio
-import threading
+import functools
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -18,6 +18,7 @@ from batchkit.errors import BatcherClosed, BatchTimeout
 from batchkit.loops import on_loop_thread, schedule_on_loop
 from batchkit.serve.core import ServingCore
 from batchkit.serve.execute import BatchRun, Outcome, run_steps
+from batchkit.serve.lane import ArrivalLane
 from batchkit.serve.options import Options
 from batchkit.serve.request import deliver
 from batchkit.serve.scheduler import FormedBatch
@@ -84,6 +85,10 @@ class LoopDriver:
 
     def __init__(self, fn: Callable[[Any], Awaitable[Any]], options: Options, name: str) -> None:
         self.fn = fn
+        # Open while it serves a loop whose callers need no lock (see batchkit.serve.lane);
+        # its poll_due: a pump is scheduled, or every slot is busy (the batch that ends
+        # next polls), so arrivals need not schedule one.
+        self.lane = ArrivalLane(wake=self._wake_on_loop)
         self.core = ServingCore(
             options,
             name,
@@ -91,14 +96,9 @@ class LoopDriver:
             check_loop=self._check_loop_locked,
             settings_changed=self._settings_changed_locked,
             forked=self._forked_locked,
+            lane=self.lane,
         )
         self.loop: asyncio.AbstractEventLoop | None = None  # the loop it serves
-        # While set, the scheduler is changed only by the thread running this loop, so
-        # its default-lane callers are admitted without the lock (the lane of callers.acall).
-        self.owner_loop: asyncio.AbstractEventLoop | None = None
-        # A pump is scheduled, or every slot is busy (the batch that ends next polls):
-        # arrivals then need not schedule one.
-        self.poll_due = False
         self._timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._drained: asyncio.Event | None = None
@@ -109,7 +109,7 @@ class LoopDriver:
 
         Leftovers of a closed previous loop are answered with `BatcherClosed` first.
         It moves only when the previous loop is closed, or stopped with nothing left:
-        no caller can then be admitting on it, which the lock-free lane relies on (its
+        no caller can then be admitting on it, which the arrival lane relies on (its
         thread is the one running the loop it serves).
 
         Args:
@@ -124,27 +124,26 @@ class LoopDriver:
         core = self.core
         with core.lock:
             old = self.loop
-            if old is not None and old.is_closed() and not core.sched.drained:
+            if old is not None and old.is_closed() and not core.drained:
                 # Its batches will never finish: answer their callers, free their slots.
                 core.fail_all_locked(core.closed_error())
-                for batch in list(core.sched.running.values()):
-                    core.abandon_locked(batch, core.closed_error())
+                core.abandon_running_locked(core.closed_error())
             # While the old loop runs, its callers are admitted without the lock (see
-            # owner_loop), so it is never left then, even when idle.
+            # the lane), so it is never left then, even when idle.
             if old is not None and not old.is_closed():
                 busy = "serves another event loop, which is still running"
                 if not old.is_running():
-                    busy = "is busy on another event loop" if not core.sched.drained else ""
+                    busy = "is busy on another event loop" if not core.drained else ""
                 if busy:
                     raise RuntimeError(
-                        f"{core.name} {busy}; an async batched function serves one loop at "
-                        "a time"
+                        f"{core.name} {busy}; an async batched function serves one loop at a time"
                     )
             self.loop = loop
-            self.owner_loop = loop if core.bulk_arrivals and not core.closed else None
-            if self.owner_loop is not None:  # (bind runs on the thread running `loop`)
-                core.sched.lock_free_thread = threading.get_ident()
-            self.poll_due = False
+            if core.bulk_arrivals and not core.closed:
+                self.lane.open(loop)  # (bind runs on the thread running `loop`)
+            else:
+                self.lane.shut()
+            self.lane.poll_due = False
             self._timer = None
             self._drained = None
 
@@ -161,11 +160,9 @@ class LoopDriver:
             "runs on in the parent process only"
         )
         core.fail_all_locked(error)
-        for batch in list(core.sched.running.values()):
-            deliver(core.abandon_locked(batch, error))
-        self.loop = self.owner_loop = None
-        core.sched.lock_free_thread = None
-        self.poll_due = False
+        deliver(core.abandon_running_locked(error))
+        self.loop = None
+        self.lane.forget_thread()
         self._timer = None
         self._tasks = set()
         self._drained = None
@@ -179,82 +176,80 @@ class LoopDriver:
     def _settings_changed_locked(self) -> None:
         if not self.core.bulk_arrivals:
             # A bounded queue or a latency target: every caller takes the checked path.
-            self.owner_loop = None
-        self.poll_due = False  # the slots may have changed: the next wake polls
+            self.lane.shut()
+        self.lane.poll_due = False  # the slots may have changed: the next wake polls
 
     # -- scheduling passes --------------------------------------------------------
     def wake(self) -> None:
         """Something changed: schedule a pump unless one is due. Called under the lock,
-        or without it by the owner loop's own callers (only that thread changes the
-        scheduler then)."""
-        if self.poll_due or self.loop is None:
+        or without it by the open lane's own callers (only that thread changes the
+        scheduler then). With every slot busy the pump finds nothing to start, and
+        sets `poll_due` until a slot frees."""
+        if self.lane.poll_due or self.loop is None:
             return
-        sched = self.core.sched
-        if sched.in_flight >= sched.max_concurrent_batches and not self.core.closed:
-            return  # every slot is busy: the batch that ends next polls the scheduler
         schedule_on_loop(self.loop, self._pump)
-        self.poll_due = True  # (only once the pump is surely scheduled)
+        self.lane.poll_due = True  # (only once the pump is surely scheduled)
+
+    def _wake_on_loop(self) -> None:
+        """`wake` for the open lane's callers: on the thread running the loop, whose
+        pump is not due (they checked)."""
+        loop = self.lane.loop
+        if loop is not None:
+            loop.call_soon(self._pump)
+            self.lane.poll_due = True
 
     def _pump(self) -> None:
         """Start every batch that is ready; arm the timer for the next max-wait expiry."""
-        loop = self.loop
-        if loop is None or not on_loop_thread(loop):
+        loop, core = self.loop, self.core
+        if loop is None or asyncio._get_running_loop() is not loop:
             return  # a stale pump or timer of a loop this batcher no longer serves
         ready: list[FormedBatch] = []
         try:
-            with self.core.lock:
-                self._poll_ready_locked(loop, ready)
+            with core.lock:
+                wake_at, busy = None, False
+                try:
+                    while True:
+                        batch, wake_at, busy = core.next_batch_locked()
+                        if batch is None:
+                            break
+                        ready.append(batch)
+                finally:
+                    # Busy slots stay busy until a batch ends, and its task polls then.
+                    # (Set even if polling raised: a stuck flag would silence arrivals.)
+                    self.lane.poll_due = busy
+                if self._timer is not None:
+                    self._timer.cancel()
+                    self._timer = None
+                if wake_at is not None:
+                    self._timer = loop.call_later(max(wake_at - core.clock(), 0.0), self._pump)
+                if core.closed and self._drained is not None and core.drained:
+                    self._drained.set()
         finally:
             # Started outside the lock: with an eager task factory (Python 3.12+) the
             # function's first step runs inside create_task, and must not run under
             # it. (Also when a later poll raised: these hold their slots already.)
             self._start_all(loop, ready)
 
-    def _poll_ready_locked(self, loop: asyncio.AbstractEventLoop, ready: list[FormedBatch]) -> None:
-        sched = self.core.sched
-        wake_at = None
-        try:
-            while True:
-                batch, wake_at = sched.poll(self.core.clock())
-                if batch is None:
-                    break
-                ready.append(batch)
-        finally:
-            # Busy slots stay busy until a batch ends, and its task polls then. (Set
-            # even if polling raised: a stuck flag would silence every arrival.)
-            self.poll_due = sched.in_flight >= sched.max_concurrent_batches
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        if wake_at is not None:
-            self._timer = loop.call_later(max(wake_at - self.core.clock(), 0.0), self._pump)
-        if self.core.closed and sched.drained and self._drained is not None:
-            self._drained.set()
-
+    # -- batch tasks -----------------------------------------------------------------
     def _start_all(self, loop: asyncio.AbstractEventLoop, ready: list[FormedBatch]) -> None:
+        """A task for each batch: it runs the batch (and the batches ready as it ends).
+        `holding` names the batch a task owns, so that a task that ends early still
+        settles it (see _ended)."""
         failure: BaseException | None = None
         for batch in ready:
+            holding: list[FormedBatch | None] = [batch]
+            coro = self._run_batches(holding, loop)
             try:
-                self._start(loop, batch)
+                task = loop.create_task(coro)
             except BaseException as exc:  # noqa: BLE001 - e.g. a user's task factory
+                coro.close()  # never started: no "never awaited" warning
                 self._not_started(batch, exc)
                 failure = failure or exc
+                continue
+            self._tasks.add(task)
+            task.add_done_callback(functools.partial(self._ended, holding=holding))
         if failure is not None:
             raise failure  # (to the loop's exception handler, once all are settled)
-
-    # -- batch tasks -----------------------------------------------------------------
-    def _start(self, loop: asyncio.AbstractEventLoop, batch: FormedBatch) -> None:
-        """A task runs `batch` (and the batches ready as it ends). `holding` names the
-        batch it owns, so that a task that ends early still settles it (see _ended)."""
-        holding: list[FormedBatch | None] = [batch]
-        coro = self._run_batches(holding, loop)
-        try:
-            task = loop.create_task(coro)
-        except BaseException:
-            coro.close()  # never started: no "never awaited" warning
-            raise
-        self._tasks.add(task)
-        task.add_done_callback(lambda t: self._ended(t, holding))
 
     def _not_started(self, batch: FormedBatch, exc: BaseException) -> None:
         """No task could be made for `batch`: fail its callers, free its slot, and poll
@@ -263,7 +258,7 @@ class LoopDriver:
         error.__cause__ = exc
         with self.core.lock:
             abandoned = self.core.abandon_locked(batch, error)
-            self.poll_due = False
+            self.lane.poll_due = False
             self.wake()
         deliver(abandoned)
 
@@ -278,7 +273,7 @@ class LoopDriver:
             # same step, so the accelerator is not left idle while the callers resume.
             with self.core.lock:
                 answered = self.core.finish_locked(batch, run, on_loop=loop)
-                batch, _ = self.core.sched.poll(self.core.clock())
+                batch, _, _ = self.core.next_batch_locked()
                 holding[0] = batch
             if answered:  # those not resolved already (failed, or another loop's)
                 deliver(answered)
@@ -294,7 +289,7 @@ class LoopDriver:
         holding[0] = None
         core = self.core
         with core.lock:
-            if id(batch) not in core.sched.running:
+            if not core.is_running(batch):
                 return  # settled already (e.g. by a rebind after its loop closed)
             reason = "was cancelled" if task.cancelled() else f"failed: {task.exception()!r}"
             error = BatcherClosed(f"{core.name}: the task running this batch {reason}")
@@ -303,38 +298,49 @@ class LoopDriver:
         self._pump()  # its slot is free: start what waits (a no-op off the loop)
 
     async def _execute(self, batch: FormedBatch) -> BatchRun:
-        """Await the function as `run_steps` asks (parts too, if split).
+        """Await the function as `run_steps` asks (parts too, if split), each call
+        cancelled past `batch_timeout` if there is one.
 
         A failing call is recorded, never raised; a cancellation of this task is raised
         (its batch is then settled by _ended).
         """
-        core = self.core
+        core, fn = self.core, self.fn
         if core.options.streaming:
             return await run_stream_async(
-                self.fn, batch.requests, core.options, core.name, core.clock  # type: ignore[arg-type]
+                fn,  # type: ignore[arg-type]
+                batch.requests,
+                core.options,
+                core.name,
+                core.clock,
             )
-        steps = run_steps(batch.requests, self.core.options, self.core.name)
+        timeout = core.options.batch_timeout
+        steps = run_steps(batch.requests, core.options, core.name)
         outcome: Outcome | None = None
         try:
             while True:
                 argument = steps.send(outcome)  # type: ignore[arg-type]
                 outcome = None  # (released before the next call: see ThreadDriver._run)
-                outcome = await self._call(argument)
+                if timeout is not None:
+                    outcome = await self._call_within(argument, timeout)
+                else:
+                    try:
+                        outcome = True, await fn(argument)
+                    except asyncio.CancelledError:
+                        raise
+                    except BaseException as exc:  # noqa: BLE001 - a failing batch must not kill the loop
+                        outcome = False, exc
                 del argument
         except StopIteration as done:
             run: BatchRun = done.value
             return run
 
-    async def _call(self, argument: Any) -> Outcome:
-        """One call of the function, cancelled past `batch_timeout` if there is one."""
+    async def _call_within(self, argument: Any, timeout: float) -> Outcome:
+        """One call of the function, cancelled past `timeout` (`batch_timeout`)."""
         core = self.core
-        timeout = core.options.batch_timeout
-        if timeout is None:
-            return await call_async(self.fn, argument)
         outcome = await call_async_within(self.fn, argument, timeout, core.batch_timeout_error())
         if type(outcome[1]) is BatchTimeout:
             with core.lock:
-                core.sched.stats.batch_timeouts += 1
+                core.count_batch_timeout_locked()
         return outcome
 
     # -- shutdown ------------------------------------------------------------------
@@ -356,11 +362,11 @@ class LoopDriver:
                 raise RuntimeError(f"{core.name}: aclose() must run on the loop it serves")
             self.bind(loop)  # a closed previous loop's leftovers are answered here
             core.close_locked()
-            self.owner_loop = None  # later callers take the checked path: BatcherClosed
+            self.lane.shut()  # later callers take the checked path: BatcherClosed
             if self._drained is None:  # shared by concurrent aclose() calls
                 self._drained = asyncio.Event()
             drained = self._drained
-            if core.sched.drained:
+            if core.drained:
                 drained.set()
                 return
             self.wake()
@@ -387,7 +393,7 @@ class LoopDriver:
         if loop is None or loop.is_closed() or not loop.is_running():
             with core.lock:  # no loop will ever run what is left: answer it now
                 core.close_locked()
-                self.owner_loop = None
+                self.lane.shut()
                 core.fail_all_locked(core.closed_error())
             return
         if on_loop_thread(loop):

@@ -28,7 +28,7 @@ from __future__ import annotations
 import itertools
 import logging
 import traceback
-from collections.abc import Generator, Iterable, Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from enum import Enum
 from typing import Any
@@ -106,15 +106,17 @@ class BatchRun:
     Args:
         requests: The batch's requests, in batch order.
         options: The function's options: out-of-memory handling (which errors split
-            a part, and the hook to run) and `isolate_errors` (split a part whose
-            call raised, to find the failing items).
+            a part, and the hook to run), `isolate_errors` (split a part whose call
+            raised, to find the failing items) and `split` (an output's per-item
+            results).
     """
 
     __slots__ = (
         "requests",
         "oom",
         "isolate_errors",
-        "_todo",
+        "split",
+        "todo",
         "values",
         "errors",
         "calls",
@@ -128,7 +130,8 @@ class BatchRun:
         self.requests = requests
         self.oom = options.oom
         self.isolate_errors = options.isolate_errors
-        self._todo: list[Part] = [(0, len(requests))]
+        self.split = options.split
+        self.todo: list[Part] = [(0, len(requests))]  # parts still to run, the next last
         self.values: list[Any] = [None] * len(requests)
         self.errors: dict[int, BaseException] = {}  # position -> that request's error
         self.calls = 0
@@ -137,24 +140,53 @@ class BatchRun:
         self.largest_ok = 0  # the largest call (padded size) the function completed
         self.first_output_at: float | None = None  # a stream's first chunk (clock time)
 
-    def next_part(self) -> Part | None:
-        """The next part to run (left halves first), or None when all are settled."""
-        return self._todo.pop() if self._todo else None
-
-    def succeeded(self, part: Part, results: Iterable[Any], padded: int) -> None:
+    def succeeded(self, part: Part, output: Any, padded: int, name: str) -> None:
         """Record a successful call: the function, called with `padded` items,
-        returned `results`.
+        returned `output`.
+
+        Its per-item results are `split(output)` when the options have a `split`, else
+        `output` itself; one per item of `part` first (the padding's results after
+        them are ignored); a result that is an exception instance is that item's
+        error. A mapping (`{"logits": t, "hidden": h}`, a Hugging Face `ModelOutput`)
+        whose values each lead with the batch dimension is split per item as
+        [`unstack`][batchkit.unstack] does: each result is a mapping of the same
+        keys. (Iterating a mapping would hand out its keys, and a set its members in
+        no order, as results.)
 
         Args:
             part: The `[start, stop)` positions the call ran.
-            results: The per-item results: one per item of `part` first (the
-                padding's results after them are ignored). A result that is an
-                exception instance is that item's error.
+            output: What the function returned.
             padded: The size the function was called with.
+            name: The function's name, for error messages.
 
         Raises:
-            ValueError: Iterating `results` gave fewer results than the part has.
+            TypeError: The results have no `len()`, or are a set.
+            ValueError: There are not `padded` of them (by `len()` or by iterating
+                them), or a mapping's values disagree on the batch size.
         """
+        results = self.split(output) if self.split is not None else output
+        if isinstance(results, Mapping):
+            try:
+                results = unstack(results)
+            except ValueError as exc:
+                raise ValueError(
+                    f"{name} returned a {type(results).__name__} whose values do not all "
+                    f"lead with the batch dimension, so it cannot be split per item: {exc}"
+                ) from None
+        elif isinstance(results, AbstractSet):
+            raise TypeError(
+                f"{name} returned a {type(results).__name__}, whose order is arbitrary: "
+                "return a list (or a tensor) of results in the order of the items"
+            )
+        try:
+            count = len(results)
+        except TypeError:
+            raise TypeError(
+                f"{name} returned {type(results).__name__}, expected a sequence of "
+                f"{padded} results (one per item)"
+            ) from None
+        if count != padded:
+            raise ValueError(f"{name} returned {count} results for a batch of {padded} items")
         start, stop = part
         chunk = list(itertools.islice(results, stop - start))
         if len(chunk) != stop - start:  # len() said otherwise: e.g. a table iterating columns
@@ -186,8 +218,10 @@ class BatchRun:
         start, stop = part
         size = stop - start
         oom = stage is Stage.CALL and self.oom.is_oom(exc)
-        retry = size > 1 and not isinstance(exc, BatchTimeout) and (
-            oom or stage is Stage.COLLATE or (stage is Stage.CALL and self.isolate_errors)
+        retry = (
+            size > 1
+            and not isinstance(exc, BatchTimeout)
+            and (oom or stage is Stage.COLLATE or (stage is Stage.CALL and self.isolate_errors))
         )
         # A retried part's exception is discarded; a settled one is kept for its callers
         # with its traceback, but no frame of it keeps locals (tensors) alive.
@@ -195,8 +229,8 @@ class BatchRun:
         if retry:
             self.oom_splits += oom
             middle = start + (size + 1) // 2
-            self._todo.append((middle, stop))
-            self._todo.append((start, middle))  # popped first: keeps the input order
+            self.todo.append((middle, stop))
+            self.todo.append((start, middle))  # popped first: keeps the input order
         else:
             if size < len(self.requests):
                 self.isolated += size
@@ -220,8 +254,11 @@ def run_steps(
 ) -> Generator[Any, Outcome, BatchRun]:
     """The recipe for running a batch, for both drivers.
 
-    No reference to a finished call's argument or outcome is kept while the next
-    call runs (the driver sends the outcome straight back, too).
+    Each part's argument is its items collated (padded up to the policy's size by
+    repeating the last item: strict sizes); a failing `collate`, call or output
+    check fails or splits the part (see `BatchRun.failed`). No reference to a
+    finished call's argument or outcome is kept while the next call runs (the
+    driver sends the outcome straight back, too).
 
     Args:
         requests: The batch's requests, in batch order.
@@ -237,117 +274,29 @@ def run_steps(
         split-and-retry).
     """
     run = BatchRun(requests, options)
-    while (part := run.next_part()) is not None:
-        padded = options.policy.padded_size(part[1] - part[0])
-        argument = prepare(run, part, padded, options)
-        if argument is _COLLATE_FAILED:
+    todo, collate = run.todo, options.collate
+    while todo:
+        part = todo.pop()  # (left halves first)
+        start, stop = part
+        padded = options.policy.padded_size(stop - start)
+        items = [req.item for req in requests[start:stop]]
+        if padded > len(items):  # strict sizes: repeat the last item; its results are dropped
+            items.extend([items[-1]] * (padded - len(items)))
+        try:
+            argument = collate(items) if collate is not None else items
+        except BaseException as exc:  # noqa: BLE001 - a bad item must not cost the others
+            run.failed(part, exc, Stage.COLLATE)
             continue
+        del items
         run.calls += 1
         ok, result = yield argument
         del argument
-        if ok:
-            settle(run, part, padded, result, options, name)
-        else:
+        if not ok:
             run.failed(part, result, Stage.CALL)
+            continue
+        try:
+            run.succeeded(part, result, padded, name)
+        except BaseException as exc:  # noqa: BLE001 - e.g. a bug in split()
+            run.failed(part, exc, Stage.OUTPUT)
         del result
     return run
-
-
-_COLLATE_FAILED: Any = object()
-
-
-def prepare(run: BatchRun, part: Part, padded: int, options: Options) -> Any:
-    """The function's argument for `part` (padded up by repeating its last item).
-
-    Args:
-        run: The batch's run (a failing `collate` is recorded there).
-        part: The `[start, stop)` positions to run.
-        padded: The size to call the function with.
-        options: The function's options (`collate`).
-
-    Returns:
-        The argument, or `_COLLATE_FAILED` when `collate` raised.
-    """
-    start, stop = part
-    items = [req.item for req in run.requests[start:stop]]
-    if padded > len(items):  # strict sizes: repeat the last item; its results are dropped
-        items.extend([items[-1]] * (padded - len(items)))
-    collate = options.collate
-    try:
-        return collate(items) if collate is not None else items
-    except BaseException as exc:  # noqa: BLE001 - a bad item must not cost the others
-        run.failed(part, exc, Stage.COLLATE)
-        return _COLLATE_FAILED
-
-
-def settle(
-    run: BatchRun, part: Part, padded: int, output: Any, options: Options, name: str
-) -> None:
-    """Record the function's output for `part` (split, length-checked, per slot); an
-    error in doing so fails the part.
-
-    Args:
-        run: The batch's run.
-        part: The `[start, stop)` positions the call ran.
-        padded: The size the function was called with.
-        output: What the function returned.
-        options: The function's options (`split`).
-        name: The function's name, for error messages.
-    """
-    try:
-        run.succeeded(part, per_item_results(output, padded, options, name), padded)
-    except BaseException as exc:  # noqa: BLE001 - e.g. a bug in split()
-        run.failed(part, exc, Stage.OUTPUT)
-
-
-def per_item_results(output: Any, padded: int, options: Options, name: str) -> Sequence[Any]:
-    """The per-item results in `output`, checked to be `padded` of them.
-
-    Args:
-        output: What the function returned.
-        padded: The size the function was called with.
-        options: The function's options (`split`).
-        name: The function's name, for error messages.
-
-    A mapping (`{"logits": t, "hidden": h}`, a Hugging Face `ModelOutput`) whose
-    values each lead with the batch dimension is split per item as
-    [`unstack`][batchkit.unstack] does: each result is a mapping of the same keys.
-    Iterating a mapping would hand out its keys, and a set its members in no order, as
-    results.
-
-    Raises:
-        TypeError: The results have no `len()`, or are a set.
-        ValueError: There are not `padded` of them, or a mapping's values disagree on
-            the batch size.
-    """
-    results = options.split(output) if options.split is not None else output
-    results = _per_item(results, name)
-    try:
-        count = len(results)
-    except TypeError:
-        raise TypeError(
-            f"{name} returned {type(results).__name__}, expected a sequence of "
-            f"{padded} results (one per item)"
-        ) from None
-    if count != padded:
-        raise ValueError(f"{name} returned {count} results for a batch of {padded} items")
-    return results  # type: ignore[no-any-return]
-
-
-def _per_item(results: Any, name: str) -> Any:
-    """`results` as a sequence of per-item results: a mapping split per item, a set
-    refused; anything else as it is."""
-    if isinstance(results, Mapping):
-        try:
-            return unstack(results)
-        except ValueError as exc:
-            raise ValueError(
-                f"{name} returned a {type(results).__name__} whose values do not all lead "
-                f"with the batch dimension, so it cannot be split per item: {exc}"
-            ) from None
-    if isinstance(results, AbstractSet):
-        raise TypeError(
-            f"{name} returned a {type(results).__name__}, whose order is arbitrary: return "
-            "a list (or a tensor) of results in the order of the items"
-        )
-    return results

@@ -6,7 +6,6 @@ caller, so its behaviour is tested deterministically with a fake clock.
 from __future__ import annotations
 
 import itertools
-import threading
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
@@ -15,7 +14,8 @@ from batchkit.batchers.base import Batcher
 from batchkit.errors import Overloaded, QueueFull
 from batchkit.serve.buckets import Bucket
 from batchkit.serve.dispatch import DispatchReason, DispatchRule, rules_for
-from batchkit.serve.request import DROPPED, RUNNING, WAITING, Request
+from batchkit.serve.lane import ArrivalLane
+from batchkit.serve.request import DROPPED, WAITING, Request
 from batchkit.serve.stats import StatsRecorder
 from batchkit.serve.targets import LatencyTarget
 
@@ -54,9 +54,13 @@ class Scheduler:
     It learns a per-bucket size cap after out-of-memory (`learn_cap`) and probes it
     upward again (`note_success`).
 
-    Not thread-safe: the serving core calls it under its lock. Only `arrivals` is
-    appended to without it, by an event loop's own callers while that loop's thread
-    alone runs the scheduler.
+    Not thread-safe: the serving core calls it under its lock. Only its arrival
+    lane's `arrivals` is appended to without it (see `batchkit.serve.lane`).
+
+    `decide(now)` says what a pass decided: the batch that leaves, when to look
+    again, and the waiting requests it dropped (their error set) for the caller to
+    answer. `poll(now)` is the same pass for code that hands the drops to the
+    `on_shed` and `on_select_failed` callbacks instead.
 
     Args:
         policy: The batching policy: its hooks (`key_of`, `bucket_of`, `select`,
@@ -69,16 +73,19 @@ class Scheduler:
             seconds; None (the default) for none. With one, the scheduler learns how
             long batches take (from `finish`), refuses at admission what it predicts
             would be late ([`Overloaded`][batchkit.Overloaded]), drops waiting
-            requests that can no longer be in time (they go to `on_shed`), sends a
+            requests that can no longer be in time (`decide` returns them), sends a
             batch off early rather than let its oldest member be late, and forms no
             batch so large that its most urgent member would be late.
+        lane: Where the default lane's requests arrive in bulk (see
+            [`ArrivalLane`][batchkit.serve.lane.ArrivalLane]); a lane of its own
+            (never opened to lock-free callers) when None.
         on_room: Called (under the caller's lock) whenever requests leave the
             queue: who waits for room (`when_full="block"`) may be let in.
-        on_shed: Called with the waiting requests dropped as too late to answer
-            in time, their error (`Overloaded`) set: the serving core answers them.
-        on_select_failed: Called with the requests a failing `policy.select()`
-            was choosing among, their error set (what it raised); without it, the
-            error is raised from `poll()`.
+        on_shed: For `poll`: called with the waiting requests dropped as too late
+            to answer in time, their error (`Overloaded`) set. (`decide` returns them.)
+        on_select_failed: For `poll`: called with the requests a failing
+            `policy.select()` was choosing among, their error set (what it raised);
+            without it, the error is raised from `poll()`. (`decide` returns them.)
     """
 
     def __init__(
@@ -88,6 +95,7 @@ class Scheduler:
         max_queue_size: int | None = None,
         max_concurrent_batches: int = 1,
         max_latency_s: float | None = None,
+        lane: ArrivalLane | None = None,
         on_room: Callable[[], None] | None = None,
         on_shed: Callable[[list[Request]], None] | None = None,
         on_select_failed: Callable[[list[Request]], None] | None = None,
@@ -99,14 +107,9 @@ class Scheduler:
         self.max_concurrent_batches = max_concurrent_batches
         self.buckets: dict[Hashable, Bucket] = {}
         # Admitted requests not yet placed: only those of a keyless policy's default lane
-        # (key 0.0, bucket None, priority 0) may be appended here, while the queue is
-        # unbounded. The admission hot path does so, one C-level call per request
-        # instead of add(); the next scheduling step places them all (see ingest()).
-        self.arrivals: deque[Request] = deque()
-        # The thread whose callers may append to `arrivals` without the lock (the event
-        # loop driver's lock-free lane runs on its loop's thread), kept after the lane
-        # closes (an append may be under way); None while every append holds the lock.
-        self.lock_free_thread: int | None = None
+        # (key 0.0, bucket None, priority 0) arrive there, while the queue is unbounded;
+        # the next scheduling step places them all (see ingest()).
+        self.lane = ArrivalLane() if lane is None else lane
         self._placed = 0  # waiting requests already in a bucket
         self.in_flight = 0
         self._closing = False
@@ -188,9 +191,16 @@ class Scheduler:
 
     # -- requests in and out ----------------------------------------------
     @property
+    def arrivals(self) -> deque[Request]:
+        """Admitted requests of the default lane not yet placed in their bucket (its
+        lane's): append a keyless policy's default-priority request here to admit it
+        in bulk; the next step places them (see `ingest`)."""
+        return self.lane.arrivals
+
+    @property
     def num_waiting(self) -> int:
         """Requests waiting to run (placed in a bucket or not yet)."""
-        return self._placed + len(self.arrivals)
+        return self._placed + len(self.lane.arrivals)
 
     def add(self, req: Request) -> None:
         """Enqueue a request (it gets the next arrival number, `seq`).
@@ -204,7 +214,7 @@ class Scheduler:
             Overloaded: Under a latency target, it is predicted to be answered too
                 late; it is not enqueued (and counted as overloaded).
         """
-        if self.arrivals:
+        if self.lane.arrivals:
             self.ingest()  # keep arrival order: earlier arrivals get earlier seqs
         if self._placed >= self._queue_limit:
             self.stats.rejected += 1
@@ -226,7 +236,7 @@ class Scheduler:
             Overloaded: Under a latency target, the last of them is predicted to be
                 answered too late (counted as overloaded).
         """
-        if self.arrivals:
+        if self.lane.arrivals:
             self.ingest()
         limit = self.max_queue_size
         if limit is not None and self._placed + len(reqs) > limit:
@@ -284,29 +294,20 @@ class Scheduler:
             self.on_room()
 
     def ingest(self) -> None:
-        """Place the requests in `arrivals` in their bucket, all in one step.
+        """Place the requests of the arrival lane in their bucket, all in one step.
 
         They are all in the default lane of a keyless policy (bucket None, priority
         0), whose one bucket makes `seq` moot: it only orders the heads of different
         buckets. They are counted as requests here.
         """
-        arrivals = self.arrivals
-        if not arrivals:
+        if not self.lane.arrivals:
             return
-        count = len(arrivals)
+        bucket = self.buckets.get(None)
+        queue = None if bucket is None else bucket.queues.get(0)
+        if bucket is None or queue is None:
+            bucket, queue = self._lane(None, 0)
+        count = self.lane.move_into(queue)
         self.stats.requests += count
-        bucket, queue = self._lane(None, 0)
-        if self.lock_free_thread in (None, threading.get_ident()):
-            # No append can run meanwhile: the others hold the lock, as this step does,
-            # and lock-free ones run on this thread (a lane's thread changes only when
-            # its loop stops: see LoopDriver.bind).
-            queue.extend(arrivals)
-            arrivals.clear()
-        else:
-            # Exactly `count` popped: a lock-free caller's append racing this step, on
-            # the lane's thread, is kept for the next step (a clear could drop it).
-            for _ in range(count):
-                queue.append(arrivals.popleft())
         bucket.live += count
         self._placed += count
         if self.target is not None:
@@ -405,7 +406,7 @@ class Scheduler:
     ) -> tuple[DispatchReason | None, float | None]:
         """Why the bucket's batch leaves now (the first rule whose time has come);
         else None and the earliest time a rule named."""
-        limit = self._limit(name)
+        limit = self._limit(name) if self.caps else self.policy.max_batch_size
         wake_at: float | None = None
         for rule in self._rules:
             due = rule.due(bucket, limit, self.in_flight, now)
@@ -416,35 +417,41 @@ class Scheduler:
                     wake_at = due
         return None, wake_at
 
-    def poll(self, now: float) -> tuple[FormedBatch | None, float | None]:
-        """The next batch to run now (if any), and when to poll again if nothing changes.
+    def decide(self, now: float) -> tuple[FormedBatch | None, float | None, Sequence[Request]]:
+        """One scheduling pass: the next batch to run now (if any), when to look again
+        if nothing changes, and the waiting requests dropped on the way.
 
-        A bucket's batch is ready when it is full (`max_batch_size` requests, or the
-        cost budget reached), when closing, when nothing runs (for a policy that
-        dispatches when idle), or once its oldest request has waited `max_wait_s`.
-        Of the ready buckets, the one whose next request has the best priority, then
-        the earliest arrival, goes first. A formed batch holds a slot until
-        `finish`.
+        A bucket's batch is ready when a dispatch rule says so (see
+        `batchkit.serve.dispatch`): it is full (`max_batch_size` requests, or the cost
+        budget reached), closing, nothing runs (for a policy that dispatches when
+        idle), its oldest request has waited `max_wait_s`, or a latency target's
+        deadline comes. Of the ready buckets, the one whose next request has the best
+        priority, then the earliest arrival, goes first. A formed batch holds a slot
+        until `finish`.
 
         Args:
             now: The current time, in seconds on the caller's clock.
 
         Returns:
-            `(batch, None)` when a batch leaves now; else `(None, wake_at)`, the
-            time of the next max-wait expiry, or None when only an event (an
-            arrival, a batch finishing, close) can make a batch ready. With every
-            slot busy: `(None, None)`. When the policy's `select` raised (or chose
-            nothing) and `on_select_failed` is set, its candidates are answered
-            with that error and the result is `(None, now)`: poll again.
+            `(batch, wake_at, dropped)`. `batch`: the batch that leaves now, or None;
+            then `wake_at` is the time of the next rule's deadline (a max-wait
+            expiry), or None when only an event (an arrival, a batch finishing,
+            close) can make a batch ready (with every slot busy, too). `dropped`: the
+            waiting requests this pass dropped, their error set for the caller to
+            answer: those a latency target can no longer answer in time
+            (`Overloaded`, counted as shed), and, when the policy's `select` raised
+            (or chose nothing), the candidates it was choosing among, with what it
+            raised (counted as failed; `wake_at` is then `now`: look again).
         """
+        dropped: Sequence[Request] = ()
         if self.target is not None and self._placed and self.target.ready:
-            self._shed_hopeless(now)  # also while every slot is busy: answer them early
+            dropped = self._shed_hopeless(now)  # also while every slot is busy: early
         if self.in_flight >= self.max_concurrent_batches:
-            return None, None
-        if self.arrivals:
+            return None, None, dropped
+        if self.lane.arrivals:
             self.ingest()
         elif self._placed == 0:
-            return None, None
+            return None, None, dropped
         best: tuple[int, int] | None = None  # (priority, seq) of the head served first
         chosen: tuple[Hashable, Bucket, DispatchReason] | None = None
         wake_at: float | None = None
@@ -457,16 +464,41 @@ class Scheduler:
                     wake_at = due if wake_at is None or due < wake_at else wake_at
                 continue
             if len(self.buckets) == 1:
-                return self._take(name, bucket, reason, now)
+                return self._take(name, bucket, reason, now, dropped)
             head = bucket.head()
             assert head is not None
             if best is None or (head.priority, head.seq) < best:
                 best, chosen = (head.priority, head.seq), (name, bucket, reason)
         if chosen is None:
-            return None, wake_at
-        return self._take(*chosen, now)
+            return None, wake_at, dropped
+        return self._take(*chosen, now, dropped)
 
-    def _shed_hopeless(self, now: float) -> None:
+    def poll(self, now: float) -> tuple[FormedBatch | None, float | None]:
+        """`decide`, handing what it dropped to the callbacks: `(batch, wake_at)`.
+
+        Requests dropped as too late go to `on_shed`; the candidates of a policy
+        `select` that raised go to `on_select_failed`, or, without it, the error is
+        raised here (those candidates are dropped all the same, their error set).
+
+        Args:
+            now: The current time, in seconds on the caller's clock.
+
+        Returns:
+            `(batch, wake_at)`, as `decide` returns them.
+        """
+        batch, wake_at, dropped = self.decide(now)
+        if dropped:
+            shed = [req for req in dropped if isinstance(req.error, Overloaded)]
+            failed = [req for req in dropped if not isinstance(req.error, Overloaded)]
+            if shed and self.on_shed is not None:
+                self.on_shed(shed)
+            if failed:
+                if self.on_select_failed is None:
+                    raise failed[0].error  # type: ignore[misc]
+                self.on_select_failed(failed)
+        return batch, wake_at
+
+    def _shed_hopeless(self, now: float) -> list[Request]:
         """Drop the waiting requests that would be late even alone in the next batch;
         and, once the schedule slipped, those the work ahead of them makes late."""
         target = self.target
@@ -487,6 +519,7 @@ class Scheduler:
                         bucket.drop_waiting(late)
                         shed += late
         self._shed(shed, start)
+        return shed
 
     def _running_late(self, now: float) -> bool:
         """Whether a running batch is past its predicted end (checked again at most
@@ -500,7 +533,7 @@ class Scheduler:
                 return True
         return False
 
-    def _shed_overdue_front(self, name: Hashable, bucket: Bucket, now: float) -> None:
+    def _shed_overdue_front(self, name: Hashable, bucket: Bucket, now: float) -> list[Request]:
         """Drop the oldest requests whose deadline a full batch leaving now would miss,
         when a full batch waits behind them (see `LatencyTarget.overdue_front`)."""
         target = self.target
@@ -511,9 +544,10 @@ class Scheduler:
         if overdue:
             bucket.drop_waiting(overdue)
             self._shed(overdue, now)
+        return overdue
 
     def _shed(self, shed: list[Request], start: float) -> None:
-        """Answer dropped waiting requests with `Overloaded` (through `on_shed`)."""
+        """Set dropped waiting requests' error (`Overloaded`) and count them out."""
         if not shed:
             return
         target = self.target
@@ -522,63 +556,61 @@ class Scheduler:
             req.error = target.overloaded_error(req, start)
         self.stats.shed += len(shed)
         self._left_waiting(shed)
-        if self.on_shed is not None:
-            self.on_shed(shed)
 
     def _take(
-        self, name: Hashable, bucket: Bucket, reason: DispatchReason, now: float
-    ) -> tuple[FormedBatch | None, float | None]:
-        """Form the bucket's batch: `(batch, None)`; `(None, now)` (poll again) when
-        the policy's `select` failed and its candidates were answered with the error."""
+        self,
+        name: Hashable,
+        bucket: Bucket,
+        reason: DispatchReason,
+        now: float,
+        dropped: Sequence[Request],
+    ) -> tuple[FormedBatch | None, float | None, Sequence[Request]]:
+        """Form the bucket's batch: `(batch, None, dropped)`; `(None, now, dropped +
+        its candidates)` (look again) when the policy's `select` failed."""
         target = self.target
         if target is not None and target.ready:
-            self._shed_overdue_front(name, bucket, now)
-        queue = bucket.clean_queue()
-        candidates = bucket.candidates(self.policy.candidate_limit)
+            overdue = self._shed_overdue_front(name, bucket, now)
+            if overdue:
+                dropped = [*dropped, *overdue]
+        policy = self.policy
+        candidates = bucket.candidates(policy.candidate_limit)
         if self.groups_per_batch > 1:
             candidates += self._other_groups_candidates(name, len(candidates))
         try:
-            chosen = self._select(candidates)
+            chosen = policy.select(candidates)
+            if not chosen:  # a batch of nobody would be formed again at every poll
+                raise ValueError(
+                    f"{type(policy).__name__}.select() chose no request of the "
+                    f"{len(candidates)} waiting: a batch must take at least one"
+                )
         except Exception as exc:
-            if self.on_select_failed is None:
-                raise
             self._fail_selection(candidates, exc)
-            return None, now
+            return None, now, [*dropped, *candidates]
         if self.caps and name in self.caps:
             cap = self.caps[name]
             del chosen[cap:]
-            while len(chosen) > 1 and self.policy.padded_size(len(chosen)) > cap:
+            while len(chosen) > 1 and policy.padded_size(len(chosen)) > cap:
                 chosen.pop()
         if target is not None:
             target.trim(chosen, now)
-        for req in chosen:
-            req.state = RUNNING
-        # The usual batch, the front of the one clean deque, leaves it at once. (Checked
-        # against the deque itself: a policy's select() may reorder or skip.)
         if self.groups_per_batch > 1 and any(req.bucket != name for req in chosen):
             for other, reqs in _by_bucket(chosen).items():
-                self.buckets[other].taken(len(reqs))
+                self.buckets[other].take(reqs)
         else:
-            front = queue is not None and _is_prefix(chosen, queue)
-            bucket.taken(len(chosen), front=front)
+            bucket.take(chosen)
         self.in_flight += 1
-        self._left_waiting(chosen)
-        padded = self.policy.padded_size(len(chosen))
+        self._placed -= len(chosen)  # (as in _left_waiting: counted out, the target told)
+        if target is not None:
+            target.left(chosen)
+        if self.on_room is not None:
+            self.on_room()
+        padded = policy.padded_size(len(chosen))
         self.stats.record_batch(chosen, reason, padded, now)
         batch = FormedBatch(chosen, reason, padded, now)
         if target is not None and target.ready:
             batch.expected_end = now + target.batch_seconds(chosen)
         self.running[id(batch)] = batch
-        return batch, None
-
-    def _select(self, candidates: list[Request]) -> list[Request]:
-        chosen = self.policy.select(candidates)
-        if not chosen:  # a batch of nobody would be formed again at every poll
-            raise ValueError(
-                f"{type(self.policy).__name__}.select() chose no request of the "
-                f"{len(candidates)} waiting: a batch must take at least one"
-            )
-        return chosen
+        return batch, None, dropped
 
     def _other_groups_candidates(self, name: Hashable, have: int) -> list[Request]:
         """Under `max_groups_per_batch` > 1: the waiting requests of the next oldest
@@ -604,16 +636,14 @@ class Scheduler:
         return more
 
     def _fail_selection(self, candidates: list[Request], error: Exception) -> None:
-        """A policy bug must not stall every caller: answer the requests its `select`
-        was choosing among with what it raised; the others go on waiting."""
+        """A policy bug must not stall every caller: drop the requests its `select`
+        was choosing among, with what it raised; the others go on waiting."""
         for name, reqs in _by_bucket(candidates).items():
             self.buckets[name].drop_waiting(reqs)
         for req in candidates:
             req.error = error
         self.stats.failed += len(candidates)
         self._left_waiting(candidates)
-        assert self.on_select_failed is not None
-        self.on_select_failed(candidates)
 
     def finish(self, batch: FormedBatch, now: float, *, clean: bool = True) -> None:
         """A batch ended (whatever its outcome): its slot is free again.
@@ -638,12 +668,6 @@ class Scheduler:
     def drained(self) -> bool:
         """Nothing waiting and nothing running."""
         return self.num_waiting == 0 and self.in_flight == 0
-
-
-def _is_prefix(chosen: list[Request], queue: deque[Request]) -> bool:
-    """Whether `chosen` is exactly the first `len(chosen)` requests of `queue`, in
-    order. (A `Request` defines no `__eq__`: the lists compare by identity.)"""
-    return len(chosen) <= len(queue) and chosen == list(itertools.islice(queue, len(chosen)))
 
 
 def _by_bucket(reqs: list[Request]) -> dict[Hashable, list[Request]]:

@@ -24,24 +24,6 @@ from batchkit.serve.streaming import run_stream_sync
 from batchkit.serve.watchdog import Watchdog
 
 
-def call_sync(fn: Callable[[Any], Any], argument: Any, name: str) -> Outcome:
-    """Call `fn(argument)`; its output or what it raised (the worker survives anything).
-
-    Args:
-        fn: The batch function.
-        argument: The batch, as collated.
-        name: The function's name, for messages.
-
-    Returns:
-        `(True, output)`, or `(False, exception)`: a `SystemExit` or
-        `KeyboardInterrupt` as a `BatchInterrupted` (see `contained`).
-    """
-    try:
-        return True, fn(argument)
-    except BaseException as exc:  # noqa: BLE001 - the worker must survive anything
-        return False, contained(exc, name)
-
-
 class Worker:
     """One worker thread, and the batch it runs now (for the watchdog)."""
 
@@ -95,7 +77,7 @@ class ThreadDriver:
 
     def _start_workers_locked(self) -> None:
         """Start workers up to one per concurrent batch (none while unhealthy)."""
-        while self.core.healthy and len(self.workers) < self.core.sched.max_concurrent_batches:
+        while self.core.healthy and len(self.workers) < self.core.max_concurrent_batches:
             worker = Worker()
             name = f"batchkit-{self.core.name}-{len(self.workers)}"
             worker.thread = threading.Thread(target=self._work, args=(worker,), name=name)
@@ -113,6 +95,9 @@ class ThreadDriver:
         watchdog threads are not here. The batches they ran fail (they run on in the
         parent only) and free their slots; the next call starts fresh workers."""
         core = self.core
+        # The condition's waiters are the parent's idle workers: a notify would go to
+        # them, and wake nobody here.
+        self.cond = threading.Condition(core.lock)
         self.workers = []
         self.idle_workers = 0
         core.abandoned_workers = 0
@@ -123,19 +108,18 @@ class ThreadDriver:
             f"{core.name}: the process forked while this request's batch ran; it runs on "
             "in the parent process only"
         )
-        for batch in list(core.sched.running.values()):
-            deliver(core.abandon_locked(batch, error))
+        deliver(core.abandon_running_locked(error))
 
     def _work(self, worker: Worker) -> None:
         """One worker: take a batch, run and settle it, repeat; sleep when there is none."""
-        core, sched, cond, clock = self.core, self.core.sched, self.cond, self.core.clock
+        core, cond, clock = self.core, self.cond, self.core.clock
         batch: FormedBatch | None = None
         with cond:
             while True:
                 if batch is None:
-                    batch, wake_at = sched.poll(clock())
+                    batch, wake_at, _ = core.next_batch_locked()
                 if batch is None:
-                    if core.closed and sched.num_waiting == 0:
+                    if core.closed and core.num_waiting == 0:
                         cond.notify_all()  # wake close() and the other workers
                         return
                     self.idle_workers += 1
@@ -146,13 +130,11 @@ class ThreadDriver:
                 if worker.abandoned and not self._rejoin_locked(worker):
                     return
 
-    def _serve(
-        self, worker: Worker, batch: FormedBatch
-    ) -> tuple[FormedBatch | None, float | None]:
+    def _serve(self, worker: Worker, batch: FormedBatch) -> tuple[FormedBatch | None, float | None]:
         """With the lock held: run `batch` outside it, settle it, answer its callers;
         the next batch, if one is ready. (A method of its own so that nothing of a
         finished batch, its outputs included, stays referenced while the worker idles.)"""
-        cond, sched = self.cond, self.core.sched
+        cond, core = self.cond, self.core
         worker.batch = batch
         cond.release()
         try:
@@ -162,18 +144,19 @@ class ThreadDriver:
             worker.batch = None
         if worker.abandoned:
             return None, None  # its callers had their BatchTimeout: the late result is dropped
-        done = self.core.finish_locked(batch, run)
+        done = core.finish_locked(batch, run)
         # Take the next batch before waking this one's callers, and wake them outside
         # the lock: they call again at once and must not queue on it.
-        following = sched.poll(self.core.clock())
-        if sched.drained or (self.idle_workers and sched.num_waiting):
+        following, wake_at, _ = core.next_batch_locked()
+        # Wake close(), the workers' exit, or an idle worker that can take a batch.
+        if core.closed or (self.idle_workers and core.num_waiting):
             cond.notify_all()
         cond.release()
         try:
             deliver(done)
         finally:
             cond.acquire()
-        return following
+        return following, wake_at
 
     # -- the watchdog (batch_timeout) ----------------------------------------------
     def _expired(self, call: Any) -> None:
@@ -185,9 +168,9 @@ class ThreadDriver:
         worker.abandoned = True
         self.workers.remove(worker)
         core.abandoned_workers += 1
-        core.sched.stats.batch_timeouts += 1
-        core.healthy = core.abandoned_workers <= core.sched.max_concurrent_batches
-        if id(batch) in core.sched.running:
+        core.count_batch_timeout_locked()
+        core.healthy = core.abandoned_workers <= core.max_concurrent_batches
+        if core.is_running(batch):
             deliver(core.abandon_locked(batch, core.batch_timeout_error()))
         self._start_workers_locked()  # a replacement (none while unhealthy)
         self.cond.notify_all()  # the freed slot may start what waits
@@ -196,9 +179,9 @@ class ThreadDriver:
         """A stuck call returned: serve again if a worker is missing, else exit."""
         core = self.core
         core.abandoned_workers -= 1
-        core.healthy = core.abandoned_workers <= core.sched.max_concurrent_batches
+        core.healthy = core.abandoned_workers <= core.max_concurrent_batches
         worker.abandoned = False
-        if core.closed or len(self.workers) >= core.sched.max_concurrent_batches:
+        if core.closed or len(self.workers) >= core.max_concurrent_batches:
             return False
         self.workers.append(worker)
         return True
@@ -206,10 +189,14 @@ class ThreadDriver:
     def _run(self, batch: FormedBatch, worker: Worker) -> BatchRun:
         """Call the function as `run_steps` asks (parts too, if split); never raises.
 
-        A worker abandoned by the watchdog stops after its late call returns."""
-        core = self.core
+        The worker survives anything a call raises: a `SystemExit` or
+        `KeyboardInterrupt` reaches the callers as a `BatchInterrupted` (see
+        `contained`). A call is watched when there is a `batch_timeout`; a worker
+        abandoned by the watchdog stops after its late call returns.
+        """
+        core, fn, watchdog = self.core, self.fn, self.watchdog
         if core.options.streaming:
-            return run_stream_sync(self.fn, batch.requests, core.options, core.name, core.clock)
+            return run_stream_sync(fn, batch.requests, core.options, core.name, core.clock)
         steps = run_steps(batch.requests, core.options, core.name)
         outcome: Outcome | None = None
         try:
@@ -218,7 +205,17 @@ class ThreadDriver:
                 # Neither the last call's outcome nor its argument is kept while the
                 # steps decide on a retry or the next call runs (see execute.py).
                 outcome = None
-                outcome = self._call(worker, argument)
+                if watchdog is not None:
+                    with self.cond:
+                        watchdog.call_started_locked(worker)
+                try:
+                    outcome = True, fn(argument)
+                except BaseException as exc:  # noqa: BLE001 - the worker must survive anything
+                    outcome = False, contained(exc, core.name)
+                finally:
+                    if watchdog is not None:
+                        with self.cond:
+                            watchdog.call_ended_locked(worker)
                 del argument
                 if worker.abandoned:
                     steps.close()
@@ -226,19 +223,6 @@ class ThreadDriver:
         except StopIteration as done:
             run: BatchRun = done.value
             return run
-
-    def _call(self, worker: Worker, argument: Any) -> Outcome:
-        """One call of the function, watched when there is a `batch_timeout`."""
-        watchdog = self.watchdog
-        if watchdog is None:
-            return call_sync(self.fn, argument, self.core.name)
-        with self.cond:
-            watchdog.call_started_locked(worker)
-        try:
-            return call_sync(self.fn, argument, self.core.name)
-        finally:
-            with self.cond:
-                watchdog.call_ended_locked(worker)
 
     # -- shutdown ------------------------------------------------------------
     def close(self, timeout: float | None = None) -> None:
@@ -254,7 +238,7 @@ class ThreadDriver:
         with self.cond:
             core.close_locked()
             self.cond.notify_all()
-            finished = self.cond.wait_for(lambda: core.sched.drained, timeout)
+            finished = self.cond.wait_for(lambda: core.drained, timeout)
             if not finished:
                 core.fail_all_locked(core.closed_error())
                 self.cond.notify_all()

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import threading
-from collections import deque
-
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -464,49 +461,6 @@ def test_a_policy_whose_select_picks_nothing_is_an_error_not_a_stall() -> None:
     add(sched, 1, 0.0)
     with pytest.raises(ValueError, match=r"_PicksNothing.select\(\) chose no request of the 1"):
         sched.poll(0.0)
-
-
-class _RacingArrivals(deque):  # type: ignore[type-arg]
-    """An arrivals deque into which one more request lands during the first pop, as a
-    lock-free caller's append can while another thread places the arrivals."""
-
-    def __init__(self, late: Request) -> None:
-        super().__init__()
-        self.late: Request | None = late
-
-    def popleft(self) -> Request:
-        req: Request = super().popleft()
-        if self.late is not None:
-            self.append(self.late)
-            self.late = None
-        return req
-
-
-def test_an_arrival_appended_without_the_lock_during_placement_is_kept_for_the_next() -> None:
-    sched = Scheduler(DynamicBatcher(8, max_wait_ms=10), max_concurrent_batches=2)
-    sched.lock_free_thread = threading.get_ident() + 1  # placed from another thread
-    early = [new_request(i, 0.0, None, 0) for i in range(3)]
-    late = new_request("late", 0.0, None, 0)
-    sched.arrivals = _RacingArrivals(late)
-    sched.arrivals.extend(early)
-    first, _ = sched.poll(0.0)  # idle: leaves with what was placed
-    assert first is not None and first.requests == early
-    assert sched.num_waiting == 1  # the late one waits, counted once
-    assert sched.poll(0.005)[0] is None  # a batch runs: it waits for its max wait
-    second, _ = sched.poll(0.010)
-    assert second is not None and second.requests == [late]
-    assert sched.stats.requests == 4
-
-
-@pytest.mark.parametrize("lane_thread", ["none", "this one"])
-def test_arrivals_no_other_thread_appends_to_are_all_placed_in_one_step(lane_thread: str) -> None:
-    sched = Scheduler(DynamicBatcher(8, max_wait_ms=10))
-    sched.lock_free_thread = None if lane_thread == "none" else threading.get_ident()
-    reqs = [new_request(i, 0.0, None, 0) for i in range(5)]
-    sched.arrivals.extend(reqs)
-    batch, _ = sched.poll(0.0)
-    assert batch is not None and batch.requests == reqs
-    assert not sched.arrivals and sched.num_waiting == 0 and sched.stats.requests == 5
 
 
 def test_setting_closing_as_before_closes_and_a_closed_scheduler_stays_closed() -> None:
