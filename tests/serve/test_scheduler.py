@@ -463,6 +463,40 @@ def test_a_policy_whose_select_picks_nothing_is_an_error_not_a_stall() -> None:
         sched.poll(0.0)
 
 
+class _RaisesOnBigBatches(DynamicBatcher):
+    def select(self, candidates):  # type: ignore[no-untyped-def]
+        if len(candidates) > 2:
+            raise RuntimeError("a bug in select")
+        return super().select(candidates)
+
+
+def test_decide_returns_a_failing_selection_s_candidates_and_calls_nobody_back() -> None:
+    called: list[list[Request]] = []
+    sched = Scheduler(_RaisesOnBigBatches(4, max_wait_ms=10), on_select_failed=called.append)
+    first = [add(sched, i, 0.0) for i in range(3)]
+    batch, wake_at, dropped = sched.decide(0.0)
+    assert batch is None and wake_at == 0.0  # look again at once
+    assert list(dropped) == first and not called
+    assert all(r.state == DROPPED and str(r.error) == "a bug in select" for r in first)
+    assert sched.stats.failed == 3 and sched.num_waiting == 0
+    later = add(sched, 9, 0.001)  # the others go on: the next batch forms
+    batch, _, dropped = sched.decide(0.001)
+    assert batch is not None and batch.requests == [later] and not dropped
+
+
+def test_poll_hands_a_failing_selection_to_its_callback_or_raises_it() -> None:
+    called: list[list[Request]] = []
+    sched = Scheduler(_RaisesOnBigBatches(4, max_wait_ms=10), on_select_failed=called.append)
+    reqs = [add(sched, i, 0.0) for i in range(3)]
+    assert sched.poll(0.0) == (None, 0.0) and called == [reqs]
+    bare = Scheduler(_RaisesOnBigBatches(4, max_wait_ms=10))
+    for i in range(3):
+        add(bare, i, 0.0)
+    with pytest.raises(RuntimeError, match="a bug in select"):
+        bare.poll(0.0)
+    assert bare.num_waiting == 0  # dropped all the same, their error set
+
+
 def test_setting_closing_as_before_closes_and_a_closed_scheduler_stays_closed() -> None:
     sched = Scheduler(DynamicBatcher(4, max_wait_ms=1000), max_concurrent_batches=2)
     add(sched, 0, 0.0)

@@ -137,6 +137,21 @@ def test_concurrent_batches_let_more_requests_in() -> None:
         add(sched, now)
 
 
+def test_decide_returns_the_requests_it_sheds_with_their_error() -> None:
+    sched, now = taught(max_wait_ms=1000)
+    for _ in range(16):
+        add(sched, now)
+    stuck, _, _ = sched.decide(now)  # runs far longer than predicted
+    assert stuck is not None
+    waiting = add(sched, now)
+    batch, wake_at, dropped = sched.decide(now + 0.090)  # still in time
+    assert (batch, wake_at) == (None, None) and not dropped
+    batch, wake_at, dropped = sched.decide(now + 0.093)  # alone: too late now
+    assert (batch, wake_at) == (None, None) and list(dropped) == [waiting]
+    assert waiting.state == DROPPED and isinstance(waiting.error, Overloaded)
+    assert sched.stats.shed == 1 and sched.num_waiting == 0
+
+
 def test_a_running_batch_delays_the_predicted_answer() -> None:
     sched, now = taught()
     for _ in range(16):
