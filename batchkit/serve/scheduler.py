@@ -197,6 +197,10 @@ class Scheduler:
         in bulk; the next step places them (see `ingest`)."""
         return self.lane.arrivals
 
+    @arrivals.setter
+    def arrivals(self, queue: deque[Request]) -> None:
+        self.lane.arrivals = queue
+
     @property
     def num_waiting(self) -> int:
         """Requests waiting to run (placed in a bucket or not yet)."""
@@ -587,10 +591,7 @@ class Scheduler:
             self._fail_selection(candidates, exc)
             return None, now, [*dropped, *candidates]
         if self.caps and name in self.caps:
-            cap = self.caps[name]
-            del chosen[cap:]
-            while len(chosen) > 1 and policy.padded_size(len(chosen)) > cap:
-                chosen.pop()
+            self._cut_to_cap(chosen, self.caps[name])
         if target is not None:
             target.trim(chosen, now)
         if self.groups_per_batch > 1 and any(req.bucket != name for req in chosen):
@@ -611,6 +612,12 @@ class Scheduler:
             batch.expected_end = now + target.batch_seconds(chosen)
         self.running[id(batch)] = batch
         return batch, None, dropped
+
+    def _cut_to_cap(self, chosen: list[Request], cap: int) -> None:
+        """Cut a batch to its bucket's learned cap (its padded size too)."""
+        del chosen[cap:]
+        while len(chosen) > 1 and self.policy.padded_size(len(chosen)) > cap:
+            chosen.pop()
 
     def _other_groups_candidates(self, name: Hashable, have: int) -> list[Request]:
         """Under `max_groups_per_batch` > 1: the waiting requests of the next oldest
