@@ -10,9 +10,10 @@ sends requests at seeded Poisson times, never waiting for answers (open loop).
 
 Steps, in one run:
 
-1. ``device (ref)``: the model alone in this process, before the server starts, on
-   full batches of the same texts back to back (no HTTP, no batcher): the most this
-   machine embeds per second.
+1. ``device (ref)``: the model alone in a process of its own, before the server
+   starts, on full batches of the same texts back to back (no HTTP, no batcher): the
+   most this machine embeds per second. (The client's process never loads the model:
+   a full garbage collection over transformers' objects would pause its loop.)
 2. ``client (ref)``: the client against a path the server does not serve (its 404,
    no model), 32 clients: how many connections per second the client and the
    server's HTTP stack handle here, a bound on every load below (the two share the
@@ -104,9 +105,7 @@ async def post(port: int, path: str, body: bytes | None, timeout: float) -> int:
     if body is not None:
         head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
     try:
-        reader, writer = await asyncio.wait_for(
-            asyncio.open_connection("127.0.0.1", port), timeout
-        )
+        reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), timeout)
     except (OSError, asyncio.TimeoutError):
         return 0
     try:
@@ -180,6 +179,18 @@ async def idle_check(port: int, bodies: list[bytes], n: int = 20) -> int:
 
 
 # --------------------------------------------------------------------------- references
+
+
+def device_rate_apart(model: str, seconds: float) -> float:
+    """``device_rate`` in a process of its own: the client's process never holds the
+    model. (With transformers loaded, a full garbage collection walks ~400k objects,
+    ~400 ms on 2 CPUs: it would stop the client's loop, and every request in flight
+    would seem that much slower.)"""
+    out = subprocess.run(
+        [sys.executable, __file__, "--model", model, "--device-only", f"{seconds:g}"],
+        check=True, capture_output=True, text=True,
+    )  # fmt: skip
+    return float(out.stdout.split()[-1])
 
 
 def device_rate(model: str, batch: list[str], seconds: float) -> float:
@@ -354,7 +365,11 @@ def main() -> int:
     p.add_argument("--seconds", type=float, default=8.0, help="each load's length")
     p.add_argument("--quick", action="store_true", help="3 s per load")
     p.add_argument("--json", metavar="PATH", help="also write the rows to PATH")
+    p.add_argument("--device-only", type=float, metavar="SECONDS", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.device_only is not None:  # (device_rate_apart's own process)
+        print(device_rate(args.model, texts(32, seed=2), args.device_only))
+        return 0
     if args.quick:
         args.seconds = 3.0
     args.loads = LOADS
@@ -362,7 +377,7 @@ def main() -> int:
     print(f"# the example service ({args.model}, BATCHKIT_MAX_LATENCY_MS={args.target_ms:g}) "
           f"in its own process; open loop, one connection per request, "
           f"{args.seconds:g} s per load")  # fmt: skip
-    device = device_rate(args.model, texts(32, seed=2), 3.0)
+    device = device_rate_apart(args.model, 3.0)
     client, capacity = serve(args, None, measure_capacity)
     rows = serve(args, args.target_ms, lambda a, port: measure(a, port, capacity))
     ok = report(args, device, client, capacity, rows)
