@@ -23,7 +23,7 @@ capacity the turns make small batches. Admission then *plans* the turns of what 
 hand for the requests that arrive later and join the batches ahead; and it refuses a
 request whose own batch would make a request admitted before it late. Counted as
 full batches bucket by bucket, the same work let in requests that the turns then made
-late: near twice capacity, about a third of the refusals of a three-bucket service
+late: near twice capacity, nearly a third of the refusals of a three-bucket service
 came as drops near the deadline instead of at admission.
 
 A prediction can be wrong in the pessimistic direction, and a refusal is never

@@ -702,7 +702,7 @@ def test_across_buckets_past_capacity_what_is_admitted_is_served_not_dropped_lat
     # The example service's shape: a batch costs 25 ms + 1.1 ms per item + 0.085 ms
     # per padded character, texts of 30 to 400 characters in three length buckets, a
     # 500 ms target, Poisson load at about twice what the device serves. Counting
-    # each bucket's work as full batches, about a third of the 503s were requests
+    # each bucket's work as full batches, nearly a third of the 503s were requests
     # admitted, then dropped near their deadline: the buckets' turns make smaller
     # batches, and later arrivals join the batches that go first.
     policy = BucketedBatcher([128, 256, 512], key=int, max_batch_size=32, max_wait_ms=2)
