@@ -400,6 +400,12 @@ class LatencyTarget:
         dropped = 0
         slots = sorted(slots_free_at)
         budget = self.policy.max_tokens
+        # Turns follow one another at their expected times (the margin less the
+        # residuals' spread); the new requests' answer adds the spread once, grown with
+        # the square root of the turns up to it: one batch's noise is in each
+        # prediction, but over several in a row it partly cancels.
+        spread = self.learner.spread_s
+        turns = 0
         while lanes:
             start = slots[0]
             for name in list(lanes):  # each bucket's fronts that are late even alone
@@ -427,10 +433,11 @@ class LatencyTarget:
             ):  # as `trim`: the most urgent member in time
                 lane.appendleft(batch.pop())
                 members.pop()
-            end = start + self.batch_seconds(members)
+            end = start + self.batch_seconds(members) - spread
             heapq.heapreplace(slots, end)
+            turns += 1
             if any(entry[1] == math.inf for entry in batch):
-                finish = end
+                finish = end + spread * math.sqrt(turns)
             if not lane:
                 del lanes[name]
         return Plan(finish, dropped)
