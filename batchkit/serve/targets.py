@@ -64,6 +64,11 @@ MAX_PROBE_INTERVAL_S = 1.0
 TURN_ROOM = 0.15
 
 
+# A request in a planned lane: (priority, arrival order, the request, its deadline);
+# new requests arrive after every waiting one (order math.inf).
+_Planned = tuple[int, float, Request, float]
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """What planning the buckets' turns found (`LatencyTarget._plan`).
@@ -294,20 +299,7 @@ class LatencyTarget:
             cost *= self._packing  # (the batches' cost, not the sum of their items')
             finish = self._finish_time(items, cost, slots_free_at, max_batch_size)
         else:
-            # Buckets take turns: plan them, and keep room for later arrivals.
-            plan = self._plan(reqs, priority, now, slots_free_at, max_batch_size)
-            finish = plan.finish + TURN_ROOM * self.target_s
-            if finish - now + self.reserve_s <= self.target_s:
-                before = self._plan([], priority, now, slots_free_at, max_batch_size)
-                if plan.dropped > before.dropped:
-                    raise Overloaded(
-                        f"admitting this request would make "
-                        f"{plan.dropped - before.dropped} of the {int(ahead)} requests "
-                        f"ahead of it, in other buckets, miss the target "
-                        f"max_latency_ms={self.target_s * 1e3:g}",
-                        predicted_s=finish - now + self.reserve_s,
-                        target_s=self.target_s,
-                    )
+            finish = self._finish_across_buckets(reqs, now, slots_free_at, max_batch_size)
         predicted = finish - now + self.reserve_s
         if predicted <= self.target_s:
             if self._refusing_since is not None:
@@ -355,6 +347,36 @@ class LatencyTarget:
         last_s = self.learner.predict(self.policy.padded_size(math.ceil(last)), last * per_item)
         return before, full_s, last_s
 
+    def _finish_across_buckets(
+        self,
+        reqs: Sequence[Request],
+        now: float,
+        slots_free_at: Sequence[float],
+        max_batch_size: int,
+    ) -> float:
+        """When the last of `reqs` would be answered as the buckets take turns (`_plan`),
+        with `TURN_ROOM` of the target kept for the requests that will join the
+        batches ahead.
+
+        Raises:
+            Overloaded: In time, but with them the turns would drop more of the
+                requests already waiting than without them.
+        """
+        priority = reqs[0].priority
+        plan = self._plan(reqs, priority, now, slots_free_at, max_batch_size)
+        finish = plan.finish + TURN_ROOM * self.target_s
+        if finish - now + self.reserve_s <= self.target_s:
+            before = self._plan([], priority, now, slots_free_at, max_batch_size)
+            if plan.dropped > before.dropped:
+                raise Overloaded(
+                    f"admitting this request would make {plan.dropped - before.dropped} "
+                    f"request(s) admitted before it, in other buckets, miss the target "
+                    f"max_latency_ms={self.target_s * 1e3:g}",
+                    predicted_s=finish - now + self.reserve_s,
+                    target_s=self.target_s,
+                )
+        return finish
+
     def _plan(
         self,
         reqs: Sequence[Request],
@@ -382,24 +404,10 @@ class LatencyTarget:
             slots_free_at: When each batch slot is free.
             max_batch_size: The largest batch.
         """
-        deadline_new = now + self.target_s - self.reserve_s
-        # Per lane, its requests in service order as (priority, arrival, request,
-        # deadline); the new ones arrive last (math.inf).
-        lanes: dict[tuple[int, Hashable], deque[tuple[int, float, Request, float]]] = {}
-        for key, heap in self._order.items():
-            if key[0] <= priority:
-                lanes[key] = deque(
-                    (req.priority, float(seq), req, req.deadline)
-                    for seq, _, req in sorted(heap)
-                    if id(req) not in self._gone
-                )
-        for req in reqs:
-            entry = (priority, math.inf, req, deadline_new)
-            lanes.setdefault((priority, req.bucket), deque()).append(entry)
+        lanes = self._lanes_with(reqs, priority, now + self.target_s - self.reserve_s)
         finish = now
         dropped = 0
         slots = sorted(slots_free_at)
-        budget = self.policy.max_tokens
         # Turns follow one another at their expected times (the margin less the
         # residuals' spread); the new requests' answer adds the spread once, grown with
         # the square root of the turns up to it: one batch's noise is in each
@@ -420,27 +428,55 @@ class LatencyTarget:
             if not lanes:
                 break
             name = min(lanes, key=lambda n: lanes[n][0][:2])  # the oldest front first
-            lane = lanes[name]
-            batch = [lane.popleft() for _ in range(min(max_batch_size, len(lane)))]
-            if budget is not None:
-                keys = (entry[2].key for entry in batch)
-                keep = take_within_budget(keys, max_batch_size, budget, self.policy.cost)
-                lane.extendleft(reversed(batch[keep:]))
-                del batch[keep:]
-            members = [entry[2] for entry in batch]
-            while len(batch) > 1 and start + self.batch_seconds(members) > min(
-                entry[3] for entry in batch
-            ):  # as `trim`: the most urgent member in time
-                lane.appendleft(batch.pop())
-                members.pop()
-            end = start + self.batch_seconds(members) - spread
+            batch = self._planned_batch(lanes[name], start, max_batch_size)
+            end = start + self.batch_seconds([entry[2] for entry in batch]) - spread
             heapq.heapreplace(slots, end)
             turns += 1
             if any(entry[1] == math.inf for entry in batch):
                 finish = end + spread * math.sqrt(turns)
-            if not lane:
+            if not lanes[name]:
                 del lanes[name]
         return Plan(finish, dropped)
+
+    def _lanes_with(
+        self, reqs: Sequence[Request], priority: int, deadline: float
+    ) -> dict[tuple[int, Hashable], deque[_Planned]]:
+        """Every lane of `priority` or more urgent, its waiting requests in service
+        order, and `reqs` (with `deadline`) after them, as `_Planned` entries."""
+        lanes: dict[tuple[int, Hashable], deque[_Planned]] = {}
+        for key, heap in self._order.items():
+            if key[0] <= priority:
+                lanes[key] = deque(
+                    (req.priority, float(seq), req, req.deadline)
+                    for seq, _, req in sorted(heap)
+                    if id(req) not in self._gone
+                )
+        for req in reqs:
+            lanes.setdefault((priority, req.bucket), deque()).append(
+                (priority, math.inf, req, deadline)
+            )
+        return lanes
+
+    def _planned_batch(
+        self, lane: deque[_Planned], start: float, max_batch_size: int
+    ) -> list[_Planned]:
+        """The batch a lane forms at `start`, as the scheduler forms it: its first
+        `max_batch_size` entries within the cost budget, cut (as `trim` cuts) until
+        its most urgent member is in time; taken off the lane."""
+        batch = [lane.popleft() for _ in range(min(max_batch_size, len(lane)))]
+        budget = self.policy.max_tokens
+        if budget is not None:
+            keys = (entry[2].key for entry in batch)
+            keep = take_within_budget(keys, max_batch_size, budget, self.policy.cost)
+            lane.extendleft(reversed(batch[keep:]))
+            del batch[keep:]
+        members = [entry[2] for entry in batch]
+        while len(batch) > 1 and start + self.batch_seconds(members) > min(
+            entry[3] for entry in batch
+        ):
+            lane.appendleft(batch.pop())
+            members.pop()
+        return batch
 
     def _finish_time(
         self,
