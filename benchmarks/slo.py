@@ -180,12 +180,18 @@ class Device:
         self._lock = asyncio.Lock()
         self.pattern = pattern
         self.batches: list[tuple[float, int]] = []  # (loop time it started, items)
+        # The stall pattern's slow batches: (loop time it started, seconds, its items).
+        self.stalls: list[tuple[float, float, list[int]]] = []
 
     async def run(self, items: list[Item]) -> list[int]:
         async with self._lock:
             factor = slowdown(self.pattern, len(self.batches))
-            self.batches.append((asyncio.get_running_loop().time(), len(items)))
-            await asyncio.sleep((BATCH_FIXED_S + sum(cost for _, cost in items)) * factor)
+            started = asyncio.get_running_loop().time()
+            self.batches.append((started, len(items)))
+            seconds = (BATCH_FIXED_S + sum(cost for _, cost in items)) * factor
+            if factor > 1 and self.pattern == "stall":
+                self.stalls.append((started, seconds, [i for i, _ in items]))
+            await asyncio.sleep(seconds)
         return [i for i, _ in items]
 
 
@@ -381,6 +387,10 @@ class Cell:
         p99_ms: Served p99 latency, of answered requests (NaN when none was).
         mean_batch: Mean items per batch the device started during the segment.
         call_lateness_p99_ms: How late the driver made the calls, p99.
+        stall_lost: Of ``offered``, requests the device's stalls cost whatever a
+            batcher did once they came (stall phase only): a stalled batch's members,
+            and the arrivals during a stall that could not be answered in time even
+            alone right after it (before its end + one item's batch - the target).
     """
 
     offered: int
@@ -393,6 +403,7 @@ class Cell:
     p99_ms: float
     mean_batch: float
     call_lateness_p99_ms: float
+    stall_lost: int = 0
 
 
 class WrongResult(AssertionError):
@@ -443,6 +454,7 @@ async def run_point(
         i = wrong[0]
         raise WrongResult(f"{SYSTEMS[name]}: request {i} got another's result ({len(wrong)} so)")
 
+    lost = stall_losses(device, schedule, t0)
     cells: dict[str, Cell] = {}
     for seg, phase, start, end in segments[1:]:
         ids = [i for i in range(n) if schedule.segment[i] == seg]
@@ -462,8 +474,24 @@ async def run_point(
             p99_ms=percentile(served, 0.99) * 1e3,
             mean_batch=statistics.fmean(batches) if batches else math.nan,
             call_lateness_p99_ms=percentile([lateness[i] for i in ids], 0.99) * 1e3,
+            stall_lost=len(lost.intersection(ids)),
         )
     return cells
+
+
+def stall_losses(device: Device, schedule: Schedule, t0: float) -> set[int]:
+    """The requests the device's stalls cost whatever a batcher did once they came:
+    each stalled batch's members (answered a stall's length after it started: past
+    the target), and every arrival from its start to its end + the fastest batch
+    (one item) - the target, which could not be answered in time even alone, first,
+    right after it."""
+    fastest = BATCH_FIXED_S + ITEM_COST_S["stall"]
+    lost: set[int] = set()
+    for started, seconds, members in device.stalls:
+        lost.update(members)
+        first, last = started - t0, started - t0 + seconds + fastest - TARGET_S
+        lost.update(i for i, at in enumerate(schedule.arrivals) if first <= at < last)
+    return lost
 
 
 async def settle(limit_s: float = 1.0) -> None:
@@ -554,6 +582,18 @@ def bound_goodput(res: Results, config: Config, segment: str, load: float) -> fl
     return min(offered_rate(res, config, segment, load) / capacity(phase), med(res.device[phase]))
 
 
+def bound_given_stalls(res: Results, config: Config, segment: str, load: float) -> float:
+    """The target row's goodput bound once its own stalls are counted (stall phase):
+    its offered requests less those its stalls cost whatever a batcher did then
+    (``Cell.stall_lost``), per second over C, and at most ``bound_goodput``. A batcher
+    that formed fewer, fuller batches would meet fewer stalls: a bound given these."""
+    cells = res.cells[TARGET_ROW][column(segment, load)]
+    kept = med([float(c.offered - c.stall_lost) for c in cells])
+    return min(
+        kept / config.segment_s / capacity(segment), bound_goodput(res, config, segment, load)
+    )
+
+
 def bound_in_time(res: Results, config: Config, segment: str, load: float) -> float:
     """``device (ref)``'s fraction answered in time for a column: all, or what the
     device sustains back to back over the offered rate, whichever is less."""
@@ -640,6 +680,20 @@ def report(res: Results, config: Config) -> bool:
     )
     print_table("mean items per batch", res, config, fmt("mean_batch", ".1f"))
 
+    if TARGET_ROW in res.cells and "stall" in config.measured():
+        print(
+            f"\nnote  stall: {SYSTEMS[TARGET_ROW]}'s own stalls cost at least "
+            + ", ".join(
+                f"{median_of(res, TARGET_ROW, column('stall', load), 'stall_lost'):.0f}"
+                for load in config.loads
+            )
+            + " requests (their members, and the arrivals that could not be answered "
+            "in time after them); its goodput bound given them: "
+            + ", ".join(
+                f"{bound_given_stalls(res, config, 'stall', load):.3f}" for load in config.loads
+            )
+            + f" at {', '.join(f'{load:g}x' for load in config.loads)}"
+        )
     print(
         "\nnote  device (ref): full batches back to back ran at "
         + ", ".join(f"{med(res.device[p]):.3f} of C ({p})" for p in config.measured())
@@ -706,6 +760,10 @@ def goals(res: Results, config: Config) -> bool:
             good = median_of(res, TARGET_ROW, col, "goodput")
             p99 = median_of(res, TARGET_ROW, col, "p99_ms")
             beside = f"(bound {bound:.3f}; {best_other(col, 'goodput')})"
+            if seg == "stall":
+                stalls = bound_given_stalls(res, config, seg, load)
+                beside = f"(bound {bound:.3f}, given its stalls {stalls:.3f}; " \
+                    f"{best_other(col, 'goodput')})"  # fmt: skip
             if seg in ("warmup", "stall") and 1.0 <= load <= 2.0:
                 # What a slow start or a stall costs: goodput after it, p99 not judged
                 # (a stalled batch's own requests are late whatever a batcher does).

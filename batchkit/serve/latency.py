@@ -186,6 +186,15 @@ class BatchTimeLearner:
         assert model is not None, "predict() before the model is ready"
         return model.predict_ms(size, cost) / 1e3
 
+    @property
+    def spread_s(self) -> float:
+        """The residuals' spread alone, in seconds: the margin less the recent shift
+        (call only when `ready`). What a prediction adds for one batch's noise; over
+        several batches in a row that noise partly cancels, a shift does not."""
+        model = self.snapshot()
+        assert model is not None and self._fit is not None, "spread_s before ready"
+        return self._fit.margin_ms / 1e3
+
     def snapshot(self) -> LearnedLatency | None:
         """The model now, in milliseconds; None until `ready`."""
         if not self.ready:
@@ -214,9 +223,7 @@ class BatchTimeLearner:
         stalls = int(stalled.size)
         a, b, c = (float(x) * 1e3 for x in coef)
         largest_size, largest_cost = (float(x) for x in data[:, :2].max(axis=0))
-        fit = LearnedLatency(
-            a, b, c, spread, len(data), largest_size, largest_cost, stalls=stalls
-        )
+        fit = LearnedLatency(a, b, c, spread, len(data), largest_size, largest_cost, stalls=stalls)
         self._fit = fit
         newest = list(self._samples)[-SHIFT_WINDOW:]
         self._recent = deque((_residual_ms(fit, s) for s in newest), maxlen=SHIFT_WINDOW)

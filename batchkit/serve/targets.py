@@ -15,6 +15,17 @@ that ran), the scheduler asks this object three questions:
 Until the model has seen enough batches, everything is admitted and nothing is
 dropped: a prediction needs evidence.
 
+With several buckets (length buckets, groups) the work ahead is not a
+queue of full batches: buckets take turns (the one whose oldest request came first
+goes next), and each batch is cut so that its own oldest member is in time, so near
+capacity the turns make small batches. Admission then *plans* the turns of what waits
+(`_plan`), as the scheduler will serve them; it keeps `TURN_ROOM` of the target in
+hand for the requests that arrive later and join the batches ahead; and it refuses a
+request whose own batch would make a request admitted before it late. Counted as
+full batches bucket by bucket, the same work let in requests that the turns then made
+late: near twice capacity, nearly a third of the refusals of a three-bucket service
+came as drops near the deadline instead of at admission.
+
 A prediction can be wrong in the pessimistic direction, and a refusal is never
 checked by a batch that does not run: a slow first batch (CUDA context, autotuning,
 compilation) would otherwise lock the function out for good. So when it refuses a
@@ -32,9 +43,10 @@ import dataclasses
 import heapq
 import itertools
 import math
+from collections import deque
 from collections.abc import Hashable, Sequence
 
-from batchkit.batchers.base import Batcher
+from batchkit.batchers.base import Batcher, take_within_budget
 from batchkit.errors import Overloaded
 from batchkit.serve.latency import BatchTimeLearner, LearnedLatency
 from batchkit.serve.request import Request
@@ -45,6 +57,30 @@ ANSWER_RESERVE = 0.02
 # While refusing with nothing ahead, a probe is let in after the target, then after
 # twice as long, and so on up to this (or the target, if longer).
 MAX_PROBE_INTERVAL_S = 1.0
+# When several buckets take turns, the share of the target an admitted request keeps
+# in hand beyond its planned turn: requests that arrive later join the batches of
+# their bucket that go before it (a batch takes what waits in its bucket when it
+# leaves), and would otherwise make it late, to be dropped near its deadline.
+TURN_ROOM = 0.15
+
+
+# A request in a planned lane: (priority, arrival order, the request, its deadline);
+# new requests arrive after every waiting one (order math.inf).
+_Planned = tuple[int, float, Request, float]
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What planning the buckets' turns found (`LatencyTarget._plan`).
+
+    Attributes:
+        finish: When the last new request would be answered (past its deadline: it
+            would be dropped before its turn).
+        dropped: Waiting requests the turns would leave late, to be dropped.
+    """
+
+    finish: float
+    dropped: int
 
 
 class LatencyTarget:
@@ -78,6 +114,12 @@ class LatencyTarget:
         # A batch's cost over the sum of its items' own costs (above 1 for a padded
         # layout: its longest item times its size), averaged over recent batches.
         self._packing = 1.0
+        # Each lane's waiting requests, (seq, entry, request) in a heap, for planning
+        # the turns of several buckets (`_plan`); one that left from behind the front
+        # is skipped lazily (`_gone`, by id: held there, so its id is not reused).
+        self._order: dict[tuple[int, Hashable], list[tuple[int, int, Request]]] = {}
+        self._gone: dict[int, Request] = {}
+        self._entries = itertools.count()
 
     def retarget(self, target_s: float, waiting: Sequence[Request]) -> None:
         """Use `target_s` from now on, for the requests already waiting too.
@@ -90,6 +132,8 @@ class LatencyTarget:
         self.target_s = target_s
         self.reserve_s = target_s * ANSWER_RESERVE
         self._waiting.clear()
+        self._order.clear()
+        self._gone.clear()
         for req in waiting:
             self.entered(req)
 
@@ -176,6 +220,7 @@ class LatencyTarget:
             counts = self._waiting[lane] = [0, 0.0]
         counts[0] += 1
         counts[1] += self.batch_cost([req.key])
+        heapq.heappush(self._order.setdefault(lane, []), (req.seq, next(self._entries), req))
 
     def left(self, requests: Sequence[Request]) -> None:
         """These requests no longer wait (taken into a batch, or dropped).
@@ -188,8 +233,17 @@ class LatencyTarget:
             counts = self._waiting[lane]
             counts[0] -= 1
             counts[1] -= self.batch_cost([req.key])
+            order = self._order[lane]
             if counts[0] == 0:
                 del self._waiting[lane]
+                for _, _, other in self._order.pop(lane):
+                    self._gone.pop(id(other), None)
+            elif order[0][2] is req:
+                heapq.heappop(order)
+                while id(order[0][2]) in self._gone:  # (one still waits: counts > 0)
+                    del self._gone[id(heapq.heappop(order)[2])]
+            else:
+                self._gone[id(req)] = req
 
     def check_admission(
         self,
@@ -202,9 +256,12 @@ class LatencyTarget:
         """Refuse `reqs` (one caller's, one priority) if the last of them would be late.
 
         The work ahead is every waiting request of the same or a more urgent
-        priority, in batches of `max_batch_size` (fewer, smaller ones under a cost
-        budget) formed bucket by bucket, each taking the model's time, on the slots
-        as they free up; the new requests' batch is counted last.
+        priority. In one bucket: in batches of `max_batch_size` (fewer, smaller ones
+        under a cost budget), each taking the model's time, on the slots as they free
+        up, the new requests' batch counted last. In several: the buckets' turns as
+        the scheduler serves them (`_plan`), plus `TURN_ROOM` of the target for the
+        requests that will join the batches ahead; and the new requests are refused
+        too when their batches would make a waiting request of another bucket late.
 
         Args:
             reqs: The new requests (not yet waiting).
@@ -219,7 +276,9 @@ class LatencyTarget:
             True when they are let in as a probe (enter them with `probe=True`).
 
         Raises:
-            Overloaded: The predicted answer of the last request is past the target.
+            Overloaded: The predicted answer of the last request is past the target,
+                or (several buckets) letting them in would make a request admitted
+                before them late.
         """
         if not self.ready or not reqs:
             return False
@@ -236,11 +295,11 @@ class LatencyTarget:
             lane[0] += 1
             lane[1] += self.batch_cost([req.key])
         if len(work) == 1:
-            (items, cost), = work.values()
+            ((items, cost),) = work.values()
             cost *= self._packing  # (the batches' cost, not the sum of their items')
             finish = self._finish_time(items, cost, slots_free_at, max_batch_size)
         else:
-            finish = self._finish_time_by_bucket(work, slots_free_at, max_batch_size)
+            finish = self._finish_across_buckets(reqs, now, slots_free_at, max_batch_size)
         predicted = finish - now + self.reserve_s
         if predicted <= self.target_s:
             if self._refusing_since is not None:
@@ -288,21 +347,136 @@ class LatencyTarget:
         last_s = self.learner.predict(self.policy.padded_size(math.ceil(last)), last * per_item)
         return before, full_s, last_s
 
-    def _finish_time_by_bucket(
+    def _finish_across_buckets(
         self,
-        work: dict[Hashable, list[float]],
+        reqs: Sequence[Request],
+        now: float,
         slots_free_at: Sequence[float],
         max_batch_size: int,
     ) -> float:
-        """When the last batch of the buckets' waiting requests ends, each batch on the
-        slot that frees first (an upper estimate for any one request: its batch is
-        counted last)."""
+        """When the last of `reqs` would be answered as the buckets take turns (`_plan`),
+        with `TURN_ROOM` of the target kept for the requests that will join the
+        batches ahead.
+
+        Raises:
+            Overloaded: In time, but with them the turns would drop more of the
+                requests already waiting than without them.
+        """
+        priority = reqs[0].priority
+        plan = self._plan(reqs, priority, now, slots_free_at, max_batch_size)
+        finish = plan.finish + TURN_ROOM * self.target_s
+        if finish - now + self.reserve_s <= self.target_s:
+            before = self._plan([], priority, now, slots_free_at, max_batch_size)
+            if plan.dropped > before.dropped:
+                raise Overloaded(
+                    f"admitting this request would make {plan.dropped - before.dropped} "
+                    f"request(s) admitted before it, in other buckets, miss the target "
+                    f"max_latency_ms={self.target_s * 1e3:g}",
+                    predicted_s=finish - now + self.reserve_s,
+                    target_s=self.target_s,
+                )
+        return finish
+
+    def _plan(
+        self,
+        reqs: Sequence[Request],
+        priority: int,
+        now: float,
+        slots_free_at: Sequence[float],
+        max_batch_size: int,
+    ) -> Plan:
+        """The waiting requests of `priority` or more urgent, and `reqs` admitted now,
+        served as the scheduler serves several buckets, if nothing else arrived.
+
+        At each turn, as the scheduler polls: each bucket's front requests that would
+        be late even alone are dropped; then the bucket whose oldest request came
+        first forms a batch (at most `max_batch_size`, within the cost budget), cut as
+        `trim` cuts it so that its most urgent member is in time, on the slot that
+        frees first. Buckets taking turns make smaller batches than each bucket's
+        waiting work would make alone (each is cut by its own oldest member's
+        deadline): counted as full batches bucket by bucket, that work would admit
+        requests which the turns then make late, to be dropped near their deadline.
+
+        Args:
+            reqs: New requests of `priority` (none: plan what waits).
+            priority: The priority planned for (buckets of worse ones come after).
+            now: The current time (the new requests' admission).
+            slots_free_at: When each batch slot is free.
+            max_batch_size: The largest batch.
+        """
+        lanes = self._lanes_with(reqs, priority, now + self.target_s - self.reserve_s)
+        finish = now
+        dropped = 0
         slots = sorted(slots_free_at)
-        for items, cost in work.values():
-            before, full_s, last_s = self._batches(items, cost * self._packing, max_batch_size)
-            for run in itertools.chain(itertools.repeat(full_s, before), (last_s,)):
-                heapq.heapreplace(slots, slots[0] + run)
-        return max(slots)
+        # Turns follow one another at their expected times (the margin less the
+        # residuals' spread); the new requests' answer adds the spread once, grown with
+        # the square root of the turns up to it: one batch's noise is in each
+        # prediction, but over several in a row it partly cancels.
+        spread = self.learner.spread_s
+        turns = 0
+        while lanes:
+            start = slots[0]
+            for name in list(lanes):  # each bucket's fronts that are late even alone
+                lane = lanes[name]
+                while lane and start + self.batch_seconds([lane[0][2]]) > lane[0][3]:
+                    if lane[0][1] == math.inf:  # a new request would be dropped
+                        return Plan(start + self.batch_seconds([lane[0][2]]), dropped)
+                    lane.popleft()
+                    dropped += 1
+                if not lane:
+                    del lanes[name]
+            if not lanes:
+                break
+            name = min(lanes, key=lambda n: lanes[n][0][:2])  # the oldest front first
+            batch = self._planned_batch(lanes[name], start, max_batch_size)
+            end = start + self.batch_seconds([entry[2] for entry in batch]) - spread
+            heapq.heapreplace(slots, end)
+            turns += 1
+            if any(entry[1] == math.inf for entry in batch):
+                finish = end + spread * math.sqrt(turns)
+            if not lanes[name]:
+                del lanes[name]
+        return Plan(finish, dropped)
+
+    def _lanes_with(
+        self, reqs: Sequence[Request], priority: int, deadline: float
+    ) -> dict[tuple[int, Hashable], deque[_Planned]]:
+        """Every lane of `priority` or more urgent, its waiting requests in service
+        order, and `reqs` (with `deadline`) after them, as `_Planned` entries."""
+        lanes: dict[tuple[int, Hashable], deque[_Planned]] = {}
+        for key, heap in self._order.items():
+            if key[0] <= priority:
+                lanes[key] = deque(
+                    (req.priority, float(seq), req, req.deadline)
+                    for seq, _, req in sorted(heap)
+                    if id(req) not in self._gone
+                )
+        for req in reqs:
+            lanes.setdefault((priority, req.bucket), deque()).append(
+                (priority, math.inf, req, deadline)
+            )
+        return lanes
+
+    def _planned_batch(
+        self, lane: deque[_Planned], start: float, max_batch_size: int
+    ) -> list[_Planned]:
+        """The batch a lane forms at `start`, as the scheduler forms it: its first
+        `max_batch_size` entries within the cost budget, cut (as `trim` cuts) until
+        its most urgent member is in time; taken off the lane."""
+        batch = [lane.popleft() for _ in range(min(max_batch_size, len(lane)))]
+        budget = self.policy.max_tokens
+        if budget is not None:
+            keys = (entry[2].key for entry in batch)
+            keep = take_within_budget(keys, max_batch_size, budget, self.policy.cost)
+            lane.extendleft(reversed(batch[keep:]))
+            del batch[keep:]
+        members = [entry[2] for entry in batch]
+        while len(batch) > 1 and start + self.batch_seconds(members) > min(
+            entry[3] for entry in batch
+        ):
+            lane.appendleft(batch.pop())
+            members.pop()
+        return batch
 
     def _finish_time(
         self,
@@ -429,4 +603,3 @@ class LatencyTarget:
             batch: The batch that would leave now (non-empty; call when `ready`).
         """
         return min(r.deadline for r in batch) - self.batch_seconds(batch)
-

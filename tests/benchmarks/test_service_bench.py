@@ -77,6 +77,26 @@ def test_a_row_counts_each_request_once_and_judges_the_served_by_the_target(
     assert row.refused_p99_ms == pytest.approx(10.0)
 
 
+def test_a_503_is_told_apart_by_who_answered_it(service: ModuleType) -> None:
+    refused = b'{"detail": "predicted 612.0 ms to answer this request", "error": "Overloaded"}'
+    dropped = b'{"detail": "dropped before it ran: waited 450.1 ms", "error": "Overloaded"}'
+    assert service.refusal_of(503, refused) == "refused"
+    assert service.refusal_of(503, dropped) == "dropped"
+    assert service.refusal_of(503, b"Service Unavailable") == "edge"  # uvicorn's own
+    assert service.refusal_of(503, b'{"detail": "full", "error": "QueueFull"}') == "edge"
+    assert service.refusal_of(200, b'{"embedding": []}') == ""
+
+
+def test_a_row_gives_the_dropped_and_the_edge_their_own_tail(service: ModuleType) -> None:
+    outcomes = [service.Outcome(503, 0.005, "refused")] * 98
+    outcomes += [service.Outcome(503, 0.450, "dropped")] * 2
+    edge = [0.002] * 98 + [0.040] * 2
+    row = service.summarize(4.0, outcomes, 10.0, 5.0, 0.5, 20, edge)
+    assert row.refusals == {"refused": 98, "dropped": 2}
+    assert row.dropped_p99_ms == pytest.approx(450.0)
+    assert row.edge_p99_ms == pytest.approx(40.0)
+
+
 def test_the_texts_are_seeded_and_of_varied_length(service: ModuleType) -> None:
     texts = service.texts(50, seed=3)
     assert texts == service.texts(50, seed=3)

@@ -281,3 +281,14 @@ def test_settings_come_from_the_environment(module: ModuleType) -> None:
 def test_a_bad_setting_names_its_variable(module: ModuleType, name: str, value: str) -> None:
     with pytest.raises(ValueError, match=f"{name} must be .* got '{re.escape(value)}'"):
         module.BatchSettings.from_env({name: value})
+
+
+def test_serving_freezes_the_startup_heap_out_of_garbage_collection(module: ModuleType) -> None:
+    import gc
+
+    gc.unfreeze()  # (process-wide: whatever an earlier app froze)
+    app = module.create_app(settings=module.BatchSettings())
+    assert gc.get_freeze_count() == 0
+    with serving(app) as url:  # the model and libraries: never walked by a collection
+        assert gc.get_freeze_count() > 0
+        assert httpx.post(f"{url}/embed", json={"text": "frozen"}, timeout=20).is_success

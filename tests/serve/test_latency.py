@@ -120,3 +120,17 @@ def test_a_model_that_batches_keep_beating_is_learned_again() -> None:
     for _ in range(MIN_SAMPLES - 2):
         learner.observe(8, 0.0, 0.002)
     assert learner.predict(8) == pytest.approx(0.002)
+
+
+def test_the_spread_is_the_margin_without_the_recent_shift() -> None:
+    rng = random.Random(4)
+    samples = [(n, 0.0, device(n) + rng.uniform(0, 0.002)) for n in [2, 8, 16] * 40]
+    learner = learned(samples)
+    model = learner.snapshot()
+    assert model is not None
+    assert 0 < learner.spread_s <= model.margin_ms / 1e3
+    for _ in range(2):  # two slow batches: a shift, which the spread leaves out
+        learner.observe(16, 0.0, device(16) + 0.010)
+    model = learner.snapshot()
+    assert model is not None
+    assert model.margin_ms / 1e3 - learner.spread_s == pytest.approx(0.010, abs=0.002)
