@@ -10,8 +10,6 @@ swaps a choice for itself: its ratio is the method's own noise.
 
 Choices:
 
-- ``constructor``: `new_request` (a function) against a `Request` subclass whose
-  `__init__` makes the same request (a class call), on the event loop's lock-free lane;
 - ``lock``: `ServingCore.submit` taking the lock by acquire/release, against `with`,
   for a sync function called with ``acall``;
 - ``lane``: the arrival lane open to the loop's callers (admitted without the lock),
@@ -31,7 +29,7 @@ import asyncio
 import gc
 import statistics
 import sys
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,46 +37,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import online  # noqa: E402
 
 import batchkit  # noqa: E402
-from batchkit.serve import callers  # noqa: E402
 from batchkit.serve.core import ServingCore  # noqa: E402
 from batchkit.serve.lane import ArrivalLane  # noqa: E402
-from batchkit.serve.request import WAITING, Request, new_request  # noqa: E402
+from batchkit.serve.request import Request  # noqa: E402
 
 ROUND = 8192  # requests per timed round (a multiple of the batch size)
-
-
-class _SlowRequest(Request):
-    """A `Request` made the other way: a class call whose `__init__` sets every field.
-
-    Its stores mirror `new_request`'s on purpose (only the call path may differ);
-    tests/benchmarks/test_hot_path_ab.py checks the two make the same request.
-    """
-
-    __slots__ = ()
-
-    def __init__(
-        self,
-        item: Any,
-        key: float,
-        bucket: Hashable,
-        priority: int,
-        loop: asyncio.AbstractEventLoop | None = None,
-        channel: Any = None,
-        enqueued_at: float = 0.0,
-    ) -> None:
-        self.item = item
-        self.key = key
-        self.bucket = bucket
-        self.priority = priority
-        self.seq = 0
-        self.enqueued_at = enqueued_at
-        self.state = WAITING
-        self.value = None
-        self.error = None
-        self.loop = loop
-        self.channel = channel
-        self.future = loop.create_future() if loop is not None else None
-        self._done = None
 
 
 def _submit_with(self: ServingCore, req: Request) -> None:
@@ -94,11 +57,6 @@ def _submit_with(self: ServingCore, req: Request) -> None:
         else:
             self.sched.add(req)  # (no bounded queue here: nothing is refused)
         self.wake()
-
-
-def _install_constructor(kept: bool) -> None:
-    # (the lock-free lane of callers.acall looks the constructor up at every call)
-    callers.new_request = new_request if kept else _SlowRequest  # type: ignore[attr-defined,assignment]
 
 
 _kept_submit = ServingCore.submit
@@ -120,7 +78,6 @@ def _install_lane(kept: bool) -> None:
 
 CHOICES: dict[str, tuple[Callable[[bool], None], bool]] = {
     # name: (install(kept), whether the batch function is sync)
-    "constructor": (_install_constructor, False),
     "lock": (_install_lock, True),
     "lane": (_install_lane, False),
     "control": (lambda kept: None, False),

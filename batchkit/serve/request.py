@@ -28,11 +28,22 @@ class Request:
     """A queued item. Thread callers wait on a lock; asyncio callers on a future;
     streaming callers read a channel (its end is their outcome).
 
-    Built by `new_request`, its one constructor.
     The lock-as-event (acquired at creation, released once on completion) is the
     cheapest blocking wait CPython offers: one C-level lock per request. Under a
     latency target (`max_latency_ms`) it also gets a `deadline` at admission (its
     admission time plus the target); it is not set otherwise.
+
+    Args:
+        item: The caller's item.
+        key: The policy's key of the item (0.0 for a keyless policy).
+        bucket: The bucket it belongs to (`bucket_of(key)`; None for the one bucket).
+        priority: Lower values are served first.
+        loop: The event loop of an asyncio caller (its future is made there); None
+            for a thread caller.
+        channel: Where a streaming caller reads its chunks; None for a plain call.
+        enqueued_at: When it was admitted, on the core's clock (admission sets it).
+        group: The policy's group of the item (None without `group`); a grouped
+            request's `bucket` is `(group, bucket_of(key))`.
     """
 
     __slots__ = (
@@ -71,6 +82,38 @@ class Request:
     group: Hashable  # the policy's group of the item (None without `group`)
     _done: threading.Lock | None  # a thread caller's wait
 
+    def __init__(
+        self,
+        item: Any,
+        key: float,
+        bucket: Hashable,
+        priority: int,
+        loop: asyncio.AbstractEventLoop | None = None,
+        channel: Channel | None = None,
+        enqueued_at: float = 0.0,
+        group: Hashable = None,
+    ) -> None:
+        self.item = item
+        self.key = key
+        self.bucket = bucket
+        self.priority = priority
+        self.seq = 0
+        self.enqueued_at = enqueued_at
+        self.group = group
+        self.state = WAITING
+        self.value = None
+        self.error = None
+        self.loop = loop
+        self.channel = channel
+        if channel is not None or loop is not None:
+            # An asyncio caller awaits its future; a streaming caller reads its channel.
+            self.future = loop.create_future() if channel is None else None  # type: ignore[union-attr]
+            self._done = None
+        else:  # a thread caller waits on a lock held until it is answered
+            self.future = None
+            self._done = threading.Lock()
+            self._done.acquire()
+
     def wait(self, timeout: float | None) -> bool:
         """Block a thread caller until done.
 
@@ -102,59 +145,10 @@ class Request:
         return self.value
 
 
-_new_object = object.__new__
-
-
-def new_request(
-    item: Any,
-    key: float,
-    bucket: Hashable,
-    priority: int,
-    loop: asyncio.AbstractEventLoop | None = None,
-    channel: Channel | None = None,
-    enqueued_at: float = 0.0,
-    group: Hashable = None,
-) -> Request:
-    """A waiting request: the one way a `Request` is made.
-
-    A function rather than `Request.__init__`: on Python 3.11 calling a class runs its
-    `__init__` through the slower C type-call path, on every call (measured in
-    docs/performance.md, "What the hot path keeps").
-
-    Args:
-        item: The caller's item.
-        key: The policy's key of the item (0.0 for a keyless policy).
-        bucket: The bucket it belongs to (`bucket_of(key)`; None for the one bucket).
-        priority: Lower values are served first.
-        loop: The event loop of an asyncio caller (its future is made there); None
-            for a thread caller.
-        channel: Where a streaming caller reads its chunks; None for a plain call.
-        enqueued_at: When it was admitted, on the core's clock (admission sets it).
-        group: The policy's group of the item (None without `group`); a grouped
-            request's `bucket` is `(group, bucket_of(key))`.
-    """
-    req: Request = _new_object(Request)
-    req.item = item
-    req.key = key
-    req.bucket = bucket
-    req.priority = priority
-    req.seq = 0
-    req.enqueued_at = enqueued_at
-    req.group = group
-    req.state = WAITING
-    req.value = None
-    req.error = None
-    req.loop = loop
-    req.channel = channel
-    if channel is not None or loop is not None:
-        # An asyncio caller awaits its future; a streaming caller reads its channel.
-        req.future = loop.create_future() if channel is None else None  # type: ignore[union-attr]
-        req._done = None
-    else:  # a thread caller waits on a lock held until it is answered
-        req.future = None
-        req._done = threading.Lock()
-        req._done.acquire()
-    return req
+new_request = Request
+"""The constructor of a waiting `Request`, under the name the rest of the package
+calls it by: `new_request(item, key, bucket, priority, loop, channel, enqueued_at,
+group)` (see `Request`'s arguments)."""
 
 
 def resolve_futures(requests: Sequence[Request]) -> None:
