@@ -46,7 +46,7 @@ from batchkit.batchers.sorted import SortedBatcher
 from batchkit.batchers.static import StaticBatcher
 from batchkit.errors import QueueFull
 from batchkit.serve.latency import LearnedLatency
-from batchkit.serve.options import check_has_wait
+from batchkit.serve.options import check_has_wait, check_latency_target, is_positive_finite
 from batchkit.serve.request import DONE, new_request
 from batchkit.serve.scheduler import FormedBatch, Scheduler, group_bucket
 
@@ -980,9 +980,11 @@ def simulate(
     max_queue_size = positive_count("max_queue_size", max_queue_size, allow_none=True)
     max_batch_size = positive_count("max_batch_size", max_batch_size)
     max_tokens = positive_count("max_tokens", max_tokens, allow_none=True)
-    for name, value in (("max_latency_ms", max_latency_ms), ("goodput_ms", goodput_ms)):
-        if value is not None and not (_is_number(value) and math.isfinite(value) and value > 0):
-            raise ValueError(f"{name} must be a positive number of milliseconds, got {value!r}")
+    check_latency_target(max_latency_ms)  # (the check of @batched and configure())
+    if goodput_ms is not None and not is_positive_finite(goodput_ms):
+        raise ValueError(
+            f"goodput_ms must be a positive number of milliseconds, got {goodput_ms!r}"
+        )
     if batcher is not None and (
         max_tokens is not None or cost != "padded" or buckets is not None or max_wait_ms is not None
     ):

@@ -387,3 +387,22 @@ def test_whole_number_float_counts_are_taken_as_ints() -> None:
     assert "max_batch_size=16," in as_floats.batcher
     with pytest.raises(ValueError, match="max_batch_size must be a positive int"):
         simulate((2.0, 0.5), rate=500, num_requests=10, max_batch_size=16.5)
+
+
+@pytest.mark.parametrize("bad", [-5, 0, float("nan"), float("inf"), True, "10"])
+def test_simulate_refuses_a_latency_target_as_batched_and_configure_do(bad: object) -> None:
+    import batchkit
+
+    with pytest.raises(ValueError) as from_simulate:
+        simulate(rate=100, num_requests=10, max_latency_ms=bad)  # type: ignore[arg-type]
+
+    @batchkit.batched(max_batch_size=4)
+    def identity(xs: list[int]) -> list[int]:
+        return xs
+
+    with pytest.raises(ValueError) as from_configure:
+        identity.configure(max_latency_ms=bad)  # type: ignore[arg-type]
+    identity.close()
+    with pytest.raises(ValueError) as from_decorator:
+        batchkit.batched(max_batch_size=4, max_latency_ms=bad)(lambda xs: xs)  # type: ignore[arg-type]
+    assert str(from_simulate.value) == str(from_configure.value) == str(from_decorator.value)

@@ -230,10 +230,10 @@ def test_a_select_that_picks_nothing_is_an_error_not_a_hang() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "needle"),
     [
-        ({"max_latency_ms": 0}, "max_latency_ms must be a positive number"),
-        ({"max_latency_ms": -5.0}, "max_latency_ms must be a positive number"),
-        ({"max_latency_ms": float("nan")}, "max_latency_ms must be a positive number"),
-        ({"max_latency_ms": True}, "max_latency_ms must be a positive number"),
+        ({"max_latency_ms": 0}, "max_latency_ms must be a finite number of milliseconds > 0"),
+        ({"max_latency_ms": -5.0}, "max_latency_ms must be a finite number of milliseconds > 0"),
+        ({"max_latency_ms": float("nan")}, "max_latency_ms must be a finite number of milliseconds > 0"),
+        ({"max_latency_ms": True}, "max_latency_ms must be a finite number of milliseconds > 0"),
         ({"goodput_ms": float("inf")}, "goodput_ms must be a positive number"),
         ({"policy": "sorted"}, "policy='sorted' groups requests by length: pass keys="),
         ({"policy": "bucketed"}, "policy='bucketed' groups requests by length"),
