@@ -77,7 +77,7 @@ class Scheduler:
             batch off early rather than let its oldest member be late, and forms no
             batch so large that its most urgent member would be late.
         lane: Where the default lane's requests arrive in bulk (see
-            [`ArrivalLane`][batchkit.serve.lane.ArrivalLane]); a lane of its own
+            `batchkit.serve.lane.ArrivalLane`); a lane of its own
             (never opened to lock-free callers) when None.
         on_room: Called (under the caller's lock) whenever requests leave the
             queue: who waits for room (`when_full="block"`) may be let in.
