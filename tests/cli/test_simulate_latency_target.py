@@ -227,13 +227,16 @@ def test_a_select_that_picks_nothing_is_an_error_not_a_hang() -> None:
         within(5, lambda: simulate((1.0, 0.1), arrivals=[0.0, 0.0], batcher=_PicksNothing(4)))
 
 
+LATENCY_RULE = "max_latency_ms must be a finite number of milliseconds > 0"
+
+
 @pytest.mark.parametrize(
     ("kwargs", "needle"),
     [
-        ({"max_latency_ms": 0}, "max_latency_ms must be a finite number of milliseconds > 0"),
-        ({"max_latency_ms": -5.0}, "max_latency_ms must be a finite number of milliseconds > 0"),
-        ({"max_latency_ms": float("nan")}, "max_latency_ms must be a finite number of milliseconds > 0"),
-        ({"max_latency_ms": True}, "max_latency_ms must be a finite number of milliseconds > 0"),
+        ({"max_latency_ms": 0}, LATENCY_RULE),
+        ({"max_latency_ms": -5.0}, LATENCY_RULE),
+        ({"max_latency_ms": float("nan")}, LATENCY_RULE),
+        ({"max_latency_ms": True}, LATENCY_RULE),
         ({"goodput_ms": float("inf")}, "goodput_ms must be a positive number"),
         ({"policy": "sorted"}, "policy='sorted' groups requests by length: pass keys="),
         ({"policy": "bucketed"}, "policy='bucketed' groups requests by length"),
