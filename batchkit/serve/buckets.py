@@ -117,27 +117,23 @@ class Bucket:
             # (A `Request` defines no `__eq__`: the lists compare by identity.)
             and chosen == list(itertools.islice(queue, len(chosen)))
         )
-        if not front:
-            self.taken(len(chosen))
-            return
-        assert queue is not None
-        self.live -= len(chosen)  # the deque stays clean: it holds `live` entries
-        for _ in range(len(chosen)):
-            queue.popleft()
-        if self.live == 0:
-            self.max_key = 0.0
-        elif self.track_max_key:
-            self.max_key = max(r.key for r in queue)
+        self.taken(len(chosen), front=front)
 
-    def taken(self, count: int) -> None:
+    def taken(self, count: int, *, front: bool = False) -> None:
         """Bookkeeping after `count` requests left: compact, refresh the key maximum.
 
         Args:
             count: How many waiting requests left (taken into a batch, or dropped);
                 their state is already no longer waiting.
+            front: They were the first `count` entries of the one deque, which are
+                then popped without checking them one by one.
         """
         self.live -= count
-        if len(self.queues) == 1:
+        if front:
+            for queue in self.queues.values():
+                for _ in range(count):
+                    queue.popleft()
+        elif len(self.queues) == 1:
             # Usually the batch was the queue's front: pop it now, so the queue stays clean.
             for queue in self.queues.values():
                 while queue and queue[0].state != WAITING:

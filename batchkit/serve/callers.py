@@ -94,9 +94,7 @@ def call(core: ServingCore, item: Any, priority: int, timeout: float | None) -> 
         if core.give_up(req, core.timeout_error(timeout), timed_out=True):
             raise req.error  # type: ignore[misc]
         req.wait(None)  # it started running: its result is on the way
-    if req.error is not None:
-        raise req.error
-    return req.value
+    return req.outcome()
 
 
 def call_many(

@@ -360,11 +360,8 @@ class ServingCore:
         """
         now = self.clock()
         clean = run.calls == 1 and not run.errors and not batch.answered
-        sched = self.sched
-        sched.finish(batch, now, clean=clean)
-        sched.stats.calls += run.calls
-        if not clean or sched.caps or run.first_output_at is not None:
-            self._learn_from_locked(batch, run)
+        self.sched.finish(batch, now, clean=clean)
+        self._learn_from_locked(batch, run)
         if self.listeners:
             self._report_batch(batch, run, now)
         if not run.errors and not batch.answered:  # the usual case: every item succeeded
@@ -389,8 +386,9 @@ class ServingCore:
         return done
 
     def _learn_from_locked(self, batch: FormedBatch, run: BatchRun) -> None:
-        """Count a run's splits and first chunk; learn or probe the bucket's size cap."""
+        """Count the run's calls and splits; learn or probe the bucket's size cap."""
         stats, sched = self.sched.stats, self.sched
+        stats.calls += run.calls
         stats.isolated += run.isolated
         if run.first_output_at is not None:
             stats.first_chunk.append(run.first_output_at - batch.dispatched_at)

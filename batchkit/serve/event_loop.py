@@ -88,7 +88,7 @@ class LoopDriver:
         # Open while it serves a loop whose callers need no lock (see batchkit.serve.lane);
         # its poll_due: a pump is scheduled, or every slot is busy (the batch that ends
         # next polls), so arrivals need not schedule one.
-        self.lane = ArrivalLane(wake=self._wake_on_loop)
+        self.lane = ArrivalLane(wake=self.wake)
         self.core = ServingCore(
             options,
             name,
@@ -190,18 +190,10 @@ class LoopDriver:
         schedule_on_loop(self.loop, self._pump)
         self.lane.poll_due = True  # (only once the pump is surely scheduled)
 
-    def _wake_on_loop(self) -> None:
-        """`wake` for the open lane's callers: on the thread running the loop, whose
-        pump is not due (they checked)."""
-        loop = self.lane.loop
-        if loop is not None:
-            loop.call_soon(self._pump)
-            self.lane.poll_due = True
-
     def _pump(self) -> None:
         """Start every batch that is ready; arm the timer for the next max-wait expiry."""
         loop, core = self.loop, self.core
-        if loop is None or asyncio._get_running_loop() is not loop:
+        if loop is None or not on_loop_thread(loop):
             return  # a stale pump or timer of a loop this batcher no longer serves
         ready: list[FormedBatch] = []
         try:
@@ -320,15 +312,10 @@ class LoopDriver:
             while True:
                 argument = steps.send(outcome)  # type: ignore[arg-type]
                 outcome = None  # (released before the next call: see ThreadDriver._run)
-                if timeout is not None:
-                    outcome = await self._call_within(argument, timeout)
+                if timeout is None:
+                    outcome = await call_async(fn, argument)
                 else:
-                    try:
-                        outcome = True, await fn(argument)
-                    except asyncio.CancelledError:
-                        raise
-                    except BaseException as exc:  # noqa: BLE001 - a failing batch must not kill the loop
-                        outcome = False, exc
+                    outcome = await self._call_within(argument, timeout)
                 del argument
         except StopIteration as done:
             run: BatchRun = done.value

@@ -228,7 +228,7 @@ def deliver(requests: Sequence[Request]) -> None:
         if req.channel is not None:
             req.channel.finish(req.error)  # (a stream already ended keeps its end)
         elif req.loop is None:
-            req._done.release()  # type: ignore[union-attr]  # (wakes the thread caller)
+            req.notify_thread()
         else:
             by_loop[req.loop].append(req)
     for loop, reqs in by_loop.items():

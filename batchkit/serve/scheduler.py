@@ -306,10 +306,7 @@ class Scheduler:
         """
         if not self.lane.arrivals:
             return
-        bucket = self.buckets.get(None)
-        queue = None if bucket is None else bucket.queues.get(0)
-        if bucket is None or queue is None:
-            bucket, queue = self._lane(None, 0)
+        bucket, queue = self._lane(None, 0)
         count = self.lane.move_into(queue)
         self.stats.requests += count
         bucket.live += count
@@ -600,11 +597,7 @@ class Scheduler:
         else:
             bucket.take(chosen)
         self.in_flight += 1
-        self._placed -= len(chosen)  # (as in _left_waiting: counted out, the target told)
-        if target is not None:
-            target.left(chosen)
-        if self.on_room is not None:
-            self.on_room()
+        self._left_waiting(chosen)
         padded = policy.padded_size(len(chosen))
         self.stats.record_batch(chosen, reason, padded, now)
         batch = FormedBatch(chosen, reason, padded, now)
