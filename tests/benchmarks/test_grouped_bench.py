@@ -6,35 +6,17 @@ against batchkit's own scheduler (``batchkit.simulate``) on random arrivals."""
 from __future__ import annotations
 
 import asyncio
-import os
 import random
-import subprocess
-import sys
 from collections import Counter
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.benchmarks._scripts import load_script
+from tests.benchmarks._scripts import load_script, run_script
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "grouped.py"
 ROWS = ("batchkit group", "batchkit group x4", "batchkit per group", "batchkit split")
-
-
-def run_script(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +25,7 @@ def grouped() -> ModuleType:
 
 
 def test_quick_run_of_the_batchkit_rows_prints_every_row_at_every_load() -> None:
-    done = run_script("--quick", "--systems", "group,group4,per-group,split")
+    done = run_script("grouped", "--quick", "--systems", "group,group4,per-group,split")
     assert "Traceback" not in done.stderr, done.stderr
     assert done.returncode in (0, 1), done.stderr  # 1: a goal missed
     lines = done.stdout.splitlines()
@@ -62,7 +44,7 @@ def test_quick_run_of_the_batchkit_rows_prints_every_row_at_every_load() -> None
 
 
 def test_unknown_system_is_refused_by_name() -> None:
-    done = run_script("--systems", "group,triton")
+    done = run_script("grouped", "--systems", "group,triton")
     assert done.returncode == 2
     assert "unknown systems: ['triton']" in done.stderr
 

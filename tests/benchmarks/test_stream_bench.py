@@ -3,34 +3,15 @@ and exits cleanly; a caller given the wrong chunks is caught, naming the item.""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-from tests.benchmarks._scripts import load_script
-
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "stream.py"
-
-
-def run_script(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
+from tests.benchmarks._scripts import load_script, run_script
 
 
 def test_quickest_run_of_the_batchkit_rows_prints_the_table() -> None:
-    done = run_script("--quick", "--repeats", "1", "--systems", "batchkit,batchkit-sync")
+    done = run_script("stream", "--quick", "--repeats", "1", "--systems", "batchkit,batchkit-sync")
     assert "Traceback" not in done.stderr, done.stderr
     assert done.returncode in (0, 1), done.stderr
     lines = done.stdout.splitlines()
@@ -47,7 +28,7 @@ def test_quickest_run_of_the_batchkit_rows_prints_the_table() -> None:
 
 
 def test_unknown_system_is_refused_by_name() -> None:
-    done = run_script("--systems", "batchkit,triton")
+    done = run_script("stream", "--systems", "batchkit,triton")
     assert done.returncode == 2
     assert "unknown systems: ['triton']" in done.stderr
 
