@@ -81,6 +81,12 @@ class LearnedLatency:
         probes: Requests let in as probes since it began refusing.
         refuted: Times the model was found too slow and learned again (a slow
             warm-up shows as one).
+        lateness_ms: How much later than planned at admission recent requests were
+            answered (the median of the 99th percentiles of the last 7 groups of 128
+            requests; a dropped request counts its earliest possible answer):
+            admission adds it to its predictions, so that a queue of batches whose
+            noise adds up does not admit requests that will be dropped near their
+            deadline. 0 when plans run on time.
     """
 
     fixed_ms: float
@@ -95,6 +101,7 @@ class LearnedLatency:
     refusing_since: float | None = None
     probes: int = 0
     refuted: int = 0
+    lateness_ms: float = 0.0
 
     def predict_ms(self, size: float, cost: float = 0.0) -> float:
         """The predicted time of a batch, in milliseconds (margin included).

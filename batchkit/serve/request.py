@@ -60,6 +60,7 @@ class Request:
         "loop",
         "channel",
         "deadline",
+        "planned_answer",
         "group",
         "_done",
     )
@@ -79,6 +80,9 @@ class Request:
     loop: asyncio.AbstractEventLoop | None  # an asyncio caller's running loop
     channel: Channel | None  # where a streaming caller reads its chunks
     deadline: float  # admission time + target; set only under a latency target
+    # When a latency target's admission planned its answer; set only when one admitted
+    # it on a prediction (not while warming up, nor as a probe).
+    planned_answer: float
     group: Hashable  # the policy's group of the item (None without `group`)
     _done: threading.Lock | None  # a thread caller's wait
 

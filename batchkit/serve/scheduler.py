@@ -512,14 +512,31 @@ class Scheduler:
                 shed += bucket.shed_fronts(lambda req: target.hopeless(req, start))
         if self._slipped or self._running_late(now):
             self._slipped = False
-            for name, bucket in self.buckets.items():
-                if bucket.live:
-                    waiting = bucket.candidates(None)
-                    late = target.behind_schedule(waiting, slots, self._limit(name))
-                    if late:
-                        bucket.drop_waiting(late)
-                        shed += late
+            shed += self._shed_behind_schedule(now, slots)
         self._shed(shed, start)
+        return shed
+
+    def _shed_behind_schedule(self, now: float, slots: list[float]) -> list[Request]:
+        """Drop the waiting requests that the work ahead of them now makes late: in
+        one bucket, the batches before them; in several, the buckets' turns."""
+        target = self.target
+        assert target is not None
+        live = [(name, bucket) for name, bucket in self.buckets.items() if bucket.live]
+        if len(live) > 1:
+            late = [  # (the fronts just shed still wait in the target's lanes)
+                req
+                for req in target.late_in_turns(now, slots, self.policy.max_batch_size)
+                if req.state == WAITING
+            ]
+            for name, reqs in _by_bucket(late).items():
+                self.buckets[name].drop_waiting(reqs)
+            return late
+        shed: list[Request] = []
+        for name, bucket in live:
+            late = target.behind_schedule(bucket.candidates(None), slots, self._limit(name))
+            if late:
+                bucket.drop_waiting(late)
+                shed += late
         return shed
 
     def _running_late(self, now: float) -> bool:
@@ -554,7 +571,7 @@ class Scheduler:
         target = self.target
         assert target is not None
         for req in shed:
-            req.error = target.overloaded_error(req, start)
+            req.error = target.dropped(req, start)
         self.stats.shed += len(shed)
         self._left_waiting(shed)
 
@@ -661,6 +678,7 @@ class Scheduler:
         if self.target is not None:
             if clean:
                 self.target.observe(batch.requests, batch.padded_size, elapsed)
+            self.target.answered(batch.requests, now)
             if batch.expected_end is not None and now > batch.expected_end:
                 self._slipped = True
 

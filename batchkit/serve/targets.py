@@ -43,6 +43,7 @@ import dataclasses
 import heapq
 import itertools
 import math
+import statistics
 from collections import deque
 from collections.abc import Hashable, Sequence
 
@@ -62,6 +63,12 @@ MAX_PROBE_INTERVAL_S = 1.0
 # their bucket that go before it (a batch takes what waits in its bucket when it
 # leaves), and would otherwise make it late, to be dropped near its deadline.
 TURN_ROOM = 0.15
+# How late the plans of admission run, as `PlanLateness` learns it: the quantile of
+# lateness within each group of requests, and how many groups' values are kept (their
+# median is what admission adds to its plans).
+LATENESS_QUANTILE = 0.99
+LATENESS_GROUP = 128
+LATENESS_GROUPS = 7
 
 
 # A request in a planned lane: (priority, arrival order, the request, its deadline);
@@ -80,7 +87,49 @@ class Plan:
     """
 
     finish: float
-    dropped: int
+    dropped: list[Request]
+
+
+class PlanLateness:
+    """How much later than admission planned the recent requests were answered.
+
+    Admission plans each request's answer from the model of one batch's time; a chain
+    of batches ahead of it adds up their noise (each prediction's margin covers one
+    batch's), and the scheduler's batches are not always the full ones the plan
+    counts (cut for their oldest member's deadline). A request admitted with little
+    room is then late: dropped near its deadline, which tells its caller too late to
+    go elsewhere. This records, per request, its answer (or, dropped, the earliest
+    answer it could have had) less its planned answer: the `LATENESS_QUANTILE` of
+    each group of `LATENESS_GROUP` requests, and the median of the last
+    `LATENESS_GROUPS` groups' (never below 0) is what admission adds to its plans.
+    Lateness that persists is learned within a few hundred requests; a stall or a
+    sudden slowdown makes only the requests around it late (a group or two), which
+    leaves the median where it was (the batch-time model follows a slowdown).
+
+    Attributes:
+        correction_s: What admission adds to a plan, in seconds.
+    """
+
+    def __init__(self) -> None:
+        self._group: list[float] = []
+        self._quantiles: deque[float] = deque(maxlen=LATENESS_GROUPS)
+        self.correction_s = 0.0
+
+    def add(self, planned: float, answered: float) -> None:
+        """A request planned to be answered at `planned` was answered at `answered`."""
+        group = self._group
+        group.append(answered - planned)
+        if len(group) >= LATENESS_GROUP:
+            group.sort()
+            self._quantiles.append(group[int(LATENESS_QUANTILE * (len(group) - 1))])
+            group.clear()
+            self.correction_s = max(statistics.median(self._quantiles), 0.0)
+
+    def clear(self) -> None:
+        """Forget what was learned (the model or the target changed)."""
+        self._group.clear()
+        self._quantiles.clear()
+        self.correction_s = 0.0
 
 
 class LatencyTarget:
@@ -100,6 +149,7 @@ class LatencyTarget:
         self.reserve_s = target_s * ANSWER_RESERVE
         self.policy = policy
         self.learner = BatchTimeLearner()
+        self.lateness = PlanLateness()
         # Refusing with nothing ahead since then (None: not refusing); the next probe
         # is let in from `_next_probe_at`, after `_probe_interval` more each time.
         self._refusing_since: float | None = None
@@ -131,6 +181,7 @@ class LatencyTarget:
         """
         self.target_s = target_s
         self.reserve_s = target_s * ANSWER_RESERVE
+        self.lateness.clear()
         self._waiting.clear()
         self._order.clear()
         self._gone.clear()
@@ -151,14 +202,16 @@ class LatencyTarget:
             return LearnedLatency(
                 0.0, 0.0, 0.0, 0.0, learner.samples, state="warming", refuted=learner.refuted
             )
+        lateness_ms = self.lateness.correction_s * 1e3
         if self._refusing_since is None:
-            return dataclasses.replace(fit, refuted=learner.refuted)
+            return dataclasses.replace(fit, refuted=learner.refuted, lateness_ms=lateness_ms)
         return dataclasses.replace(
             fit,
             state="probing" if self._probe_pending else "refusing",
             refusing_since=self._refusing_since,
             probes=self._probes,
             refuted=learner.refuted,
+            lateness_ms=lateness_ms,
         )
 
     # -- what a batch costs and takes ----------------------------------------------
@@ -197,6 +250,7 @@ class LatencyTarget:
         self.learner.observe(padded_size, cost, seconds)
         if not self.learner.ready:  # refuted: everything is admitted while it learns
             self._stop_refusing()
+            self.lateness.clear()
         own = sum(self.batch_cost([k]) for k in keys)
         if own > 0:
             self._packing += 0.1 * (cost / own - self._packing)
@@ -300,8 +354,11 @@ class LatencyTarget:
             finish = self._finish_time(items, cost, slots_free_at, max_batch_size)
         else:
             finish = self._finish_across_buckets(reqs, now, slots_free_at, max_batch_size)
-        predicted = finish - now + self.reserve_s
+        planned = finish + self.reserve_s
+        predicted = planned - now + self.lateness.correction_s
         if predicted <= self.target_s:
+            for req in reqs:
+                req.planned_answer = planned
             if self._refusing_since is not None:
                 self._stop_refusing()
             return False
@@ -367,9 +424,10 @@ class LatencyTarget:
         finish = plan.finish + TURN_ROOM * self.target_s
         if finish - now + self.reserve_s <= self.target_s:
             before = self._plan([], priority, now, slots_free_at, max_batch_size)
-            if plan.dropped > before.dropped:
+            more_late = len(plan.dropped) - len(before.dropped)
+            if more_late > 0:
                 raise Overloaded(
-                    f"admitting this request would make {plan.dropped - before.dropped} "
+                    f"admitting this request would make {more_late} "
                     f"request(s) admitted before it, in other buckets, miss the target "
                     f"max_latency_ms={self.target_s * 1e3:g}",
                     predicted_s=finish - now + self.reserve_s,
@@ -406,7 +464,7 @@ class LatencyTarget:
         """
         lanes = self._lanes_with(reqs, priority, now + self.target_s - self.reserve_s)
         finish = now
-        dropped = 0
+        dropped: list[Request] = []
         slots = sorted(slots_free_at)
         # Turns follow one another at their expected times (the margin less the
         # residuals' spread); the new requests' answer adds the spread once, grown with
@@ -421,14 +479,20 @@ class LatencyTarget:
                 while lane and start + self.batch_seconds([lane[0][2]]) > lane[0][3]:
                     if lane[0][1] == math.inf:  # a new request would be dropped
                         return Plan(start + self.batch_seconds([lane[0][2]]), dropped)
-                    lane.popleft()
-                    dropped += 1
+                    dropped.append(lane.popleft()[2])
                 if not lane:
                     del lanes[name]
             if not lanes:
                 break
             name = min(lanes, key=lambda n: lanes[n][0][:2])  # the oldest front first
-            batch = self._planned_batch(lanes[name], start, max_batch_size)
+            lane = lanes[name]
+            front = list(itertools.islice(lane, 4 * max_batch_size))  # as `_take` sees it
+            for _ in range(self._overdue(front, start, max_batch_size)):
+                entry = lane.popleft()
+                if entry[1] == math.inf:  # a new request would be dropped: past its deadline
+                    return Plan(math.nextafter(entry[3], math.inf), dropped)
+                dropped.append(entry[2])
+            batch = self._planned_batch(lane, start, max_batch_size)
             end = start + self.batch_seconds([entry[2] for entry in batch]) - spread
             heapq.heapreplace(slots, end)
             turns += 1
@@ -503,6 +567,29 @@ class LatencyTarget:
         """
         return start + self.batch_seconds([req]) > req.deadline
 
+    def late_in_turns(
+        self, now: float, slots_free_at: Sequence[float], max_batch_size: int
+    ) -> list[Request]:
+        """The waiting requests that the buckets' turns ahead of them now make late.
+
+        `behind_schedule` for several buckets: the turns are planned as admission
+        plans them (`_plan`, at their expected times), over every waiting request.
+        Called when a batch ran past its predicted end, so that a request the
+        turns can no longer serve in time is answered then, not at its deadline.
+
+        Args:
+            now: The current time.
+            slots_free_at: When each batch slot is free.
+            max_batch_size: The largest batch.
+
+        Returns:
+            The requests to drop.
+        """
+        if not self._order:
+            return []
+        priority = max(p for p, _ in self._order)
+        return self._plan([], priority, now, slots_free_at, max_batch_size).dropped
+
     def behind_schedule(
         self,
         waiting: Sequence[Request],
@@ -539,15 +626,31 @@ class LatencyTarget:
                 cost += own
         return late
 
-    def overloaded_error(self, req: Request, start: float) -> Overloaded:
-        """The error of a waiting request dropped as `hopeless`.
+    def answered(self, requests: Sequence[Request], now: float) -> None:
+        """A batch's requests were answered at `now`: learn how late their plans ran.
+
+        Args:
+            requests: The batch's requests.
+            now: When their batch ended.
+        """
+        for req in requests:
+            planned = getattr(req, "planned_answer", None)  # (set when admitted on a plan)
+            if planned is not None:
+                self.lateness.add(planned, now)
+
+    def dropped(self, req: Request, start: float) -> Overloaded:
+        """A waiting request is dropped as too late: learn how late its plan ran (its
+        earliest answer, alone in a batch leaving at `start`), and return its error.
 
         Args:
             req: The request.
             start: The earliest time its batch could have left.
         """
-        waited = start - req.enqueued_at
         run = self.batch_seconds([req])
+        planned = getattr(req, "planned_answer", None)
+        if planned is not None:
+            self.lateness.add(planned, start + run + self.reserve_s)
+        waited = start - req.enqueued_at
         return Overloaded(
             f"dropped before it ran: waited {waited * 1e3:.1f} ms, and its batch would "
             f"take {run * 1e3:.1f} ms more, over the target "
@@ -577,8 +680,14 @@ class LatencyTarget:
         """
         if not self.ready:
             return 0
-        for first in range(len(waiting) - max_batch_size + 1):
-            if now <= self.latest_start(waiting[first : first + max_batch_size]):
+        return self._overdue([(0, 0.0, r, r.deadline) for r in waiting], now, max_batch_size)
+
+    def _overdue(self, front: Sequence[_Planned], start: float, max_batch_size: int) -> int:
+        """`overdue_front` on planned entries (their deadlines as planned)."""
+        for first in range(len(front) - max_batch_size + 1):
+            window = front[first : first + max_batch_size]
+            latest = min(e[3] for e in window) - self.batch_seconds([e[2] for e in window])
+            if start <= latest:
                 return first
         return 0
 

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import heapq
 import itertools
+import math
 import random
 import threading
 from collections.abc import Callable
@@ -31,6 +32,7 @@ from batchkit.serve.events import DropEvent
 from batchkit.serve.request import DROPPED, Request, new_request
 from batchkit.serve.scheduler import FormedBatch, Scheduler
 from batchkit.serve.stats import DispatchReason
+from batchkit.serve.targets import LATENESS_GROUP, LATENESS_GROUPS, PlanLateness
 
 TARGET = 0.105
 RESERVE = 0.0021  # 2% of the target kept for answering the caller
@@ -708,7 +710,7 @@ def test_the_buckets_turns_are_planned_as_the_scheduler_then_serves_them(
         ends.update((id(r), now) for r in batch.requests)
     if id(new) in ends:
         assert ends[id(new)] == pytest.approx(plan.finish, abs=1e-6)
-        assert len(shed) == plan.dropped
+        assert shed == plan.dropped
     else:
         assert new in shed and plan.finish > new.deadline
 
@@ -745,3 +747,94 @@ def test_across_buckets_past_capacity_what_is_admitted_is_served_not_dropped_lat
     assert refused > 0.3 * len(loaded)  # past capacity
     assert shed <= 0.01 * (shed + refused)
     assert all(a.at - a.arrived <= 0.500 + 1e-9 for a in served)
+
+
+def test_a_stall_drops_the_requests_the_buckets_turns_now_make_late_at_once() -> None:
+    # Two buckets wait behind a batch that stalls: once it ends, 40 ms past its
+    # predicted end, what the turns can no longer serve in time is answered then, not
+    # one by one at its deadline; what stays is served in time with nothing dropped.
+    policy = BucketedBatcher([8, 64], key=int, max_batch_size=16, max_wait_ms=1000)
+    sched, now = bucket_taught(policy, 0.080)
+    assert sched.target is not None
+    for _ in range(16):
+        add_keyed(sched, policy, 4.0, now)
+    busy, _ = sched.poll(now)
+    assert busy is not None and busy.expected_end is not None
+    waiting = []
+    for k in range(40):
+        with contextlib.suppress(Overloaded):
+            waiting.append(add_keyed(sched, policy, 4.0 if k % 2 else 40.0, now))
+    shed: list[Request] = []
+    sched.on_shed = shed.extend
+    stall_end = busy.expected_end + 0.040
+    sched.finish(busy, stall_end)
+    ends: dict[int, float] = {}
+    at = stall_end
+    while sched.num_waiting:
+        batch, wake_at = sched.poll(at)
+        if batch is None:
+            if wake_at is None:  # (what waited was dropped)
+                break
+            at = wake_at
+            continue
+        if at == stall_end:
+            early = list(shed)
+        at += exact_device(policy, batch)
+        sched.finish(batch, at)
+        ends.update((id(r), at) for r in batch.requests)
+    assert early and shed == early  # every drop at the stall's end
+    assert all(r.deadline - stall_end > 0.010 for r in early)  # well before the deadline
+    served = [r for r in waiting if id(r) in ends]
+    assert served and all(ends[id(r)] <= r.deadline + 1e-9 for r in served)
+
+
+def add_keyed(sched: Scheduler, policy: BucketedBatcher, key: float, now: float) -> Request:
+    req = new_request(0, key, policy.bucket_of(key), 0)
+    req.enqueued_at = now
+    sched.add(req)
+    return req
+
+
+def test_on_a_noisy_device_past_capacity_what_is_admitted_is_served_not_dropped_late() -> None:
+    # Every batch's time varies (lognormal, 15%): a request admitted with a queue of
+    # batches ahead of it meets their noise added up, more than one prediction's
+    # margin covers. Learning how late the plans run keeps those requests out at
+    # admission, where a refusal is immediate, instead of dropping them near their
+    # deadline.
+    rng = random.Random(11)
+    capacity = 32 / (0.003 + 0.012 * 32)
+    warm = [0.5 * k for k in range(12)]
+    gaps = [rng.expovariate(2 * capacity) for _ in range(5000)]
+    arrivals = warm + list(itertools.accumulate(gaps, initial=6.0))[1:]
+    noise = random.Random(3)
+
+    def device_time(_: int, batch: FormedBatch) -> float:
+        return (0.003 + 0.012 * len(batch.requests)) * math.exp(noise.gauss(0.0, 0.15))
+
+    sched = Scheduler(DynamicBatcher(32, max_wait_ms=2), max_latency_s=0.500)
+    answers, _ = run_traffic(sched, arrivals, lambda i: new_request(i, 0.0, None, 0), device_time)
+    loaded = [a for a in answers if a.arrived >= 10.0]
+    shed = sum(a.how == "shed" for a in loaded)
+    refused = sum(a.how == "refused" for a in loaded)
+    assert refused > 0.3 * len(loaded)  # past capacity
+    assert shed <= 0.01 * (shed + refused)
+    assert sched.target is not None and sched.target.model().lateness_ms > 0
+
+
+def test_lateness_that_persists_is_learned_and_one_late_group_is_not() -> None:
+    lateness = PlanLateness()
+    for k in range(LATENESS_GROUP * LATENESS_GROUPS):
+        lateness.add(1.0, 1.0 + 0.030 * (k % 100) / 99)  # up to 30 ms late, evenly
+    assert lateness.correction_s == pytest.approx(0.030, abs=0.001)
+    for _ in range(LATENESS_GROUP):  # a stall: one group of requests 400 ms late
+        lateness.add(1.0, 1.4)
+    assert lateness.correction_s == pytest.approx(0.030, abs=0.001)
+    lateness.clear()
+    assert lateness.correction_s == 0.0
+
+
+def test_plans_that_run_early_add_nothing() -> None:
+    lateness = PlanLateness()
+    for _ in range(LATENESS_GROUP * 3):
+        lateness.add(1.0, 0.9)
+    assert lateness.correction_s == 0.0
