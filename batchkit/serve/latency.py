@@ -20,7 +20,11 @@ recent batches. What makes it usable for admission decisions on a noisy machine:
 - the model can be *refuted*: when `REFUTE_WINDOW` batches in a row take less than
   `REFUTE_RATIO` of their fitted time (a device that got fast after a slow warm-up:
   CUDA context, autotuning, compilation, caches), the older batches are forgotten
-  and the model learns again from the recent ones.
+  and the model learns again from the recent ones. Until it has seen enough
+  batches again it predicts with the refuted fit: that one overestimates (the
+  device got faster), so admission stays bounded meanwhile. Admitting everything
+  instead let a refutation under heavy load (small batches of short inputs, twice
+  under half their fitted time) fill the queue with seconds of work.
 
 The fit itself is recomputed every `REFIT_EVERY` batches (a few small numpy
 operations); the shift follows every batch.
@@ -70,8 +74,11 @@ class LearnedLatency:
         stalls: Batches among them left out of the margin as stalls (they took more
             than twice their fitted time, and were rare).
         state: What admission does with the model: `"warming"` (fewer than 8
-            batches seen since start, or since the model was refuted: everything is
-            admitted, the fit fields are 0), `"serving"` (predicting), `"refusing"`
+            batches seen since start: everything is admitted, the fit fields are 0),
+            `"relearning"` (refuted, fewer than 8 batches seen since: it predicts
+            with the refuted model, whose batches took longer than the device's do
+            now, so it admits less than it will, never more), `"serving"`
+            (predicting), `"refusing"`
             (it predicts that even a lone request on an idle device would be late:
             it refuses, and probes), or `"probing"` (refusing, and a probe request
             was let in to learn whether the prediction still holds).
@@ -141,11 +148,18 @@ class BatchTimeLearner:
         self._model: LearnedLatency | None = None  # the fit with the whole margin
         self._faster = 0  # newest batches in a row under REFUTE_RATIO of their fit
         self.refuted = 0  # times the model was forgotten as too slow
+        # The refuted model, predicted with until enough batches are seen again.
+        self._fallback: LearnedLatency | None = None
 
     @property
     def ready(self) -> bool:
         """Whether enough batches were observed to predict."""
-        return len(self._samples) >= MIN_SAMPLES
+        return len(self._samples) >= MIN_SAMPLES or self._fallback is not None
+
+    @property
+    def relearning(self) -> bool:
+        """Refuted, and predicting with the refuted model until enough batches are seen."""
+        return len(self._samples) < MIN_SAMPLES and self._fallback is not None
 
     @property
     def samples(self) -> int:
@@ -174,6 +188,7 @@ class BatchTimeLearner:
 
     def _forget_all_but(self, newest: int) -> None:
         """The fit is refuted: learn again from the `newest` batches alone."""
+        self._fallback = self.snapshot()
         kept = list(self._samples)[-newest:]
         self._samples.clear()
         self._samples.extend(kept)
@@ -199,13 +214,15 @@ class BatchTimeLearner:
         (call only when `ready`). What a prediction adds for one batch's noise; over
         several batches in a row that noise partly cancels, a shift does not."""
         model = self.snapshot()
-        assert model is not None and self._fit is not None, "spread_s before ready"
-        return self._fit.margin_ms / 1e3
+        assert model is not None, "spread_s before ready"
+        fit = model if self._fit is None else self._fit  # (relearning: the refuted one's)
+        return fit.margin_ms / 1e3
 
     def snapshot(self) -> LearnedLatency | None:
         """The model now, in milliseconds; None until `ready`."""
-        if not self.ready:
-            return None
+        if len(self._samples) < MIN_SAMPLES:
+            return self._fallback
+        self._fallback = None
         if self._fit is None or self._since_fit >= REFIT_EVERY:
             self._refit()
         if self._model is None:

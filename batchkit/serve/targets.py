@@ -204,7 +204,12 @@ class LatencyTarget:
             )
         lateness_ms = self.lateness.correction_s * 1e3
         if self._refusing_since is None:
-            return dataclasses.replace(fit, refuted=learner.refuted, lateness_ms=lateness_ms)
+            return dataclasses.replace(
+                fit,
+                state="relearning" if learner.relearning else "serving",
+                refuted=learner.refuted,
+                lateness_ms=lateness_ms,
+            )
         return dataclasses.replace(
             fit,
             state="probing" if self._probe_pending else "refusing",
@@ -247,8 +252,9 @@ class LatencyTarget:
             self._next_probe_at = 0.0
             self._probe_interval = self.target_s
         self._probe_pending = False
+        refuted = self.learner.refuted
         self.learner.observe(padded_size, cost, seconds)
-        if not self.learner.ready:  # refuted: everything is admitted while it learns
+        if self.learner.refuted > refuted:  # the plans were made with the refuted model
             self._stop_refusing()
             self.lateness.clear()
         own = sum(self.batch_cost([k]) for k in keys)

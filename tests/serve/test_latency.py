@@ -116,9 +116,13 @@ def test_a_model_that_batches_keep_beating_is_learned_again() -> None:
     learner.observe(8, 0.0, 0.002)  # one fast batch: could be luck
     assert learner.ready and learner.refuted == 0
     learner.observe(8, 0.0, 0.002)  # two: the slow model is wrong
-    assert not learner.ready and learner.refuted == 1 and learner.samples == 2
+    assert learner.relearning and learner.refuted == 1 and learner.samples == 2
+    # Until it has seen enough batches again it predicts with the refuted model,
+    # which overestimates: admission stays bounded meanwhile, never blind.
+    assert learner.predict(8) == pytest.approx(0.150)
     for _ in range(MIN_SAMPLES - 2):
         learner.observe(8, 0.0, 0.002)
+    assert not learner.relearning
     assert learner.predict(8) == pytest.approx(0.002)
 
 

@@ -595,6 +595,20 @@ def test_under_load_after_a_slow_warm_up_nearly_everything_is_answered_in_time()
     assert waits[int(0.99 * len(waits))] <= 0.060
 
 
+def test_a_model_refuted_under_heavy_load_keeps_admission_bounded_while_it_relearns() -> None:
+    # Batches take 50 ms, then from the 30th on 25 ms (the device got fast: the model
+    # is refuted); the load is three times even the fast capacity. Admitting everything
+    # while the model learned again filled the queue with seconds of work, all of
+    # it served late; predicting with the refuted model meanwhile admits less.
+    rng = random.Random(5)
+    fast_capacity = 8 / 0.025
+    arrivals = list(itertools.accumulate(rng.expovariate(3 * fast_capacity) for _ in range(4000)))
+    sched, answers = traffic(arrivals, lambda k, b: 0.050 if k < 30 else 0.025)
+    assert sched.target is not None and sched.target.model().refuted >= 1
+    served = [a for a in answers if a.how == "served" and a.arrived >= 0.5]
+    assert len(served) > 900 and all(in_time(a) for a in served)  # (before: 32 late)
+
+
 def test_a_device_that_becomes_slower_for_good_is_followed_and_served_in_time() -> None:
     # 10 ms + 1 ms per item, three times slower from t = 1.5 s on; Poisson load at
     # 0.8x the fast capacity (so 2.4x the slow one: shedding has work to do).
