@@ -95,8 +95,8 @@ class PlanLateness:
 
     Admission plans each request's answer from the model of one batch's time; a chain
     of batches ahead of it adds up their noise (each prediction's margin covers one
-    batch's), and the scheduler's batches are not always the full ones the plan
-    counts (cut for their oldest member's deadline). A request admitted with little
+    batch's), and its own batch is planned with what waits now, while later arrivals
+    join it before it leaves (a fuller batch takes longer). A request admitted with little
     room is then late: dropped near its deadline, which tells its caller too late to
     go elsewhere. This records, per request, its answer (or, dropped, the earliest
     answer it could have had) less its planned answer: the `LATENESS_QUANTILE` of
