@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 
 from batchkit.batchers.base import Batcher
 from batchkit.serve.request import DROPPED, RUNNING, WAITING, Request
@@ -196,3 +196,15 @@ class Bucket:
         if bound is not None and (bound < budget or policy.cost.bound_is_exact):
             return bound >= budget
         return policy.budget_reached([r.key for r in self.candidates(None)])
+
+
+def by_bucket(reqs: Sequence[Request]) -> dict[Hashable, list[Request]]:
+    """`reqs` by bucket name, in their order.
+
+    Args:
+        reqs: Requests of any buckets.
+    """
+    out: dict[Hashable, list[Request]] = {}
+    for req in reqs:
+        out.setdefault(req.bucket, []).append(req)
+    return out

@@ -25,6 +25,7 @@ from typing import Any
 
 from batchkit.errors import BatcherClosed, BatchTimeout, Overloaded, QueueFull, RequestTimeout
 from batchkit.serve.admission import BlockingAdmission
+from batchkit.serve.caps import SizeCaps
 from batchkit.serve.channels import Channel
 from batchkit.serve.events import BatchEvent, DropEvent, DropReason, Listener, notify
 from batchkit.serve.execute import BatchRun
@@ -124,12 +125,14 @@ class ServingCore:
                 self.lock, self._admit_if_room_locked, self._gave_up_waiting_locked, self.clock
             )
         self.lane = ArrivalLane() if lane is None else lane
+        self.caps = SizeCaps()  # taught here (after each batch), read by the scheduler
         self.sched = Scheduler(
             options.policy,
             max_queue_size=options.max_queue_size,
             max_concurrent_batches=options.max_concurrent_batches,
             max_latency_s=options.max_latency_s,
             lane=self.lane,
+            caps=self.caps,
             on_room=None if self.admission is None else self._room_freed_locked,
         )
         self.closed = False
@@ -387,7 +390,7 @@ class ServingCore:
 
     def _learn_from_locked(self, batch: FormedBatch, run: BatchRun) -> None:
         """Count the run's calls and splits; learn or probe the bucket's size cap."""
-        stats, sched = self.sched.stats, self.sched
+        stats = self.sched.stats
         stats.calls += run.calls
         stats.isolated += run.isolated
         if run.first_output_at is not None:
@@ -395,9 +398,9 @@ class ServingCore:
         bucket = batch.requests[0].bucket
         if run.oom_splits:
             stats.oom_splits += run.oom_splits
-            sched.learn_cap(bucket, max(run.largest_ok, 1))
-        elif sched.caps:
-            sched.note_success(bucket, batch.padded_size)
+            self.caps.learn(bucket, max(run.largest_ok, 1), self.options.policy)
+        elif self.caps.active:
+            self.caps.succeeded(bucket, batch.padded_size, self.options.policy)
 
     def abandon_locked(self, batch: FormedBatch, error: BaseException) -> list[Request]:
         """Under the lock: `batch` will never report (its task or loop is gone, or its
@@ -614,9 +617,7 @@ class ServingCore:
                 unplaced=len(self.lane.arrivals),
                 queue_depth=self.sched.num_waiting,
                 in_flight=self.sched.in_flight,
-                caps={
-                    "default" if b is None else str(b): cap for b, cap in self.sched.caps.items()
-                },
+                caps={"default" if b is None else str(b): cap for b, cap in self.caps.items()},
                 abandoned_workers=self.abandoned_workers,
                 healthy=self.healthy,
                 latency_model=None if self.sched.target is None else self.sched.target.model(),

@@ -12,14 +12,14 @@ from dataclasses import dataclass
 
 from batchkit.batchers.base import Batcher
 from batchkit.errors import Overloaded, QueueFull
-from batchkit.serve.buckets import Bucket
+from batchkit.serve.buckets import Bucket, by_bucket
+from batchkit.serve.caps import SizeCaps
 from batchkit.serve.dispatch import DispatchReason, DispatchRule, rules_for
 from batchkit.serve.lane import ArrivalLane
 from batchkit.serve.request import DROPPED, WAITING, Request
+from batchkit.serve.shedding import Shedding
 from batchkit.serve.stats import StatsRecorder
 from batchkit.serve.targets import LatencyTarget
-
-PROBE_AFTER = 32  # successful batches at a learned cap before trying a larger one
 
 
 @dataclass(slots=True)
@@ -51,8 +51,7 @@ class Scheduler:
     no sleeping; time is passed in (`poll(now)`), so its behaviour is tested with a
     fake clock. Requests are placed in buckets by the policy (`bucket_of` of their
     key), FIFO per priority. `poll` forms the next batch; `finish` frees its slot.
-    It learns a per-bucket size cap after out-of-memory (`learn_cap`) and probes it
-    upward again (`note_success`).
+    Each batch is cut to its bucket's size cap learned after out-of-memory (`caps`).
 
     Not thread-safe: the serving core calls it under its lock. Only its arrival
     lane's `arrivals` is appended to without it (see `batchkit.serve.lane`).
@@ -79,6 +78,9 @@ class Scheduler:
         lane: Where the default lane's requests arrive in bulk (see
             `batchkit.serve.lane.ArrivalLane`); a lane of its own
             (never opened to lock-free callers) when None.
+        caps: The buckets' batch-size caps learned after out-of-memory (see
+            `batchkit.serve.caps.SizeCaps`; the serving core teaches them); caps of
+            its own, never taught, when None.
         on_room: Called (under the caller's lock) whenever requests leave the
             queue: who waits for room (`when_full="block"`) may be let in.
         on_shed: For `poll`: called with the waiting requests dropped as too late
@@ -96,12 +98,17 @@ class Scheduler:
         max_concurrent_batches: int = 1,
         max_latency_s: float | None = None,
         lane: ArrivalLane | None = None,
+        caps: SizeCaps | None = None,
         on_room: Callable[[], None] | None = None,
         on_shed: Callable[[list[Request]], None] | None = None,
         on_select_failed: Callable[[list[Request]], None] | None = None,
     ) -> None:
         self.policy = policy
-        self.target = None if max_latency_s is None else LatencyTarget(max_latency_s, policy)
+        self.target: LatencyTarget | None = None
+        self.shedding: Shedding | None = None  # the target's drops of waiting requests
+        if max_latency_s is not None:
+            self.target = LatencyTarget(max_latency_s, policy)
+            self.shedding = Shedding(self.target)
         self.max_queue_size = max_queue_size
         self._queue_limit = float("inf") if max_queue_size is None else max_queue_size
         self.max_concurrent_batches = max_concurrent_batches
@@ -118,20 +125,12 @@ class Scheduler:
         self._rules: list[DispatchRule] = []
         self.grouped = False
         self.groups_per_batch = 1
+        self.caps = SizeCaps() if caps is None else caps
         self.set_policy(policy)
         self.running: dict[int, FormedBatch] = {}
-        # Learned after out-of-memory: a bucket's effective maximum batch size, raised
-        # again by a quarter after PROBE_AFTER successful batches at the cap.
-        self.caps: dict[Hashable, int] = {}
         self.on_room = on_room
         self.on_shed = on_shed
         self.on_select_failed = on_select_failed
-        self._cap_successes: dict[Hashable, int] = {}
-        # Under a latency target: a batch ran past its predicted end, so the schedule
-        # the waiting requests were admitted on slipped; and when a batch still
-        # running late may next make the waiting ones be judged again.
-        self._slipped = False
-        self._next_recheck = 0.0
         self.stats = StatsRecorder()
 
     def set_policy(self, policy: Batcher) -> None:
@@ -158,6 +157,7 @@ class Scheduler:
         waiting = [req for bucket in self.buckets.values() for req in bucket.candidates(None)]
         if self.target is None:
             self.target = LatencyTarget(seconds, self.policy)
+            self.shedding = Shedding(self.target)
             self._rules = rules_for(self.policy, self.target, closing=self._closing)
         self.target.retarget(seconds, waiting)
 
@@ -361,45 +361,9 @@ class Scheduler:
         self._left_waiting(dropped)
         return dropped
 
-    # -- learned limits ------------------------------------------------------
-    def learn_cap(self, bucket: Hashable, size: int) -> None:
-        """A batch of this bucket ran out of memory: cap the bucket's batches.
-
-        Args:
-            bucket: The bucket (as `bucket_of` named it).
-            size: The largest batch (padded size) known to fit; the cap becomes the
-                smaller of it and the cap so far.
-        """
-        self.caps[bucket] = min(size, self.caps.get(bucket, self.policy.max_batch_size))
-        self._cap_successes[bucket] = 0
-
-    def note_success(self, bucket: Hashable, size: int) -> None:
-        """A batch ran without running out of memory: probe upward after enough of them.
-
-        After 32 successful batches at a bucket's learned cap, the cap is raised by a
-        quarter (at least to the next size the policy allows), and dropped once it
-        reaches the policy's `max_batch_size`.
-
-        Args:
-            bucket: The batch's bucket.
-            size: The batch's padded size; a batch below the cap does not count.
-        """
-        cap = self.caps.get(bucket)
-        if cap is None or size < cap:
-            return
-        self._cap_successes[bucket] = done = self._cap_successes.get(bucket, 0) + 1
-        if done >= PROBE_AFTER:
-            # A quarter more, or the next size the policy allows (strict sizes pad up).
-            raised = max(cap + max(1, cap // 4), self.policy.padded_size(cap + 1))
-            self._cap_successes[bucket] = 0
-            if raised >= self.policy.max_batch_size:
-                del self.caps[bucket]
-            else:
-                self.caps[bucket] = raised
-
     def _limit(self, name: Hashable) -> int:
-        # (A cap learned before the maximum was lowered live does not lift it.)
-        return min(self.caps.get(name, self.policy.max_batch_size), self.policy.max_batch_size)
+        """The most requests the bucket's next batch may take (its learned cap)."""
+        return self.caps.limit(name, self.policy)
 
     # -- dispatch ----------------------------------------------------------
     def _reason(
@@ -407,7 +371,7 @@ class Scheduler:
     ) -> tuple[DispatchReason | None, float | None]:
         """Why the bucket's batch leaves now (the first rule whose time has come);
         else None and the earliest time a rule named."""
-        limit = self._limit(name) if self.caps else self.policy.max_batch_size
+        limit = self._limit(name) if self.caps.active else self.policy.max_batch_size
         wake_at: float | None = None
         for rule in self._rules:
             due = rule.due(bucket, limit, self.in_flight, now)
@@ -446,7 +410,7 @@ class Scheduler:
         """
         dropped: Sequence[Request] = ()
         if self.target is not None and self._placed and self.target.ready:
-            dropped = self._shed_hopeless(now)  # also while every slot is busy: early
+            dropped = self._shed_too_late(now)  # also while every slot is busy: early
         if self.in_flight >= self.max_concurrent_batches:
             return None, None, dropped
         if self.lane.arrivals:
@@ -499,79 +463,21 @@ class Scheduler:
                 self.on_select_failed(failed)
         return batch, wake_at
 
-    def _shed_hopeless(self, now: float) -> list[Request]:
-        """Drop the waiting requests that would be late even alone in the next batch;
-        and, once the schedule slipped, those the work ahead of them makes late."""
-        target = self.target
-        assert target is not None
+    def _shed_too_late(self, now: float) -> list[Request]:
+        """Drop what the latency target can no longer answer in time (see `Shedding`)."""
+        assert self.shedding is not None
         slots = self._slots_free_at(now)
-        start = min(slots)
-        shed: list[Request] = []
-        for bucket in self.buckets.values():
-            if bucket.live:
-                shed += bucket.shed_fronts(lambda req: target.hopeless(req, start))
-        if self._slipped or self._running_late(now):
-            self._slipped = False
-            shed += self._shed_behind_schedule(now, slots)
-        self._shed(shed, start)
+        ends = [batch.expected_end for batch in self.running.values()]
+        shed = self.shedding.too_late(
+            self.buckets, slots, ends, now, self._limit, self.policy.max_batch_size
+        )
+        self._shed(shed)
         return shed
 
-    def _shed_behind_schedule(self, now: float, slots: list[float]) -> list[Request]:
-        """Drop the waiting requests that the work ahead of them now makes late: in
-        one bucket, the batches before them; in several, the buckets' turns."""
-        target = self.target
-        assert target is not None
-        live = [(name, bucket) for name, bucket in self.buckets.items() if bucket.live]
-        if len(live) > 1:
-            late = [  # (the fronts just shed still wait in the target's lanes)
-                req
-                for req in target.late_in_turns(now, slots, self.policy.max_batch_size)
-                if req.state == WAITING
-            ]
-            for name, reqs in _by_bucket(late).items():
-                self.buckets[name].drop_waiting(reqs)
-            return late
-        shed: list[Request] = []
-        for name, bucket in live:
-            late = target.behind_schedule(bucket.candidates(None), slots, self._limit(name))
-            if late:
-                bucket.drop_waiting(late)
-                shed += late
-        return shed
-
-    def _running_late(self, now: float) -> bool:
-        """Whether a running batch is past its predicted end (checked again at most
-        every tenth of the target while it runs on)."""
-        assert self.target is not None
-        if now < self._next_recheck:
-            return False
-        for batch in self.running.values():
-            if batch.expected_end is not None and now > batch.expected_end:
-                self._next_recheck = now + self.target.target_s / 10
-                return True
-        return False
-
-    def _shed_overdue_front(self, name: Hashable, bucket: Bucket, now: float) -> list[Request]:
-        """Drop the oldest requests whose deadline a full batch leaving now would miss,
-        when a full batch waits behind them (see `LatencyTarget.overdue_front`)."""
-        target = self.target
-        assert target is not None
-        limit = self._limit(name)
-        waiting = bucket.candidates(4 * limit)  # (at most three batches' worth dropped)
-        overdue = waiting[: target.overdue_front(waiting, now, limit)]
-        if overdue:
-            bucket.drop_waiting(overdue)
-            self._shed(overdue, now)
-        return overdue
-
-    def _shed(self, shed: list[Request], start: float) -> None:
-        """Set dropped waiting requests' error (`Overloaded`) and count them out."""
+    def _shed(self, shed: list[Request]) -> None:
+        """Count out the waiting requests shed as too late (their error set)."""
         if not shed:
             return
-        target = self.target
-        assert target is not None
-        for req in shed:
-            req.error = target.dropped(req, start)
         self.stats.shed += len(shed)
         self._left_waiting(shed)
 
@@ -586,9 +492,10 @@ class Scheduler:
         """Form the bucket's batch: `(batch, None, dropped)`; `(None, now, dropped +
         its candidates)` (look again) when the policy's `select` failed."""
         target = self.target
-        if target is not None and target.ready:
-            overdue = self._shed_overdue_front(name, bucket, now)
+        if self.shedding is not None and target is not None and target.ready:
+            overdue = self.shedding.overdue_front(bucket, self._limit(name), now)
             if overdue:
+                self._shed(overdue)
                 dropped = [*dropped, *overdue]
         policy = self.policy
         candidates = bucket.candidates(policy.candidate_limit)
@@ -604,12 +511,12 @@ class Scheduler:
         except Exception as exc:
             self._fail_selection(candidates, exc)
             return None, now, [*dropped, *candidates]
-        if self.caps and name in self.caps:
-            self._cut_to_cap(chosen, self.caps[name])
+        if self.caps.active:
+            self.caps.cut(chosen, name, self.policy)
         if target is not None:
             target.trim(chosen, now)
         if self.groups_per_batch > 1 and any(req.bucket != name for req in chosen):
-            for other, reqs in _by_bucket(chosen).items():
+            for other, reqs in by_bucket(chosen).items():
                 self.buckets[other].take(reqs)
         else:
             bucket.take(chosen)
@@ -622,12 +529,6 @@ class Scheduler:
             batch.expected_end = now + target.batch_seconds(chosen)
         self.running[id(batch)] = batch
         return batch, None, dropped
-
-    def _cut_to_cap(self, chosen: list[Request], cap: int) -> None:
-        """Cut a batch to its bucket's learned cap (its padded size too)."""
-        del chosen[cap:]
-        while len(chosen) > 1 and self.policy.padded_size(len(chosen)) > cap:
-            chosen.pop()
 
     def _other_groups_candidates(self, name: Hashable, have: int) -> list[Request]:
         """Under `max_groups_per_batch` > 1: the waiting requests of the next oldest
@@ -655,7 +556,7 @@ class Scheduler:
     def _fail_selection(self, candidates: list[Request], error: Exception) -> None:
         """A policy bug must not stall every caller: drop the requests its `select`
         was choosing among, with what it raised; the others go on waiting."""
-        for name, reqs in _by_bucket(candidates).items():
+        for name, reqs in by_bucket(candidates).items():
             self.buckets[name].drop_waiting(reqs)
         for req in candidates:
             req.error = error
@@ -679,21 +580,13 @@ class Scheduler:
             if clean:
                 self.target.observe(batch.requests, batch.padded_size, elapsed)
             self.target.answered(batch.requests, now)
-            if batch.expected_end is not None and now > batch.expected_end:
-                self._slipped = True
+        if self.shedding is not None:
+            self.shedding.batch_ended(batch.expected_end, now)
 
     @property
     def drained(self) -> bool:
         """Nothing waiting and nothing running."""
         return self.num_waiting == 0 and self.in_flight == 0
-
-
-def _by_bucket(reqs: list[Request]) -> dict[Hashable, list[Request]]:
-    """`reqs` by bucket name, in their order."""
-    out: dict[Hashable, list[Request]] = {}
-    for req in reqs:
-        out.setdefault(req.bucket, []).append(req)
-    return out
 
 
 def group_bucket(policy: Batcher, key: float, group: Hashable) -> tuple[Hashable, Hashable]:

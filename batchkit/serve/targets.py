@@ -540,12 +540,8 @@ class LatencyTarget:
             keep = take_within_budget(keys, max_batch_size, budget, self.policy.cost)
             lane.extendleft(reversed(batch[keep:]))
             del batch[keep:]
-        members = [entry[2] for entry in batch]
-        while len(batch) > 1 and start + self.batch_seconds(members) > min(
-            entry[3] for entry in batch
-        ):
+        while len(batch) > 1 and start > self._latest_start(batch):
             lane.appendleft(batch.pop())
-            members.pop()
         return batch
 
     def _finish_time(
@@ -691,11 +687,13 @@ class LatencyTarget:
     def _overdue(self, front: Sequence[_Planned], start: float, max_batch_size: int) -> int:
         """`overdue_front` on planned entries (their deadlines as planned)."""
         for first in range(len(front) - max_batch_size + 1):
-            window = front[first : first + max_batch_size]
-            latest = min(e[3] for e in window) - self.batch_seconds([e[2] for e in window])
-            if start <= latest:
+            if start <= self._latest_start(front[first : first + max_batch_size]):
                 return first
         return 0
+
+    def _latest_start(self, batch: Sequence[_Planned]) -> float:
+        """`latest_start` of planned entries (their deadlines as planned)."""
+        return min(entry[3] for entry in batch) - self.batch_seconds([e[2] for e in batch])
 
     def trim(self, chosen: list[Request], now: float) -> None:
         """Shorten a batch about to leave until its most urgent member is answered in time.

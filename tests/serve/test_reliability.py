@@ -18,7 +18,6 @@ import pytest
 
 import batchkit
 from batchkit import BatcherClosed, BucketedBatcher, DynamicBatcher, RequestTimeout, StaticBatcher
-from batchkit.serve.scheduler import PROBE_AFTER, Scheduler
 from tests.serve._wait import wait_until
 
 
@@ -115,15 +114,6 @@ def test_oom_caps_are_per_bucket() -> None:
     assert f.stats().effective_max_batch_size == {"1": 2}  # the long bucket only
 
 
-def test_learned_cap_is_probed_upward_and_dropped_at_the_maximum() -> None:
-    sched = Scheduler(DynamicBatcher(8))
-    sched.learn_cap(None, 4)
-    for _ in range(PROBE_AFTER):
-        sched.note_success(None, 4)
-    assert sched.caps == {None: 5}
-    for _ in range(PROBE_AFTER * 8):
-        sched.note_success(None, sched.caps.get(None, 8))
-    assert sched.caps == {}
 
 
 def test_isolate_errors_fails_only_the_poison_items_with_bounded_calls() -> None:
