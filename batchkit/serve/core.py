@@ -216,6 +216,9 @@ class ServingCore:
             if self.bulk_arrivals and req.priority == 0:
                 self.lane.arrivals.append(req)
             else:
+                shed = self.sched.shed_too_late(req.enqueued_at)  # (no pass while busy)
+                if shed:
+                    self._answer_dropped_locked(shed)
                 try:
                     self.sched.add(req)
                 except QueueFull as refused:
@@ -246,6 +249,9 @@ class ServingCore:
             now = self.clock()
             for req in reqs:
                 req.enqueued_at = now
+            shed = self.sched.shed_too_late(now)
+            if shed:
+                self._answer_dropped_locked(shed)
             try:
                 self.sched.add_all(reqs)
             except QueueFull as refused:
@@ -280,10 +286,15 @@ class ServingCore:
         sched = self.sched
         batch, wake_at, dropped = sched.decide(self.clock())
         if dropped:
-            shed = sum(1 for req in dropped if isinstance(req.error, Overloaded))
-            self.dropped("overloaded", shed)
-            deliver(dropped)
+            self._answer_dropped_locked(dropped)
         return batch, wake_at, sched.in_flight >= sched.max_concurrent_batches
+
+    def _answer_dropped_locked(self, dropped: Sequence[Request]) -> None:
+        """Answer waiting requests the scheduler dropped (their error set): too late
+        for a latency target (reported as overloaded), or a failing `select`'s."""
+        shed = sum(1 for req in dropped if isinstance(req.error, Overloaded))
+        self.dropped("overloaded", shed)
+        deliver(dropped)
 
     def _gave_up_waiting_locked(self, timeout: float) -> RequestTimeout:
         self.sched.stats.timeouts += 1

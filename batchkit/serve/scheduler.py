@@ -409,8 +409,8 @@ class Scheduler:
             raised (counted as failed; `wake_at` is then `now`: look again).
         """
         dropped: Sequence[Request] = ()
-        if self.target is not None and self._placed and self.target.ready:
-            dropped = self._shed_too_late(now)  # also while every slot is busy: early
+        if self.shedding is not None:
+            dropped = self.shed_too_late(now)  # also while every slot is busy: early
         if self.in_flight >= self.max_concurrent_batches:
             return None, None, dropped
         if self.lane.arrivals:
@@ -463,9 +463,21 @@ class Scheduler:
                 self.on_select_failed(failed)
         return batch, wake_at
 
-    def _shed_too_late(self, now: float) -> list[Request]:
-        """Drop what the latency target can no longer answer in time (see `Shedding`)."""
-        assert self.shedding is not None
+    def shed_too_late(self, now: float) -> list[Request]:
+        """Drop the waiting requests a latency target can no longer answer in time (see
+        `batchkit.serve.shedding`); `decide` does so first, and admission may call it
+        while every slot is busy (no pass runs then, and a request that became hopeless
+        behind a long batch would otherwise be told only when the batch ends).
+
+        Args:
+            now: The current time.
+
+        Returns:
+            The dropped requests, their error (`Overloaded`) set, counted as shed, for
+            the caller to answer; none without a target, or while its model learns.
+        """
+        if self.shedding is None or not self._placed or not self.shedding.target.ready:
+            return []
         slots = self._slots_free_at(now)
         ends = [batch.expected_end for batch in self.running.values()]
         shed = self.shedding.too_late(

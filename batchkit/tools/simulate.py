@@ -1221,6 +1221,10 @@ def _replay(
             sched.finish(batch, now)
             for req in batch.requests:
                 req.state = DONE
+        if i < n and arrive[i] <= now:
+            # As the serving core admits: what can no longer be in time is shed first,
+            # even while every slot is busy (counted as shed by the scheduler).
+            sched.shed_too_late(now)
         while i < n and arrive[i] <= now:
             key = 0.0 if keys is None else float(keys[i])
             if groups is not None:

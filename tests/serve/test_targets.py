@@ -472,6 +472,47 @@ def test_an_async_function_refuses_what_it_predicts_would_be_late() -> None:
     assert f.stats().overloaded == 208
 
 
+def test_a_request_a_long_batch_makes_hopeless_is_told_at_the_next_arrival() -> None:
+    # No scheduling pass runs while every slot is busy; an arrival's admission sheds
+    # what waits behind the running batch and can no longer be in time, so its caller
+    # hears at once, not when the batch finally ends.
+    clock = FakeClock()
+    stalled = asyncio.Event()
+    release: asyncio.Event | None = None
+
+    async def model(xs: list[int]) -> list[int]:
+        if release is not None and not release.is_set():
+            stalled.set()
+            await release.wait()
+        clock.advance(device(len(xs)))
+        return [x + 1 for x in xs]
+
+    f = batchkit.batched(max_batch_size=16, max_latency_ms=105, clock=clock)(model)
+
+    async def main() -> None:
+        nonlocal release
+        for n in SIZES:
+            assert await f.amap(range(n)) == [i + 1 for i in range(n)]
+        release = asyncio.Event()
+        running = asyncio.ensure_future(f.acall(0))
+        await stalled.wait()  # its batch runs, predicted to end in 11 ms
+        first = asyncio.ensure_future(f.acall(1))  # in time: answered at about 22 ms
+        await asyncio.sleep(0)
+        clock.advance(0.200)  # the batch still runs
+        second = asyncio.ensure_future(f.acall(2))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert first.done() and not running.done()
+        with pytest.raises(Overloaded, match="dropped before it ran: waited 200.0 ms"):
+            first.result()
+        release.set()
+        assert await running == 1 and await second == 3
+        await f.aclose()
+
+    asyncio.run(main())
+    assert f.stats().shed == 1
+
+
 @pytest.mark.parametrize("bad", [0, -5, float("inf"), float("nan"), True, "100"])
 def test_a_latency_target_must_be_a_positive_finite_number(bad: object) -> None:
     with pytest.raises(ValueError, match="max_latency_ms"):
