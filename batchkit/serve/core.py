@@ -141,6 +141,9 @@ class ServingCore:
         # One bucket, no key or group to compute.
         self.keyless = options.policy.key is None and self.group is None
         self.bulk_arrivals = self._takes_bulk_arrivals()  # (read at every admission)
+        # Under a latency target a pass is due while every slot is busy too: it tells
+        # the waiting requests that became hopeless (see Scheduler.decide).
+        self.sheds_while_busy = options.max_latency_s is not None
         self.wake = wake
         self.check_loop = check_loop
         self.settings_changed = settings_changed
@@ -553,6 +556,7 @@ class ServingCore:
             if max_latency_ms is not None:
                 self.sched.set_max_latency(max_latency_ms / 1e3)
             self.bulk_arrivals = self._takes_bulk_arrivals()
+            self.sheds_while_busy = self.sched.target is not None
             self.settings_changed()
             self.wake()
             return self.settings()

@@ -206,9 +206,11 @@ class LoopDriver:
                             break
                         ready.append(batch)
                 finally:
-                    # Busy slots stay busy until a batch ends, and its task polls then.
+                    # Busy slots stay busy until a batch ends, and its task polls then;
+                    # under a latency target an arrival polls while busy unless a timer
+                    # will (it arms one for when its request could become hopeless).
                     # (Set even if polling raised: a stuck flag would silence arrivals.)
-                    self.lane.poll_due = busy
+                    self.lane.poll_due = busy and (wake_at is not None or not core.sheds_while_busy)
                 if self._timer is not None:
                     self._timer.cancel()
                     self._timer = None

@@ -401,7 +401,9 @@ class Scheduler:
             `(batch, wake_at, dropped)`. `batch`: the batch that leaves now, or None;
             then `wake_at` is the time of the next rule's deadline (a max-wait
             expiry), or None when only an event (an arrival, a batch finishing,
-            close) can make a batch ready (with every slot busy, too). `dropped`: the
+            close) can make a batch ready; with every slot busy, under a latency
+            target, when the next waiting request becomes hopeless (a pass then
+            drops it), else None. `dropped`: the
             waiting requests this pass dropped, their error set for the caller to
             answer: those a latency target can no longer answer in time
             (`Overloaded`, counted as shed), and, when the policy's `select` raised
@@ -412,7 +414,12 @@ class Scheduler:
         if self.shedding is not None:
             dropped = self.shed_too_late(now)  # also while every slot is busy: early
         if self.in_flight >= self.max_concurrent_batches:
-            return None, None, dropped
+            # No batch can leave; under a target, look again when the next waiting
+            # request becomes hopeless, to tell it then (not when a long batch ends).
+            drop_at = None
+            if self.shedding is not None and self._placed and self.shedding.target.ready:
+                drop_at = self.shedding.next_drop_at(self.buckets)
+            return None, drop_at, dropped
         if self.lane.arrivals:
             self.ingest()
         elif self._placed == 0:

@@ -21,11 +21,16 @@ Three checks, cheapest first:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Hashable, Mapping, Sequence
 
 from batchkit.serve.buckets import Bucket, by_bucket
 from batchkit.serve.request import WAITING, Request
 from batchkit.serve.targets import LatencyTarget
+
+# After a request's latest hopeful start: a wake-up then finds it surely hopeless
+# (a start at exactly that time plus its batch's time may round to its deadline).
+DROP_TIME_SLACK_S = 1e-6
 
 
 class Shedding:
@@ -100,6 +105,23 @@ class Shedding:
             bucket.drop_waiting(overdue)
             self._set_errors(overdue, now)
         return overdue
+
+    def next_drop_at(self, buckets: Mapping[Hashable, Bucket]) -> float | None:
+        """When the next waiting request becomes hopeless if no slot frees before: the
+        earliest, over the buckets' heads, of its deadline less its own batch's time
+        (a microsecond after, so that `too_late` then surely drops it). None when
+        nothing waits with a deadline (a probe has none).
+
+        Args:
+            buckets: The scheduler's buckets, by name.
+        """
+        target = self.target
+        soonest = math.inf
+        for bucket in buckets.values():
+            head = bucket.head() if bucket.live else None
+            if head is not None and head.deadline != math.inf:
+                soonest = min(soonest, head.deadline - target.batch_seconds([head]))
+        return None if soonest == math.inf else soonest + DROP_TIME_SLACK_S
 
     def batch_ended(self, expected_end: float | None, now: float) -> None:
         """A batch ended at `now`; past its predicted end, the schedule slipped, and the

@@ -5,6 +5,8 @@ item) and one bucket of requests, the times chosen far from any boundary."""
 
 from __future__ import annotations
 
+import pytest
+
 from batchkit import DynamicBatcher, Overloaded
 from batchkit.serve.buckets import Bucket
 from batchkit.serve.request import DROPPED, WAITING, Request
@@ -100,3 +102,18 @@ def test_nothing_is_dropped_from_the_front_with_no_full_batch_behind_it() -> Non
     reqs = waiting(target, bucket, 2, at=0.0) + waiting(target, bucket, 4, at=0.080)
     assert shedding.overdue_front(bucket, MAX_BATCH, now=0.080) == []
     assert bucket.candidates(None) == reqs
+
+
+def test_the_next_drop_is_when_the_soonest_head_becomes_hopeless() -> None:
+    target = taught_target()
+    shedding = Shedding(target)
+    old, young = Bucket(track_max_key=False), Bucket(track_max_key=False)
+    assert shedding.next_drop_at({None: old}) is None  # nothing waits
+    (first,) = waiting(target, old, 1, at=0.0)
+    waiting(target, young, 1, at=0.050)
+    drop_at = shedding.next_drop_at({"old": old, "young": young})
+    assert drop_at is not None
+    assert drop_at == pytest.approx(first.deadline - target.batch_seconds([first]), abs=1e-5)
+    # Just after it, a pass surely drops that request (and only it).
+    shed = shedding.too_late({"old": old, "young": young}, [drop_at], [], drop_at, lambda _: 16, 16)
+    assert shed == [first]

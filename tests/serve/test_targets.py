@@ -146,7 +146,11 @@ def test_decide_returns_the_requests_it_sheds_with_their_error() -> None:
     assert stuck is not None
     waiting = add(sched, now)
     batch, wake_at, dropped = sched.decide(now + 0.090)  # still in time
-    assert (batch, wake_at) == (None, None) and not dropped
+    # Every slot busy: look again when it becomes hopeless (its deadline less its own
+    # batch's time), to tell it then, not when the stuck batch ends.
+    assert batch is None and not dropped
+    assert wake_at == pytest.approx(now + PLANNED - device(1), abs=1e-5)
+    assert now + 0.090 < wake_at < now + 0.093
     batch, wake_at, dropped = sched.decide(now + 0.093)  # alone: too late now
     assert (batch, wake_at) == (None, None) and list(dropped) == [waiting]
     assert waiting.state == DROPPED and isinstance(waiting.error, Overloaded)
@@ -175,7 +179,7 @@ def test_a_waiting_request_that_can_no_longer_be_in_time_is_dropped() -> None:
     stuck, _ = sched.poll(now)  # runs far longer than predicted
     assert stuck is not None
     waiting = add(sched, now)
-    assert sched.poll(now + 0.090) == (None, None)  # 90 + 11 ms: still in time
+    assert sched.poll(now + 0.090)[0] is None  # 90 + 11 ms: still in time
     assert not shed
     assert sched.poll(now + 0.093) == (None, None)  # 93 + 11 ms alone: too late
     assert shed == [waiting] and waiting.state == DROPPED
@@ -195,8 +199,8 @@ def test_requests_a_stall_makes_late_are_dropped_when_it_shows_not_at_their_dead
     waiting = [add(sched, now) for _ in range(46)]  # in time: 52, 78 and 102 ms
     with pytest.raises(Overloaded):
         add(sched, now)
-    assert sched.poll(now + 0.020) == (None, None) and not shed
-    assert sched.poll(now + 0.060) == (None, None)  # 34 ms past its predicted end
+    assert sched.poll(now + 0.020)[0] is None and not shed
+    assert sched.poll(now + 0.060)[0] is None  # 34 ms past its predicted end
     # From 60 ms, a full batch ends at 86 ms and a batch of 6 at 102: the other 24
     # cannot be in time (their deadline 102.9 ms), and are told so now.
     assert shed == waiting[22:] and sched.num_waiting == 22
@@ -513,6 +517,46 @@ def test_a_request_a_long_batch_makes_hopeless_is_told_at_the_next_arrival() -> 
     assert f.stats().shed == 1
 
 
+def test_with_nobody_arriving_a_request_is_told_when_it_becomes_hopeless() -> None:
+    # While a batch runs long and nothing arrives, the event loop driver looks again
+    # when the waiting request could become hopeless (a timer on the loop, armed for
+    # its deadline less its own batch's time), and tells it then.
+    clock = FakeClock()
+    stalled = asyncio.Event()
+    release: asyncio.Event | None = None
+
+    async def model(xs: list[int]) -> list[int]:
+        if release is not None and not release.is_set():
+            stalled.set()
+            await release.wait()
+        clock.advance(device(len(xs)))
+        return [x + 1 for x in xs]
+
+    f = batchkit.batched(max_batch_size=16, max_latency_ms=105, clock=clock)(model)
+
+    async def main() -> None:
+        nonlocal release
+        for n in SIZES:
+            assert await f.amap(range(n)) == [i + 1 for i in range(n)]
+        release = asyncio.Event()
+        running = asyncio.ensure_future(f.acall(0))
+        await stalled.wait()
+        waiting = asyncio.ensure_future(f.acall(1))
+        for _ in range(5):  # admitted, and a pass ran: its timer is due in about 92 ms
+            await asyncio.sleep(0)
+        clock.advance(0.200)  # the batch still runs: the request is hopeless now
+        await asyncio.wait({waiting}, timeout=1.0)  # the timer, not the batch, ends it
+        assert waiting.done() and not running.done()
+        with pytest.raises(Overloaded, match="dropped before it ran: waited 200.0 ms"):
+            waiting.result()
+        release.set()
+        assert await running == 1
+        await f.aclose()
+
+    asyncio.run(main())
+    assert f.stats().shed == 1
+
+
 @pytest.mark.parametrize("bad", [0, -5, float("inf"), float("nan"), True, "100"])
 def test_a_latency_target_must_be_a_positive_finite_number(bad: object) -> None:
     with pytest.raises(ValueError, match="max_latency_ms"):
@@ -531,7 +575,7 @@ def test_a_target_changed_live_applies_to_the_requests_already_waiting() -> None
     busy, _ = sched.poll(now)
     assert busy is not None
     waiting = [add(sched, now) for _ in range(3)]
-    assert sched.poll(now + 0.040) == (None, None) and not shed  # in time for 105 ms
+    assert sched.poll(now + 0.040)[0] is None and not shed  # in time for 105 ms
     sched.set_max_latency(0.050)  # 40 + 11 ms alone > 49 ms
     assert sched.poll(now + 0.040) == (None, None)
     assert shed == waiting and all(isinstance(r.error, Overloaded) for r in waiting)
