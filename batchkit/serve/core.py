@@ -143,7 +143,7 @@ class ServingCore:
         self.bulk_arrivals = self._takes_bulk_arrivals()  # (read at every admission)
         # Under a latency target a pass is due while every slot is busy too: it tells
         # the waiting requests that became hopeless (see Scheduler.decide).
-        self.sheds_while_busy = options.max_latency_s is not None
+        self.sheds_while_busy = self.sched.target is not None
         self.wake = wake
         self.check_loop = check_loop
         self.settings_changed = settings_changed
@@ -219,9 +219,7 @@ class ServingCore:
             if self.bulk_arrivals and req.priority == 0:
                 self.lane.arrivals.append(req)
             else:
-                shed = self.sched.shed_too_late(req.enqueued_at)  # (no pass while busy)
-                if shed:
-                    self._answer_dropped_locked(shed)
+                self._shed_too_late_locked(req.enqueued_at)
                 try:
                     self.sched.add(req)
                 except QueueFull as refused:
@@ -252,9 +250,7 @@ class ServingCore:
             now = self.clock()
             for req in reqs:
                 req.enqueued_at = now
-            shed = self.sched.shed_too_late(now)
-            if shed:
-                self._answer_dropped_locked(shed)
+            self._shed_too_late_locked(now)
             try:
                 self.sched.add_all(reqs)
             except QueueFull as refused:
@@ -291,6 +287,14 @@ class ServingCore:
         if dropped:
             self._answer_dropped_locked(dropped)
         return batch, wake_at, sched.in_flight >= sched.max_concurrent_batches
+
+    def _shed_too_late_locked(self, now: float) -> None:
+        """Before an admission: answer what waits and can no longer be in time (no
+        scheduling pass runs while every slot is busy, and the new request is then
+        planned without them)."""
+        shed = self.sched.shed_too_late(now)
+        if shed:
+            self._answer_dropped_locked(shed)
 
     def _answer_dropped_locked(self, dropped: Sequence[Request]) -> None:
         """Answer waiting requests the scheduler dropped (their error set): too late

@@ -416,9 +416,7 @@ class Scheduler:
         if self.in_flight >= self.max_concurrent_batches:
             # No batch can leave; under a target, look again when the next waiting
             # request becomes hopeless, to tell it then (not when a long batch ends).
-            drop_at = None
-            if self.shedding is not None and self._placed and self.shedding.target.ready:
-                drop_at = self.shedding.next_drop_at(self.buckets)
+            drop_at = None if self.shedding is None else self._next_drop_at()
             return None, drop_at, dropped
         if self.lane.arrivals:
             self.ingest()
@@ -483,15 +481,27 @@ class Scheduler:
             The dropped requests, their error (`Overloaded`) set, counted as shed, for
             the caller to answer; none without a target, or while its model learns.
         """
-        if self.shedding is None or not self._placed or not self.shedding.target.ready:
+        shedding = self._ready_shedding()
+        if shedding is None:
             return []
         slots = self._slots_free_at(now)
         ends = [batch.expected_end for batch in self.running.values()]
-        shed = self.shedding.too_late(
+        shed = shedding.too_late(
             self.buckets, slots, ends, now, self._limit, self.policy.max_batch_size
         )
         self._shed(shed)
         return shed
+
+    def _next_drop_at(self) -> float | None:
+        """When the next waiting request becomes hopeless (see `Shedding.next_drop_at`)."""
+        shedding = self._ready_shedding()
+        return None if shedding is None else shedding.next_drop_at(self.buckets)
+
+    def _ready_shedding(self) -> Shedding | None:
+        """The latency target's shedding, once its model is ready and requests wait."""
+        if self.shedding is None or not self._placed or not self.shedding.target.ready:
+            return None
+        return self.shedding
 
     def _shed(self, shed: list[Request]) -> None:
         """Count out the waiting requests shed as too late (their error set)."""
@@ -511,8 +521,9 @@ class Scheduler:
         """Form the bucket's batch: `(batch, None, dropped)`; `(None, now, dropped +
         its candidates)` (look again) when the policy's `select` failed."""
         target = self.target
-        if self.shedding is not None and target is not None and target.ready:
-            overdue = self.shedding.overdue_front(bucket, self._limit(name), now)
+        shedding = self.shedding  # (requests wait: the bucket's)
+        if shedding is not None and shedding.target.ready:
+            overdue = shedding.overdue_front(bucket, self._limit(name), now)
             if overdue:
                 self._shed(overdue)
                 dropped = [*dropped, *overdue]

@@ -476,85 +476,87 @@ def test_an_async_function_refuses_what_it_predicts_would_be_late() -> None:
     assert f.stats().overloaded == 208
 
 
+class StallingModel:
+    """An async function under a 105 ms target on the fake clock: taught with SIZES,
+    then `start_stall()` makes its next batch run until `release()` (its clock stands
+    still meanwhile, but for what the test advances)."""
+
+    def __init__(self) -> None:
+        self.clock = FakeClock()
+        self.stalled = asyncio.Event()
+        self._release: asyncio.Event | None = None
+        self.f = batchkit.batched(max_batch_size=16, max_latency_ms=105, clock=self.clock)(
+            self._model
+        )
+
+    async def _model(self, xs: list[int]) -> list[int]:
+        if self._release is not None and not self._release.is_set():
+            self.stalled.set()
+            await self._release.wait()
+        self.clock.advance(device(len(xs)))
+        return [x + 1 for x in xs]
+
+    async def start_stall(self) -> asyncio.Future[int]:
+        """Teach the model, then start a batch that stalls; its caller's future."""
+        for n in SIZES:
+            assert await self.f.amap(range(n)) == [i + 1 for i in range(n)]
+        self._release = asyncio.Event()
+        running = asyncio.ensure_future(self.f.acall(0))
+        await self.stalled.wait()  # its batch runs, predicted to end in 11 ms
+        return running
+
+    def release(self) -> None:
+        assert self._release is not None
+        self._release.set()
+
+
 def test_a_request_a_long_batch_makes_hopeless_is_told_at_the_next_arrival() -> None:
     # No scheduling pass runs while every slot is busy; an arrival's admission sheds
     # what waits behind the running batch and can no longer be in time, so its caller
     # hears at once, not when the batch finally ends.
-    clock = FakeClock()
-    stalled = asyncio.Event()
-    release: asyncio.Event | None = None
-
-    async def model(xs: list[int]) -> list[int]:
-        if release is not None and not release.is_set():
-            stalled.set()
-            await release.wait()
-        clock.advance(device(len(xs)))
-        return [x + 1 for x in xs]
-
-    f = batchkit.batched(max_batch_size=16, max_latency_ms=105, clock=clock)(model)
+    model = StallingModel()
 
     async def main() -> None:
-        nonlocal release
-        for n in SIZES:
-            assert await f.amap(range(n)) == [i + 1 for i in range(n)]
-        release = asyncio.Event()
-        running = asyncio.ensure_future(f.acall(0))
-        await stalled.wait()  # its batch runs, predicted to end in 11 ms
-        first = asyncio.ensure_future(f.acall(1))  # in time: answered at about 22 ms
+        running = await model.start_stall()
+        first = asyncio.ensure_future(model.f.acall(1))  # in time: answered at about 22 ms
         await asyncio.sleep(0)
-        clock.advance(0.200)  # the batch still runs
-        second = asyncio.ensure_future(f.acall(2))
+        model.clock.advance(0.200)  # the batch still runs
+        second = asyncio.ensure_future(model.f.acall(2))
         for _ in range(5):
             await asyncio.sleep(0)
         assert first.done() and not running.done()
         with pytest.raises(Overloaded, match="dropped before it ran: waited 200.0 ms"):
             first.result()
-        release.set()
+        model.release()
         assert await running == 1 and await second == 3
-        await f.aclose()
+        await model.f.aclose()
 
     asyncio.run(main())
-    assert f.stats().shed == 1
+    assert model.f.stats().shed == 1
 
 
 def test_with_nobody_arriving_a_request_is_told_when_it_becomes_hopeless() -> None:
     # While a batch runs long and nothing arrives, the event loop driver looks again
     # when the waiting request could become hopeless (a timer on the loop, armed for
     # its deadline less its own batch's time), and tells it then.
-    clock = FakeClock()
-    stalled = asyncio.Event()
-    release: asyncio.Event | None = None
-
-    async def model(xs: list[int]) -> list[int]:
-        if release is not None and not release.is_set():
-            stalled.set()
-            await release.wait()
-        clock.advance(device(len(xs)))
-        return [x + 1 for x in xs]
-
-    f = batchkit.batched(max_batch_size=16, max_latency_ms=105, clock=clock)(model)
+    model = StallingModel()
 
     async def main() -> None:
-        nonlocal release
-        for n in SIZES:
-            assert await f.amap(range(n)) == [i + 1 for i in range(n)]
-        release = asyncio.Event()
-        running = asyncio.ensure_future(f.acall(0))
-        await stalled.wait()
-        waiting = asyncio.ensure_future(f.acall(1))
+        running = await model.start_stall()
+        waiting = asyncio.ensure_future(model.f.acall(1))
         for _ in range(5):  # admitted, and a pass ran: its timer is due in about 92 ms
             await asyncio.sleep(0)
-        clock.advance(0.200)  # the batch still runs: the request is hopeless now
+        model.clock.advance(0.200)  # the batch still runs: the request is hopeless now
         await asyncio.wait({waiting}, timeout=1.0)  # the timer, not the batch, ends it
         assert waiting.done() and not running.done()
         with pytest.raises(Overloaded, match="dropped before it ran: waited 200.0 ms"):
             waiting.result()
-        release.set()
+        model.release()
         assert await running == 1
-        await f.aclose()
+        await model.f.aclose()
 
     asyncio.run(main())
-    assert f.stats().shed == 1
+    assert model.f.stats().shed == 1
 
 
 @pytest.mark.parametrize("bad", [0, -5, float("inf"), float("nan"), True, "100"])
