@@ -288,6 +288,23 @@ class ServingCore:
             self._answer_dropped_locked(dropped)
         return batch, wake_at, sched.in_flight >= sched.max_concurrent_batches
 
+    def shed_while_busy_locked(self) -> float | None:
+        """Under the lock, while every batch slot may be busy (a driver's timer; no
+        batch can leave then): answer the waiting requests that became hopeless.
+
+        Returns:
+            When to look again: the next waiting request's hopeless time, under a
+            latency target while every slot is still busy; else None (with a slot
+            free the driver's own passes shed).
+        """
+        sched = self.sched
+        if sched.in_flight < sched.max_concurrent_batches:
+            return None
+        _, wake_at, dropped = sched.decide(self.clock())  # (busy: it forms no batch)
+        if dropped:
+            self._answer_dropped_locked(dropped)
+        return wake_at
+
     def _shed_too_late_locked(self, now: float) -> None:
         """Before an admission: answer what waits and can no longer be in time (no
         scheduling pass runs while every slot is busy, and the new request is then

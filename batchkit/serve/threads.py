@@ -21,7 +21,11 @@ from batchkit.serve.options import Options
 from batchkit.serve.request import deliver
 from batchkit.serve.scheduler import FormedBatch
 from batchkit.serve.streaming import run_stream_sync
+from batchkit.serve.timer import Timer
 from batchkit.serve.watchdog import Watchdog
+
+# The timer's key for the scheduling pass due while every worker runs a batch.
+_SHED_PASS = "shed while busy"
 
 
 class Worker:
@@ -64,16 +68,30 @@ class ThreadDriver:
         self.cond = threading.Condition(core.lock)
         self.workers: list[Worker] = []  # live workers (not stuck in a timed-out call)
         self.idle_workers = 0
+        # Calls back while every worker runs a batch: the watchdog's deadlines, and a
+        # latency target's pass when a waiting request becomes hopeless.
+        self.timer = Timer(core.lock, core.clock, name)
         self.watchdog: Watchdog | None = None
         timeout = options.batch_timeout
         if timeout is not None and not options.streaming:
-            self.watchdog = Watchdog(core.lock, core.clock, timeout, self._expired, name)
+            self.watchdog = Watchdog(self.timer, timeout, self._expired)
 
     def _wake_locked(self) -> None:
         if not self.workers:
             self._start_workers_locked()
         if self.idle_workers:
             self.cond.notify()
+        elif self.core.sheds_while_busy and not self.timer.is_set(_SHED_PASS):
+            self._shed_while_busy()  # every worker may be running a batch
+
+    def _shed_while_busy(self) -> None:
+        """Under the lock, under a latency target, when every worker may be running a
+        batch: tell the waiting requests that became hopeless, and have the timer look
+        again when the next one does (nobody else passes before a batch ends, and a
+        caller behind a long batch would hear only then, or at the next arrival)."""
+        at = self.core.shed_while_busy_locked()
+        if at is not None:
+            self.timer.set_locked(_SHED_PASS, at, self._shed_while_busy)
 
     def _start_workers_locked(self) -> None:
         """Start workers up to one per concurrent batch (none while unhealthy)."""
@@ -102,8 +120,7 @@ class ThreadDriver:
         self.idle_workers = 0
         core.abandoned_workers = 0
         core.healthy = True
-        if self.watchdog is not None:
-            self.watchdog.forked_locked()
+        self.timer.forked_locked()
         error = BatcherClosed(
             f"{core.name}: the process forked while this request's batch ran; it runs on "
             "in the parent process only"
@@ -117,7 +134,9 @@ class ThreadDriver:
         with cond:
             while True:
                 if batch is None:
-                    batch, wake_at, _ = core.next_batch_locked()
+                    batch, wake_at, busy = core.next_batch_locked()
+                    if busy and batch is not None and core.sheds_while_busy:
+                        self._shed_while_busy()
                 if batch is None:
                     if core.closed and core.num_waiting == 0:
                         cond.notify_all()  # wake close() and the other workers
@@ -147,7 +166,9 @@ class ThreadDriver:
         done = core.finish_locked(batch, run)
         # Take the next batch before waking this one's callers, and wake them outside
         # the lock: they call again at once and must not queue on it.
-        following, wake_at, _ = core.next_batch_locked()
+        following, wake_at, busy = core.next_batch_locked()
+        if busy and following is not None and core.sheds_while_busy:
+            self._shed_while_busy()
         # Wake close(), the workers' exit, or an idle worker that can take a batch.
         if core.closed or (self.idle_workers and core.num_waiting):
             cond.notify_all()
@@ -242,14 +263,12 @@ class ThreadDriver:
             if not finished:
                 core.fail_all_locked(core.closed_error())
                 self.cond.notify_all()
-            if self.watchdog is not None:
-                self.watchdog.stop_locked()
+            self.timer.stop_locked()
         if finished:
             for worker in list(self.workers):
                 if worker.thread is not None and worker.thread is not threading.current_thread():
                     worker.thread.join()
-        if self.watchdog is not None:
-            self.watchdog.join()
+        self.timer.join()
 
     async def aclose(self, timeout: float | None = None) -> None:
         """`close` without blocking the event loop (it runs in the loop's executor).

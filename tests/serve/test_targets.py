@@ -12,6 +12,7 @@ import math
 import random
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pytest
@@ -33,6 +34,7 @@ from batchkit.serve.request import DROPPED, Request, new_request
 from batchkit.serve.scheduler import FormedBatch, Scheduler
 from batchkit.serve.stats import DispatchReason
 from batchkit.serve.targets import LATENESS_GROUP, LATENESS_GROUPS, PlanLateness
+from tests.serve._wait import wait_until
 
 TARGET = 0.105
 RESERVE = 0.0021  # 2% of the target kept for answering the caller
@@ -557,6 +559,38 @@ def test_with_nobody_arriving_a_request_is_told_when_it_becomes_hopeless() -> No
 
     asyncio.run(main())
     assert model.f.stats().shed == 1
+
+
+def test_with_nobody_arriving_a_sync_functions_caller_is_told_when_it_becomes_hopeless() -> None:
+    # A sync function's one worker is inside the stalled batch, so no worker can look
+    # again; the function's timer thread does, when the waiting request could become
+    # hopeless (armed at its admission), and tells it then.
+    clock = FakeClock()
+    stalled, release = threading.Event(), threading.Event()
+
+    def model(xs: list[int]) -> list[int]:
+        if -1 in xs:
+            stalled.set()
+            release.wait(5.0)
+        clock.advance(device(len(xs)))
+        return [x + 1 for x in xs]
+
+    f = batchkit.batched(max_batch_size=16, max_latency_ms=105, clock=clock)(model)
+    for n in SIZES:
+        assert f.map(range(n)) == [i + 1 for i in range(n)]
+    with ThreadPoolExecutor(2) as pool:
+        running = pool.submit(f, -1)
+        assert stalled.wait(5.0)  # its batch runs, predicted to end in 11 ms
+        waiting = pool.submit(f, 1)
+        wait_until(lambda: f.stats().queue_depth == 1)  # admitted: in time so far
+        clock.advance(0.200)  # the batch still runs: the request is hopeless now
+        with pytest.raises(Overloaded, match="dropped before it ran: waited 200.0 ms"):
+            waiting.result(timeout=1.0)  # the timer, not the batch, ends it
+        assert not running.done()
+        release.set()
+        assert running.result(timeout=5.0) == 0
+    f.close()
+    assert f.stats().shed == 1
 
 
 @pytest.mark.parametrize("bad", [0, -5, float("inf"), float("nan"), True, "100"])

@@ -1,0 +1,79 @@
+"""The timer thread of a sync function: callbacks at the times set, under the lock,
+each once; replaced or cancelled by key; nothing after stop."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from batchkit.serve.timer import Timer
+from tests.serve._wait import wait_until
+
+
+def test_callbacks_run_once_each_in_time_order_under_the_lock() -> None:
+    lock = threading.RLock()
+    timer = Timer(lock, time.monotonic, "f")
+    calls: list[tuple[str, bool]] = []
+    with lock:
+        now = time.monotonic()
+        timer.set_locked("late", now + 0.04, lambda: calls.append(("late", lock._is_owned())))  # type: ignore[attr-defined]
+        timer.set_locked("soon", now + 0.01, lambda: calls.append(("soon", lock._is_owned())))  # type: ignore[attr-defined]
+    wait_until(lambda: len(calls) == 2)
+    time.sleep(0.05)  # and neither is called again
+    assert calls == [("soon", True), ("late", True)]
+    assert not timer.is_set("soon") and not timer.is_set("late")
+    with lock:
+        timer.stop_locked()
+    timer.join()
+
+
+def test_a_key_set_again_replaces_its_time_and_a_cancelled_one_is_not_called() -> None:
+    lock = threading.RLock()
+    timer = Timer(lock, time.monotonic, "f")
+    calls: list[str] = []
+    with lock:
+        now = time.monotonic()
+        timer.set_locked("pass", now + 30.0, lambda: calls.append("first"))
+        timer.set_locked("pass", now, lambda: calls.append("second"))  # sooner: wakes it
+        timer.set_locked("watch", now + 0.01, lambda: calls.append("watch"))
+        timer.cancel_locked("watch")
+        assert timer.is_set("pass") and not timer.is_set("watch")
+    wait_until(lambda: calls == ["second"])
+    time.sleep(0.03)
+    assert calls == ["second"]
+    with lock:
+        timer.stop_locked()
+    timer.join()
+
+
+def test_a_callback_may_set_its_key_again() -> None:
+    lock = threading.RLock()
+    timer = Timer(lock, time.monotonic, "f")
+    calls: list[int] = []
+
+    def again() -> None:
+        calls.append(len(calls))
+        if len(calls) < 3:
+            timer.set_locked("pass", time.monotonic(), again)
+
+    with lock:
+        timer.set_locked("pass", time.monotonic(), again)
+    wait_until(lambda: len(calls) == 3)
+    with lock:
+        timer.stop_locked()
+    timer.join()
+    assert calls == [0, 1, 2] and not timer.is_set("pass")
+
+
+def test_once_stopped_nothing_is_set_or_called() -> None:
+    lock = threading.RLock()
+    timer = Timer(lock, time.monotonic, "f")
+    calls: list[str] = []
+    with lock:
+        timer.set_locked("a", time.monotonic() + 0.02, lambda: calls.append("a"))
+        timer.stop_locked()
+        timer.set_locked("b", time.monotonic(), lambda: calls.append("b"))
+        assert not timer.is_set("b")
+    timer.join()
+    time.sleep(0.03)
+    assert calls == []
