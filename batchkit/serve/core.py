@@ -390,8 +390,10 @@ class ServingCore:
             batch: The batch that ended.
             run: Its outcomes.
             on_loop: The event loop this runs on; when every item succeeded, the
-                futures of the requests awaiting on it are resolved here, and only
-                the others are returned. None from a worker thread.
+                requests are answered by a callback on it (none are returned): it
+                runs once the current step yields, which lets the driver start the
+                next batch's call first (answering 32 callers takes longer than
+                the next call needs to reach the device). None from a worker thread.
 
         Returns:
             The settled requests, for the caller to `deliver` (outside the lock).
@@ -404,7 +406,8 @@ class ServingCore:
             self._report_batch(batch, run, now)
         if not run.errors and not batch.answered:  # the usual case: every item succeeded
             if on_loop is not None:
-                return resolve_on_loop(batch.requests, run.values, on_loop)
+                on_loop.call_soon(resolve_on_loop, batch.requests, run.values, on_loop)
+                return []
             for req, value in zip(batch.requests, run.values):
                 req.state = DONE
                 req.value = value

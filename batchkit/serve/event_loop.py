@@ -263,13 +263,14 @@ class LoopDriver:
         batch = holding[0]
         while batch is not None:
             run = await self._execute(batch)
-            # Take the next batch before waking this one's callers: its call starts in this
-            # same step, so the accelerator is not left idle while the callers resume.
+            # Take the next batch before answering this one's callers: its call starts in
+            # this same step, and finish_locked answers them in a callback that runs
+            # after it, so the accelerator is not left idle while they are answered.
             with self.core.lock:
                 answered = self.core.finish_locked(batch, run, on_loop=loop)
                 batch, _, _ = self.core.next_batch_locked()
                 holding[0] = batch
-            if answered:  # those not resolved already (failed, or another loop's)
+            if answered:  # a batch with failures (one that succeeded is answered later)
                 deliver(answered)
         self._pump()  # re-arm the max-wait timer; start batches that became ready
 

@@ -187,9 +187,10 @@ def _settable(error: BaseException) -> BaseException:
 
 def resolve_on_loop(
     requests: Sequence[Request], values: Sequence[Any], loop: asyncio.AbstractEventLoop
-) -> list[Request]:
-    """On `loop`: mark a succeeded batch's requests done, and resolve the futures of
-    those awaiting there with `values`.
+) -> None:
+    """On `loop`: mark a succeeded batch's requests done, resolve the futures of those
+    awaiting there with `values`, and `deliver` the others (thread callers, streams,
+    or callers from another loop).
 
     A cancelled caller's future is left alone.
 
@@ -197,10 +198,6 @@ def resolve_on_loop(
         requests: A batch's requests, every one succeeded.
         values: Their results, in the same order.
         loop: The running loop, this call's own.
-
-    Returns:
-        The other requests (thread callers, streams, or callers from another loop),
-        their values stored, for `deliver`.
     """
     others = []
     for req, value in zip(requests, values):
@@ -214,7 +211,8 @@ def resolve_on_loop(
         else:
             req.value = value
             others.append(req)
-    return others
+    if others:
+        deliver(others)
 
 
 def deliver(requests: Sequence[Request]) -> None:
