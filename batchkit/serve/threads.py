@@ -130,9 +130,13 @@ class ThreadDriver:
     def _work(self, worker: Worker) -> None:
         """One worker: take a batch, run and settle it, repeat; sleep when there is none."""
         core, cond, clock = self.core, self.cond, self.core.clock
+        batch: FormedBatch | None = None
         with cond:
             while True:
-                batch, wake_at, busy = core.next_batch_locked()
+                if batch is None:
+                    batch, wake_at, busy = core.next_batch_locked()
+                    if busy and batch is not None and core.sheds_while_busy:
+                        self._shed_while_busy()
                 if batch is None:
                     if core.closed and core.num_waiting == 0:
                         cond.notify_all()  # wake close() and the other workers
@@ -141,47 +145,39 @@ class ThreadDriver:
                     cond.wait(None if wake_at is None else max(wake_at - clock(), 0.0))
                     self.idle_workers -= 1
                     continue
-                if busy and core.sheds_while_busy:
-                    self._shed_while_busy()
-                self._serve(worker, batch)
+                batch, wake_at = self._serve(worker, batch)
                 if worker.abandoned and not self._rejoin_locked(worker):
                     return
 
-    def _serve(self, worker: Worker, batch: FormedBatch) -> None:
+    def _serve(self, worker: Worker, batch: FormedBatch) -> tuple[FormedBatch | None, float | None]:
         """With the lock held: run `batch` outside it, settle it, answer its callers;
-        then the next batch, while one is ready as the last ends. Returns with the lock
-        held. (A method of its own so that nothing of a finished batch, its outputs
-        included, stays referenced while the worker idles.)
-
-        The next batch is taken before this one's callers are answered (outside the
-        lock: they call again at once and must not queue on it), and runs without
-        taking the lock again: asyncio callers resume on their loop's thread as they
-        are answered, and a worker waiting for the lock, or the GIL, behind them would
-        leave the device idle meanwhile."""
+        the next batch, if one is ready. (A method of its own so that nothing of a
+        finished batch, its outputs included, stays referenced while the worker idles.)"""
         cond, core = self.cond, self.core
-        running: FormedBatch | None = batch
         worker.batch = batch
         cond.release()
         try:
-            while running is not None:
-                run = self._run(running, worker)
-                with cond:
-                    worker.batch = None
-                    if worker.abandoned:
-                        return  # its callers had their BatchTimeout: the late result is dropped
-                    done = core.finish_locked(running, run)
-                    running, _, busy = core.next_batch_locked()
-                    worker.batch = running
-                    if busy and running is not None and core.sheds_while_busy:
-                        self._shed_while_busy()
-                    # Wake close(), the workers' exit, or an idle worker that can take a batch.
-                    if core.closed or (self.idle_workers and core.num_waiting):
-                        cond.notify_all()
-                del run
-                deliver(done)
-                del done
+            run = self._run(batch, worker)
         finally:
             cond.acquire()
+            worker.batch = None
+        if worker.abandoned:
+            return None, None  # its callers had their BatchTimeout: the late result is dropped
+        done = core.finish_locked(batch, run)
+        # Take the next batch before waking this one's callers, and wake them outside
+        # the lock: they call again at once and must not queue on it.
+        following, wake_at, busy = core.next_batch_locked()
+        if busy and following is not None and core.sheds_while_busy:
+            self._shed_while_busy()
+        # Wake close(), the workers' exit, or an idle worker that can take a batch.
+        if core.closed or (self.idle_workers and core.num_waiting):
+            cond.notify_all()
+        cond.release()
+        try:
+            deliver(done)
+        finally:
+            cond.acquire()
+        return following, wake_at
 
     # -- the watchdog (batch_timeout) ----------------------------------------------
     def _expired(self, call: Any) -> None:
