@@ -5,14 +5,32 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
+
+import pytest
 
 from batchkit.serve.timer import Timer
 from tests.serve._wait import wait_until
 
 
-def test_callbacks_run_once_each_in_time_order_under_the_lock() -> None:
-    lock = threading.RLock()
+@pytest.fixture
+def lock() -> threading.RLock:
+    return threading.RLock()
+
+
+@pytest.fixture
+def timer(lock: threading.RLock) -> Iterator[Timer]:
+    """A timer on the real clock, stopped and its thread joined after the test."""
     timer = Timer(lock, time.monotonic, "f")
+    yield timer
+    with lock:
+        timer.stop_locked()
+    timer.join()
+
+
+def test_callbacks_run_once_each_in_time_order_under_the_lock(
+    lock: threading.RLock, timer: Timer
+) -> None:
     calls: list[tuple[str, bool]] = []
     with lock:
         now = time.monotonic()
@@ -22,14 +40,11 @@ def test_callbacks_run_once_each_in_time_order_under_the_lock() -> None:
     time.sleep(0.05)  # and neither is called again
     assert calls == [("soon", True), ("late", True)]
     assert not timer.is_set("soon") and not timer.is_set("late")
-    with lock:
-        timer.stop_locked()
-    timer.join()
 
 
-def test_a_key_set_again_replaces_its_time_and_a_cancelled_one_is_not_called() -> None:
-    lock = threading.RLock()
-    timer = Timer(lock, time.monotonic, "f")
+def test_a_key_set_again_replaces_its_time_and_a_cancelled_one_is_not_called(
+    lock: threading.RLock, timer: Timer
+) -> None:
     calls: list[str] = []
     with lock:
         now = time.monotonic()
@@ -41,14 +56,9 @@ def test_a_key_set_again_replaces_its_time_and_a_cancelled_one_is_not_called() -
     wait_until(lambda: calls == ["second"])
     time.sleep(0.03)
     assert calls == ["second"]
-    with lock:
-        timer.stop_locked()
-    timer.join()
 
 
-def test_a_callback_may_set_its_key_again() -> None:
-    lock = threading.RLock()
-    timer = Timer(lock, time.monotonic, "f")
+def test_a_callback_may_set_its_key_again(lock: threading.RLock, timer: Timer) -> None:
     calls: list[int] = []
 
     def again() -> None:
@@ -65,9 +75,7 @@ def test_a_callback_may_set_its_key_again() -> None:
     assert calls == [0, 1, 2] and not timer.is_set("pass")
 
 
-def test_once_stopped_nothing_is_set_or_called() -> None:
-    lock = threading.RLock()
-    timer = Timer(lock, time.monotonic, "f")
+def test_once_stopped_nothing_is_set_or_called(lock: threading.RLock, timer: Timer) -> None:
     calls: list[str] = []
     with lock:
         timer.set_locked("a", time.monotonic() + 0.02, lambda: calls.append("a"))
