@@ -127,6 +127,23 @@ def test_each_segment_brings_its_phase_items_at_its_rate_from_a_seeded_stream(
         assert abs(len(ids) - expected) < 5 * expected**0.5  # Poisson: within 5 sigma
 
 
+def test_the_simulated_reference_answers_all_below_capacity_and_about_c_past_it(
+    slo: ModuleType,
+) -> None:
+    config = slo.Config(("target",), warm_s=0.5, segment_s=3.0)
+    half = slo.make_schedule(config, 0.5, random.Random("s"))
+    for seg, good in slo.simulated_goodput(config, half, "shift").items():
+        offered = half.offered(seg) / config.segment_s / slo.capacity(seg)
+        assert good == pytest.approx(offered)  # every request in time
+    double = slo.simulated_goodput(
+        config, slo.make_schedule(config, 2.0, random.Random("s")), "shift"
+    )
+    assert set(double) == {"light", "heavy"}
+    assert all(0.95 <= good <= 1.02 for good in double.values())  # full batches, no more
+    stall = slo.make_schedule(config, 1.0, random.Random("s"), "stall")
+    assert slo.simulated_goodput(config, stall, "stall") == {}  # not simulated
+
+
 def test_the_light_queue_bound_is_what_full_batches_drain_within_the_target(
     slo: ModuleType,
 ) -> None:
