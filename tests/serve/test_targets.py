@@ -716,6 +716,21 @@ def test_under_load_after_a_slow_warm_up_nearly_everything_is_answered_in_time()
     assert waits[int(0.99 * len(waits))] <= 0.060
 
 
+def test_under_load_a_stall_right_after_the_model_is_ready_does_not_shut_admission() -> None:
+    # The 30th batch stalls for 300 ms (5x the 60 ms target), every other takes 2 ms,
+    # under Poisson load at 0.9x capacity: its requests and those dropped behind it
+    # are most of what the plans' lateness has seen so far, yet they must not keep
+    # every later request out (admitted ones are what teaches the lateness again).
+    rng = random.Random(3)
+    capacity = 8 / 0.002
+    arrivals = list(itertools.accumulate(rng.expovariate(0.9 * capacity) for _ in range(16000)))
+    sched, answers = traffic(arrivals, lambda k, b: 0.300 if k == 30 else 0.002)
+    after = [a for a in answers if a.arrived >= 1.5]
+    assert len(after) > 8000
+    assert sum(in_time(a) for a in after) >= 0.9 * len(after)
+    assert sched.target is not None and sched.target.model().state == "serving"
+
+
 def test_a_model_refuted_under_heavy_load_keeps_admission_bounded_while_it_relearns() -> None:
     # Batches take 50 ms, then from the 30th on 25 ms (the device got fast: the model
     # is refuted); the load is three times even the fast capacity. Admitting everything
