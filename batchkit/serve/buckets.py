@@ -99,6 +99,24 @@ class Bucket:
                         return out
         return out
 
+    def last_waiting(self, count: int, max_priority: int) -> list[Request]:
+        """The last `count` waiting requests, in service order, of those of priority
+        `max_priority` or more urgent: the ones a batch formed at the back of that
+        order would hold (fewer if fewer wait).
+
+        Args:
+            count: How many at most.
+            max_priority: The least urgent priority counted.
+        """
+        out: list[Request] = []
+        for priority in sorted((p for p in self.queues if p <= max_priority), reverse=True):
+            for req in reversed(self.queues[priority]):
+                if len(out) == count:
+                    return out[::-1]
+                if req.state == WAITING:
+                    out.append(req)
+        return out[::-1]
+
     def take(self, chosen: list[Request]) -> None:
         """These waiting requests leave for a batch: they become `RUNNING`.
 

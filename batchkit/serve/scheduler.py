@@ -267,6 +267,8 @@ class Scheduler:
         """Refuse requests predicted to be answered past the latency target; True when
         they are let in as a probe (see `LatencyTarget.check_admission`)."""
         assert self.target is not None
+        bucket = self.buckets.get(reqs[0].bucket)
+        priority = reqs[0].priority
         try:
             return self.target.check_admission(
                 reqs,
@@ -274,6 +276,9 @@ class Scheduler:
                 self._slots_free_at(now),
                 self.policy.max_batch_size,
                 idle=self.in_flight == 0 and self.num_waiting == 0,
+                last_waiting=None
+                if bucket is None
+                else lambda count: bucket.last_waiting(count, priority),
             )
         except Overloaded:
             self.stats.overloaded += len(reqs)

@@ -45,7 +45,7 @@ import itertools
 import math
 import statistics
 from collections import deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 from batchkit.batchers.base import Batcher, take_within_budget
 from batchkit.errors import Overloaded
@@ -312,13 +312,19 @@ class LatencyTarget:
         slots_free_at: Sequence[float],
         max_batch_size: int,
         idle: bool = False,
+        last_waiting: Callable[[int], Sequence[Request]] | None = None,
     ) -> bool:
         """Refuse `reqs` (one caller's, one priority) if the last of them would be late.
 
         The work ahead is every waiting request of the same or a more urgent
         priority. In one bucket: in batches of `max_batch_size` (fewer, smaller ones
         under a cost budget), each taking the model's time, on the slots as they free
-        up, the new requests' batch counted last. In several: the buckets' turns as
+        up, the new requests' batch counted last; and they are refused too when that
+        batch, longer with them, would end past the deadline of a request already in
+        it (each such request was planned with the batch as it was then; let the
+        later arrivals fill it regardless, and past capacity every batch ends late
+        for its oldest members, is cut to save them, and the cut batches make the
+        device slower still). In several: the buckets' turns as
         the scheduler serves them (`_plan`), plus `TURN_ROOM` of the target for the
         requests that will join the batches ahead; and the new requests are refused
         too when their batches would make a waiting request of another bucket late.
@@ -331,14 +337,17 @@ class LatencyTarget:
             max_batch_size: The largest batch.
             idle: Nothing waits and nothing runs: a refusal now rests on the model
                 alone, and a probe may be let in instead.
+            last_waiting: In one bucket, the last `n` waiting requests served before
+                the new ones (their bucket's `Bucket.last_waiting`): the batch they
+                join. None: that batch is not checked.
 
         Returns:
             True when they are let in as a probe (enter them with `probe=True`).
 
         Raises:
             Overloaded: The predicted answer of the last request is past the target,
-                or (several buckets) letting them in would make a request admitted
-                before them late.
+                or letting them in would make a request admitted before them late
+                (in their batch; with several buckets, in the turns).
         """
         if not self.ready or not reqs:
             return False
@@ -363,6 +372,10 @@ class LatencyTarget:
         planned = finish + self.reserve_s
         predicted = planned - now + self.lateness.correction_s
         if predicted <= self.target_s:
+            if len(work) == 1 and last_waiting is not None:
+                self._check_batch_mates(
+                    items, cost, len(reqs), finish, now, max_batch_size, last_waiting
+                )
             for req in reqs:
                 req.planned_answer = planned
             if self._refusing_since is not None:
@@ -396,14 +409,47 @@ class LatencyTarget:
         self._next_probe_at = 0.0
         self._probe_interval = self.target_s
 
+    def _check_batch_mates(
+        self,
+        items: float,
+        cost: float,
+        joining: int,
+        finish: float,
+        now: float,
+        max_batch_size: int,
+        last_waiting: Callable[[int], Sequence[Request]],
+    ) -> None:
+        """Refuse `joining` new requests, the last of `items` (total cost `cost`) in one
+        bucket, whose batch would end at `finish`, past the deadline of a request
+        already waiting in that batch (see `check_admission`)."""
+        full = self._full_batch(cost / items, max_batch_size)
+        before = math.ceil(items / full) - 1  # full batches ahead of theirs
+        mates = int(items - before * full - joining)
+        if mates <= 0:  # (they start a batch of their own)
+            return
+        soonest = min(req.deadline for req in last_waiting(mates))
+        if finish > soonest:
+            raise Overloaded(
+                f"admitting this request would make its batch end "
+                f"{(finish - soonest) * 1e3:.1f} ms past the deadline of a request "
+                f"admitted before it, over the target max_latency_ms={self.target_s * 1e3:g}",
+                predicted_s=finish - now + self.reserve_s,
+                target_s=self.target_s,
+            )
+
+    def _full_batch(self, per_item: float, max_batch_size: int) -> int:
+        """How many requests of cost `per_item` each a full batch holds: the largest
+        batch, fewer under a cost budget."""
+        budget = self.policy.max_tokens
+        if budget is not None and per_item > 0:
+            return max(1, min(max_batch_size, int(budget // per_item)))
+        return max_batch_size
+
     def _batches(self, items: float, cost: float, max_batch_size: int) -> tuple[int, float, float]:
         """How `items` waiting requests of one bucket (total cost `cost`) leave: the
         full batches before the last one, a full batch's time, the last one's time."""
         per_item = cost / items
-        full = max_batch_size
-        budget = self.policy.max_tokens
-        if budget is not None and per_item > 0:
-            full = max(1, min(full, int(budget // per_item)))
+        full = self._full_batch(per_item, max_batch_size)
         before = math.ceil(items / full) - 1  # full batches ahead of the last one
         last = items - before * full
         full_s = self.learner.predict(self.policy.padded_size(full), full * per_item)

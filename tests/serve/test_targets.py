@@ -10,6 +10,7 @@ import heapq
 import itertools
 import math
 import random
+import statistics
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -30,7 +31,7 @@ from batchkit import (
 )
 from batchkit.batchers.base import Batcher
 from batchkit.serve.events import DropEvent
-from batchkit.serve.request import DROPPED, Request, new_request
+from batchkit.serve.request import DROPPED, WAITING, Request, new_request
 from batchkit.serve.scheduler import FormedBatch, Scheduler
 from batchkit.serve.stats import DispatchReason
 from batchkit.serve.targets import LATENESS_GROUP, LATENESS_GROUPS, PlanLateness
@@ -90,6 +91,24 @@ def test_a_request_predicted_to_be_late_is_refused_with_overloaded() -> None:
     assert "105.1 ms" in str(refused.value) and "max_latency_ms=105" in str(refused.value)
     assert isinstance(refused.value, QueueFull)  # one `except QueueFull` for both
     assert sched.stats.overloaded == 1 and sched.num_waiting == 62
+
+
+def test_a_request_that_would_make_an_earlier_one_in_its_batch_late_is_refused() -> None:
+    sched, now = taught(max_wait_ms=1000)
+    for _ in range(16):
+        add(sched, now)
+    assert sched.poll(now)[0] is not None  # runs until 26 ms
+    for _ in range(32):  # two full batches: until 52 and 78 ms
+        add(sched, now)
+    first = add(sched, now)  # the fourth batch's first, its deadline 102.9 ms
+    # Arrivals 10 ms later are in time themselves (deadline 112.9 ms), but each one
+    # makes the fourth batch longer: with 14 it ends at 78 + 10 + 14 = 102 ms, with
+    # 15 at 103 ms, past the deadline of the first.
+    joined = [add(sched, now + 0.010) for _ in range(13)]
+    with pytest.raises(Overloaded, match="past the deadline of a request admitted before it"):
+        add(sched, now + 0.010)
+    assert sched.num_waiting == 32 + 1 + len(joined)
+    assert first.state == WAITING and first.deadline == pytest.approx(now + PLANNED)
 
 
 def test_the_work_ahead_counts_only_as_urgent_or_more_urgent_requests() -> None:
@@ -729,6 +748,28 @@ def test_under_load_a_stall_right_after_the_model_is_ready_does_not_shut_admissi
     assert len(after) > 8000
     assert sum(in_time(a) for a in after) >= 0.9 * len(after)
     assert sched.target is not None and sched.target.model().state == "serving"
+
+
+def test_past_capacity_batches_stay_large_when_their_time_is_mostly_per_item() -> None:
+    # 20 ms + 15 ms per item, a 500 ms target, 4x what the device serves: each
+    # admitted request's batch fills up behind it. Let the later arrivals join it
+    # past its oldest members' deadlines, and those members are cut off or dropped:
+    # batches of 1-3 items, and the device answers 44 requests/s instead of 61.
+    rng = random.Random(1)
+    arrivals = list(itertools.accumulate(rng.expovariate(240.0) for _ in range(2900)))
+    sched = Scheduler(DynamicBatcher(32, max_wait_ms=2), max_latency_s=0.500)
+    answers, batches = run_traffic(
+        sched,
+        arrivals,
+        lambda i: new_request(i, 0.0, None, 0),
+        lambda _, batch: 0.020 + 0.015 * len(batch.requests),
+    )
+    loaded = [a for a in answers if a.arrived >= 4.0]
+    in_time = sum(a.how == "served" and a.at - a.arrived <= 0.500 + 1e-9 for a in loaded)
+    assert in_time / (arrivals[-1] - 4.0) >= 55.0
+    assert sum(a.how == "shed" for a in loaded) <= 0.01 * len(loaded)
+    sizes = [len(batch.requests) for batch, end in batches if end >= 4.0]
+    assert statistics.fmean(sizes) >= 10
 
 
 def test_a_model_refuted_under_heavy_load_keeps_admission_bounded_while_it_relearns() -> None:
