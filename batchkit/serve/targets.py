@@ -422,9 +422,8 @@ class LatencyTarget:
         """Refuse `joining` new requests, the last of `items` (total cost `cost`) in one
         bucket, whose batch would end at `finish`, past the deadline of a request
         already waiting in that batch (see `check_admission`)."""
-        full = self._full_batch(cost / items, max_batch_size)
-        before = math.ceil(items / full) - 1  # full batches ahead of theirs
-        mates = int(items - before * full - joining)
+        _, _, last = self._split(items, cost / items, max_batch_size)
+        mates = int(last - joining)
         if mates <= 0:  # (they start a batch of their own)
             return
         soonest = min(req.deadline for req in last_waiting(mates))
@@ -437,21 +436,22 @@ class LatencyTarget:
                 target_s=self.target_s,
             )
 
-    def _full_batch(self, per_item: float, max_batch_size: int) -> int:
-        """How many requests of cost `per_item` each a full batch holds: the largest
-        batch, fewer under a cost budget."""
+    def _split(self, items: float, per_item: float, max_batch_size: int) -> tuple[int, int, float]:
+        """How `items` waiting requests of one bucket, of cost `per_item` each, leave
+        in batches: a full batch's size (the largest batch, fewer under a cost
+        budget), the full batches before the last one, and the last one's size."""
+        full = max_batch_size
         budget = self.policy.max_tokens
         if budget is not None and per_item > 0:
-            return max(1, min(max_batch_size, int(budget // per_item)))
-        return max_batch_size
+            full = max(1, min(full, int(budget // per_item)))
+        before = math.ceil(items / full) - 1
+        return full, before, items - before * full
 
     def _batches(self, items: float, cost: float, max_batch_size: int) -> tuple[int, float, float]:
         """How `items` waiting requests of one bucket (total cost `cost`) leave: the
         full batches before the last one, a full batch's time, the last one's time."""
         per_item = cost / items
-        full = self._full_batch(per_item, max_batch_size)
-        before = math.ceil(items / full) - 1  # full batches ahead of the last one
-        last = items - before * full
+        full, before, last = self._split(items, per_item, max_batch_size)
         full_s = self.learner.predict(self.policy.padded_size(full), full * per_item)
         last_s = self.learner.predict(self.policy.padded_size(math.ceil(last)), last * per_item)
         return before, full_s, last_s
