@@ -319,12 +319,14 @@ class LatencyTarget:
         The work ahead is every waiting request of the same or a more urgent
         priority. In one bucket: in batches of `max_batch_size` (fewer, smaller ones
         under a cost budget), each taking the model's time, on the slots as they free
-        up, the new requests' batch counted last; and they are refused too when that
-        batch, longer with them, would end past the deadline of a request already in
-        it (each such request was planned with the batch as it was then; let the
-        later arrivals fill it regardless, and past capacity every batch ends late
-        for its oldest members, is cut to save them, and the cut batches make the
-        device slower still). In several: the buckets' turns as
+        up, the new requests' batch counted last. When that batch, longer with them,
+        would end past the deadline of a request already in it, they are planned in
+        the batch after it, as a full one: the scheduler cuts a batch to save its
+        most urgent member when it leaves (`trim`), and the requests that arrive
+        later join that next batch. (Each earlier member was planned with its batch
+        as it was then; let the later arrivals fill it regardless, and past capacity
+        every batch ends late for its oldest members, is cut to save them, and the
+        cut batches make the device slower still.) In several: the buckets' turns as
         the scheduler serves them (`_plan`), plus `TURN_ROOM` of the target for the
         requests that will join the batches ahead; and the new requests are refused
         too when their batches would make a waiting request of another bucket late.
@@ -345,9 +347,10 @@ class LatencyTarget:
             True when they are let in as a probe (enter them with `probe=True`).
 
         Raises:
-            Overloaded: The predicted answer of the last request is past the target,
-                or letting them in would make a request admitted before them late
-                (in their batch; with several buckets, in the turns).
+            Overloaded: The predicted answer of the last request is past the target
+                (in the next batch, when their own would be late for a request in
+                it), or letting them in would make a request admitted before them
+                late (with several buckets, in the turns).
         """
         if not self.ready or not reqs:
             return False
@@ -371,11 +374,28 @@ class LatencyTarget:
             finish = self._finish_across_buckets(reqs, now, slots_free_at, max_batch_size)
         planned = finish + self.reserve_s
         predicted = planned - now + self.lateness.correction_s
+        apart = False  # planned in the batch after their own
+        if (
+            predicted <= self.target_s
+            and len(work) == 1
+            and last_waiting is not None
+            and self._late_for_batch_mates(
+                items, cost, len(reqs), finish, max_batch_size, last_waiting
+            )
+        ):
+            apart = True
+            joining_cost = self.batch_cost([req.key for req in reqs]) * self._packing
+            finish = self._finish_in_next_batch(
+                items - len(reqs),
+                cost - joining_cost,
+                len(reqs),
+                joining_cost,
+                slots_free_at,
+                max_batch_size,
+            )
+            planned = finish + self.reserve_s
+            predicted = planned - now + self.lateness.correction_s
         if predicted <= self.target_s:
-            if len(work) == 1 and last_waiting is not None:
-                self._check_batch_mates(
-                    items, cost, len(reqs), finish, now, max_batch_size, last_waiting
-                )
             for req in reqs:
                 req.planned_answer = planned
             if self._refusing_since is not None:
@@ -387,10 +407,15 @@ class LatencyTarget:
             if now >= self._next_probe_at:
                 self._let_in_probe(now)
                 return True
+        where = (
+            "in the next batch (its own, longer with it, would end past the deadline "
+            "of a request admitted before it)"
+            if apart
+            else f"({int(ahead)} requests ahead of it)"
+        )
         raise Overloaded(
-            f"predicted {predicted * 1e3:.1f} ms to answer this request "
-            f"({int(ahead)} requests ahead of it), over the target "
-            f"max_latency_ms={self.target_s * 1e3:g}",
+            f"predicted {predicted * 1e3:.1f} ms to answer this request {where}, over "
+            f"the target max_latency_ms={self.target_s * 1e3:g}",
             predicted_s=predicted,
             target_s=self.target_s,
         )
@@ -409,32 +434,46 @@ class LatencyTarget:
         self._next_probe_at = 0.0
         self._probe_interval = self.target_s
 
-    def _check_batch_mates(
+    def _late_for_batch_mates(
         self,
         items: float,
         cost: float,
         joining: int,
         finish: float,
-        now: float,
         max_batch_size: int,
         last_waiting: Callable[[int], Sequence[Request]],
-    ) -> None:
-        """Refuse `joining` new requests, the last of `items` (total cost `cost`) in one
-        bucket, whose batch would end at `finish`, past the deadline of a request
-        already waiting in that batch (see `check_admission`)."""
+    ) -> bool:
+        """Whether `joining` new requests, the last of `items` (total cost `cost`) in one
+        bucket, whose batch would end at `finish`, make it end past the deadline of a
+        request already waiting in that batch (see `check_admission`)."""
         _, _, last = self._split(items, cost / items, max_batch_size)
         mates = int(last - joining)
         if mates <= 0:  # (they start a batch of their own)
-            return
-        soonest = min(req.deadline for req in last_waiting(mates))
-        if finish > soonest:
-            raise Overloaded(
-                f"admitting this request would make its batch end "
-                f"{(finish - soonest) * 1e3:.1f} ms past the deadline of a request "
-                f"admitted before it, over the target max_latency_ms={self.target_s * 1e3:g}",
-                predicted_s=finish - now + self.reserve_s,
-                target_s=self.target_s,
-            )
+            return False
+        return finish > min(req.deadline for req in last_waiting(mates))
+
+    def _finish_in_next_batch(
+        self,
+        items: float,
+        cost: float,
+        joining: int,
+        joining_cost: float,
+        slots_free_at: Sequence[float],
+        max_batch_size: int,
+    ) -> float:
+        """When `joining` new requests (total cost `joining_cost`) are answered in the
+        batch after those of `items` waiting ones (total `cost`): planned as a full
+        batch, since the requests that arrive after them join it before it leaves
+        (and a batch longer than that starts the one after it)."""
+        before, full_s, last_s = self._batches(items, cost, max_batch_size)
+        free = sorted(slots_free_at)
+        slots = len(free)
+        ends = [free[i] + (before // slots + (i < before % slots)) * full_s for i in range(slots)]
+        ends[before % slots] += last_s
+        per_item = joining_cost / joining
+        full = self._split(joining, per_item, max_batch_size)[0]
+        own = self.learner.predict(self.policy.padded_size(full), full * per_item)
+        return min(ends) + own
 
     def _split(self, items: float, per_item: float, max_batch_size: int) -> tuple[int, int, float]:
         """How `items` waiting requests of one bucket, of cost `per_item` each, leave

@@ -111,6 +111,34 @@ def test_a_request_that_would_make_an_earlier_one_in_its_batch_late_is_refused()
     assert first.state == WAITING and first.deadline == pytest.approx(now + PLANNED)
 
 
+def test_a_request_that_would_make_an_earlier_one_late_goes_in_the_next_batch() -> None:
+    sched, now = taught(max_wait_ms=1000)
+    for _ in range(16):
+        add(sched, now)
+    running, _ = sched.poll(now)  # until 26 ms
+    assert running is not None
+    waiting = [add(sched, now) for _ in range(32)]  # two full batches: until 52 and 78 ms
+    first = add(sched, now)  # the fourth batch's first, its deadline 102.9 ms
+    waiting += [first] + [add(sched, now + 0.010) for _ in range(13)]  # until 102 ms
+    # In the fourth batch it would end it at 103 ms, past the first's deadline; in
+    # the fifth, full, at 128 ms, before its own (132.9 ms): admitted, for the fifth.
+    later = add(sched, now + 0.030)
+    assert later.state == WAITING
+    answered: dict[int, float] = {}
+    end = now + device(16)
+    sched.finish(running, end)
+    while sched.num_waiting:
+        batch, _ = sched.poll(end)
+        assert batch is not None
+        end += device(len(batch.requests))
+        sched.finish(batch, end)
+        answered.update((id(req), end) for req in batch.requests)
+    for req in [*waiting, later]:
+        assert answered[id(req)] <= req.deadline + 1e-9
+    assert answered[id(first)] == pytest.approx(now + 0.102)
+    assert answered[id(later)] == pytest.approx(now + 0.102 + device(1))
+
+
 def test_the_work_ahead_counts_only_as_urgent_or_more_urgent_requests() -> None:
     sched, now = taught()
     for _ in range(62):
