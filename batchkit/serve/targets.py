@@ -69,6 +69,9 @@ TURN_ROOM = 0.15
 LATENESS_QUANTILE = 0.99
 LATENESS_GROUP = 128
 LATENESS_GROUPS = 7
+# How fast the size batches leave with is followed (the weight of the newest batch in
+# a moving average): a change of load shows within a few batches.
+LEAVING_SIZE_WEIGHT = 0.2
 
 
 # A request in a planned lane: (priority, arrival order, the request, its deadline);
@@ -164,6 +167,10 @@ class LatencyTarget:
         # A batch's cost over the sum of its items' own costs (above 1 for a padded
         # layout: its longest item times its size), averaged over recent batches.
         self._packing = 1.0
+        # The size each bucket's batches leave with, lately (`trim` follows it): the
+        # batch a new request joins is planned at least that large, since the requests
+        # that arrive after it join it too.
+        self._leaving_size: dict[Hashable, float] = {}
         # Each lane's waiting requests, (seq, entry, request) in a heap, for planning
         # the turns of several buckets (`_plan`); one that left from behind the front
         # is skipped lazily (`_gone`, by id: held there, so its id is not reused).
@@ -367,9 +374,10 @@ class LatencyTarget:
             lane[0] += 1
             lane[1] += self.batch_cost([req.key])
         if len(work) == 1:
-            ((items, cost),) = work.values()
+            ((bucket, (items, cost)),) = work.items()
             cost *= self._packing  # (the batches' cost, not the sum of their items')
-            finish = self._finish_time(items, cost, slots_free_at, max_batch_size)
+            leaving = self._leaving_size.get(bucket, 0.0)
+            finish = self._finish_time(items, cost, slots_free_at, max_batch_size, leaving)
         else:
             finish = self._finish_across_buckets(reqs, now, slots_free_at, max_batch_size)
         planned = finish + self.reserve_s
@@ -486,11 +494,15 @@ class LatencyTarget:
         before = math.ceil(items / full) - 1
         return full, before, items - before * full
 
-    def _batches(self, items: float, cost: float, max_batch_size: int) -> tuple[int, float, float]:
+    def _batches(
+        self, items: float, cost: float, max_batch_size: int, last_at_least: float = 0.0
+    ) -> tuple[int, float, float]:
         """How `items` waiting requests of one bucket (total cost `cost`) leave: the
-        full batches before the last one, a full batch's time, the last one's time."""
+        full batches before the last one, a full batch's time, the last one's time
+        (with at least `last_at_least` requests in it, up to a full batch)."""
         per_item = cost / items
         full, before, last = self._split(items, per_item, max_batch_size)
+        last = max(last, min(full, last_at_least))
         full_s = self.learner.predict(self.policy.padded_size(full), full * per_item)
         last_s = self.learner.predict(self.policy.padded_size(math.ceil(last)), last * per_item)
         return before, full_s, last_s
@@ -635,10 +647,12 @@ class LatencyTarget:
         cost: float,
         slots_free_at: Sequence[float],
         max_batch_size: int,
+        last_at_least: float = 0.0,
     ) -> float:
         """When the last of `items` waiting requests (total cost `cost`) is answered:
-        full batches first, the last one with what is left over."""
-        before, full_s, last_s = self._batches(items, cost, max_batch_size)
+        full batches first, the last one with what is left over (planned with at
+        least `last_at_least` requests, up to a full batch)."""
+        before, full_s, last_s = self._batches(items, cost, max_batch_size, last_at_least)
         # Each batch to the slot that frees first: the last one runs on the
         # (before mod slots)-th slot to free up, after `before div slots` batches there.
         free = sorted(slots_free_at)
@@ -781,7 +795,8 @@ class LatencyTarget:
         return min(entry[3] for entry in batch) - self.batch_seconds([e[2] for e in batch])
 
     def trim(self, chosen: list[Request], now: float) -> None:
-        """Shorten a batch about to leave until its most urgent member is answered in time.
+        """Shorten a batch about to leave until its most urgent member is answered in time;
+        and follow the size its bucket's batches leave with (admission plans with it).
 
         Args:
             chosen: The batch, in order; its last members are removed (they stay
@@ -789,10 +804,13 @@ class LatencyTarget:
                 deadline among them.
             now: When it leaves.
         """
-        if not self.ready:
-            return
-        while len(chosen) > 1 and now > self.latest_start(chosen):
-            chosen.pop()
+        if self.ready:
+            while len(chosen) > 1 and now > self.latest_start(chosen):
+                chosen.pop()
+        if chosen:
+            bucket = chosen[0].bucket
+            seen = self._leaving_size.get(bucket, float(len(chosen)))
+            self._leaving_size[bucket] = seen + LEAVING_SIZE_WEIGHT * (len(chosen) - seen)
 
     def latest_start(self, batch: Sequence[Request]) -> float:
         """When `batch` must leave at the latest for its most urgent member to be in time.
