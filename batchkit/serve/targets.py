@@ -375,34 +375,14 @@ class LatencyTarget:
             lane[1] += self.batch_cost([req.key])
         if len(work) == 1:
             ((bucket, (items, cost)),) = work.items()
-            cost *= self._packing  # (the batches' cost, not the sum of their items')
-            leaving = self._leaving_size.get(bucket, 0.0)
-            finish = self._finish_time(items, cost, slots_free_at, max_batch_size, leaving)
+            finish, apart = self._finish_in_one_bucket(
+                reqs, bucket, items, cost, now, slots_free_at, max_batch_size, last_waiting
+            )
         else:
             finish = self._finish_across_buckets(reqs, now, slots_free_at, max_batch_size)
+            apart = False
         planned = finish + self.reserve_s
         predicted = planned - now + self.lateness.correction_s
-        apart = False  # planned in the batch after their own
-        if (
-            predicted <= self.target_s
-            and len(work) == 1
-            and last_waiting is not None
-            and self._late_for_batch_mates(
-                items, cost, len(reqs), finish, max_batch_size, last_waiting
-            )
-        ):
-            apart = True
-            joining_cost = self.batch_cost([req.key for req in reqs]) * self._packing
-            finish = self._finish_in_next_batch(
-                items - len(reqs),
-                cost - joining_cost,
-                len(reqs),
-                joining_cost,
-                slots_free_at,
-                max_batch_size,
-            )
-            planned = finish + self.reserve_s
-            predicted = planned - now + self.lateness.correction_s
         if predicted <= self.target_s:
             for req in reqs:
                 req.planned_answer = planned
@@ -441,6 +421,44 @@ class LatencyTarget:
         self._probes = 0
         self._next_probe_at = 0.0
         self._probe_interval = self.target_s
+
+    def _finish_in_one_bucket(
+        self,
+        reqs: Sequence[Request],
+        bucket: Hashable,
+        items: float,
+        cost: float,
+        now: float,
+        slots_free_at: Sequence[float],
+        max_batch_size: int,
+        last_waiting: Callable[[int], Sequence[Request]] | None,
+    ) -> tuple[float, bool]:
+        """When the last of `reqs`, the last of `items` waiting requests of one bucket
+        (their own total cost `cost`), is answered (see `check_admission`); and whether
+        that is in the batch after their own, which they would make late for a
+        request already in it."""
+        cost *= self._packing  # (the batches' cost, not the sum of their items')
+        leaving = self._leaving_size.get(bucket, 0.0)
+        finish = self._finish_time(items, cost, slots_free_at, max_batch_size, leaving)
+        in_time = finish + self.reserve_s - now + self.lateness.correction_s <= self.target_s
+        if (
+            not in_time
+            or last_waiting is None
+            or not self._late_for_batch_mates(
+                items, cost, len(reqs), finish, max_batch_size, last_waiting
+            )
+        ):
+            return finish, False
+        joining_cost = self.batch_cost([req.key for req in reqs]) * self._packing
+        finish = self._finish_in_next_batch(
+            items - len(reqs),
+            cost - joining_cost,
+            len(reqs),
+            joining_cost,
+            slots_free_at,
+            max_batch_size,
+        )
+        return finish, True
 
     def _late_for_batch_mates(
         self,
