@@ -72,6 +72,7 @@ LATENESS_GROUPS = 7
 # How fast the size batches leave with is followed (the weight of the newest batch in
 # a moving average): a change of load shows within a few batches.
 LEAVING_SIZE_WEIGHT = 0.2
+LEAVING_SIZES_KEPT = 1024  # buckets whose leaving size is kept, the most recent ones
 
 
 # A request in a planned lane: (priority, arrival order, the request, its deadline);
@@ -826,9 +827,11 @@ class LatencyTarget:
             while len(chosen) > 1 and now > self.latest_start(chosen):
                 chosen.pop()
         if chosen:
-            bucket = chosen[0].bucket
-            seen = self._leaving_size.get(bucket, float(len(chosen)))
-            self._leaving_size[bucket] = seen + LEAVING_SIZE_WEIGHT * (len(chosen) - seen)
+            sizes, bucket = self._leaving_size, chosen[0].bucket
+            seen = sizes.pop(bucket, float(len(chosen)))  # (re-added last: the newest)
+            sizes[bucket] = seen + LEAVING_SIZE_WEIGHT * (len(chosen) - seen)
+            if len(sizes) > LEAVING_SIZES_KEPT:  # (groups may be many: keep the recent)
+                del sizes[next(iter(sizes))]
 
     def latest_start(self, batch: Sequence[Request]) -> float:
         """When `batch` must leave at the latest for its most urgent member to be in time.
