@@ -427,6 +427,8 @@ class Scheduler:
             self.ingest()
         elif self._placed == 0:
             return None, None, dropped
+        if self.grouped:
+            self._forget_empty_groups()
         best: tuple[int, int] | None = None  # (priority, seq) of the head served first
         chosen: tuple[Hashable, Bucket, DispatchReason] | None = None
         wake_at: float | None = None
@@ -564,6 +566,14 @@ class Scheduler:
             batch.expected_end = now + target.batch_seconds(chosen)
         self.running[id(batch)] = batch
         return batch, None, dropped
+
+    def _forget_empty_groups(self) -> None:
+        """Drop the buckets with nothing waiting: with a policy `group`, each group has
+        buckets of its own, and groups come and go (one per caller, say), so keeping
+        every bucket ever seen would make every pass walk them all."""
+        empty = [name for name, bucket in self.buckets.items() if bucket.live == 0]
+        for name in empty:
+            del self.buckets[name]
 
     def _other_groups_candidates(self, name: Hashable, have: int) -> list[Request]:
         """Under `max_groups_per_batch` > 1: the waiting requests of the next oldest

@@ -103,6 +103,23 @@ def test_a_cold_group_behind_a_hot_one_waits_its_max_wait_plus_the_running_batch
     assert cold_left - cold_at <= wait_s + 2 * batch_s + step
 
 
+def test_groups_that_come_and_go_leave_no_bucket_behind() -> None:
+    # One group per caller (a user id, say), each seen once or twice: a pass over the
+    # buckets must not walk every group ever seen, nor their memory stay.
+    sched = Scheduler(DynamicBatcher(4, max_wait_ms=1000, group=by_task))
+    now = 0.0
+    for user in range(500):
+        reqs = [add(sched, (user, k), now) for k in range(2)]
+        batch, _ = sched.poll(now)
+        assert batch is not None and batch.requests == reqs
+        now += 0.01
+        sched.finish(batch, now)
+    late = add(sched, ("late", 0), now)
+    batch, _ = sched.poll(now)
+    assert batch is not None and batch.requests == [late]
+    assert len(sched.buckets) <= 2
+
+
 def test_group_stats_count_each_groups_requests_batches_and_waits() -> None:
     @batchkit.batched(max_batch_size=4, max_wait_ms=1, group=by_task)
     def f(items: list[tuple[str, int]]) -> list[int]:
