@@ -362,18 +362,7 @@ class LatencyTarget:
         """
         if not self.ready or not reqs:
             return False
-        priority = reqs[0].priority
-        work: dict[Hashable, list[float]] = {}  # bucket -> [items, cost]
-        for (p, bucket), (count, total) in self._waiting.items():
-            if p <= priority:
-                lane = work.setdefault(bucket, [0.0, 0.0])
-                lane[0] += count
-                lane[1] += total
-        ahead = sum(count for count, _ in work.values())
-        for req in reqs:
-            lane = work.setdefault(req.bucket, [0.0, 0.0])
-            lane[0] += 1
-            lane[1] += self.batch_cost([req.key])
+        work, ahead = self._work_with(reqs)
         if len(work) == 1:
             ((bucket, (items, cost)),) = work.items()
             finish, apart = self._finish_in_one_bucket(
@@ -400,7 +389,7 @@ class LatencyTarget:
             "in the next batch (its own, longer with it, would end past the deadline "
             "of a request admitted before it)"
             if apart
-            else f"({int(ahead)} requests ahead of it)"
+            else f"({ahead} requests ahead of it)"
         )
         raise Overloaded(
             f"predicted {predicted * 1e3:.1f} ms to answer this request {where}, over "
@@ -408,6 +397,24 @@ class LatencyTarget:
             predicted_s=predicted,
             target_s=self.target_s,
         )
+
+    def _work_with(self, reqs: Sequence[Request]) -> tuple[dict[Hashable, list[float]], int]:
+        """The work served before the last of `reqs` (one priority): per bucket, its
+        `[items, cost]`, the waiting requests of the same or a more urgent priority
+        and `reqs` themselves; and how many requests wait ahead of them."""
+        priority = reqs[0].priority
+        work: dict[Hashable, list[float]] = {}
+        for (p, bucket), (count, total) in self._waiting.items():
+            if p <= priority:
+                lane = work.setdefault(bucket, [0.0, 0.0])
+                lane[0] += count
+                lane[1] += total
+        ahead = int(sum(count for count, _ in work.values()))
+        for req in reqs:
+            lane = work.setdefault(req.bucket, [0.0, 0.0])
+            lane[0] += 1
+            lane[1] += self.batch_cost([req.key])
+        return work, ahead
 
     def _let_in_probe(self, now: float) -> None:
         self._probes += 1
