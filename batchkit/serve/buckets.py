@@ -33,7 +33,9 @@ class Bucket:
     def __init__(self, track_max_key: bool) -> None:
         self.queues: dict[int, deque[Request]] = {}
         self.live = 0
-        self.max_key = 0.0  # an upper bound, exact after each take (token budgets only)
+        # An upper bound of the waiting keys, exact after each take; kept only under a
+        # token budget (`track_max_key`), and read only there.
+        self.max_key = 0.0
         self.track_max_key = track_max_key
 
     def append(self, req: Request) -> None:
@@ -128,30 +130,27 @@ class Bucket:
         """
         for req in chosen:
             req.state = RUNNING
+        count = len(chosen)
         queue = self.clean_queue()
-        front = (
-            queue is not None
-            and len(chosen) <= len(queue)
-            # (A `Request` defines no `__eq__`: the lists compare by identity.)
-            and chosen == list(itertools.islice(queue, len(chosen)))
-        )
-        self.taken(len(chosen), front=front)
+        # (A `Request` defines no `__eq__`: the lists compare by identity.)
+        if queue is None or count > len(queue) or chosen != list(itertools.islice(queue, count)):
+            self.taken(count)
+            return
+        for _ in range(count):  # the front of the one clean deque, which stays clean
+            queue.popleft()
+        self.live -= count
+        if self.track_max_key:
+            self._refresh_max_key()
 
-    def taken(self, count: int, *, front: bool = False) -> None:
+    def taken(self, count: int) -> None:
         """Bookkeeping after `count` requests left: compact, refresh the key maximum.
 
         Args:
             count: How many waiting requests left (taken into a batch, or dropped);
                 their state is already no longer waiting.
-            front: They were the first `count` entries of the one deque, which are
-                then popped without checking them one by one.
         """
         self.live -= count
-        if front:
-            for queue in self.queues.values():
-                for _ in range(count):
-                    queue.popleft()
-        elif len(self.queues) == 1:
+        if len(self.queues) == 1:
             # Usually the batch was the queue's front: pop it now, so the queue stays clean.
             for queue in self.queues.values():
                 while queue and queue[0].state != WAITING:
@@ -159,10 +158,12 @@ class Bucket:
         for priority, queue in self.queues.items():
             if len(queue) > 2 * self.live + 64:
                 self.queues[priority] = deque(r for r in queue if r.state == WAITING)
-        if self.live == 0:
-            self.max_key = 0.0
-        elif count and self.track_max_key:
-            self.max_key = max(r.key for r in self.candidates(None))
+        if count and self.track_max_key:
+            self._refresh_max_key()
+
+    def _refresh_max_key(self) -> None:
+        """Make `max_key` exact again after requests left."""
+        self.max_key = max((r.key for r in self.candidates(None)), default=0.0)
 
     def shed_fronts(self, hopeless: Callable[[Request], bool]) -> list[Request]:
         """Drop, from the front of each priority's deque, the requests `hopeless` picks.

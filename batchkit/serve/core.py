@@ -401,7 +401,16 @@ class ServingCore:
         now = self.clock()
         clean = run.calls == 1 and not run.errors and not batch.answered
         self.sched.finish(batch, now, clean=clean)
-        self._learn_from_locked(batch, run)
+        stats = self.sched.stats
+        stats.calls += run.calls
+        stats.isolated += run.isolated
+        if run.first_output_at is not None:
+            stats.first_chunk.append(run.first_output_at - batch.dispatched_at)
+        if run.oom_splits:  # the bucket's size cap: learned, or probed upwards once learned
+            stats.oom_splits += run.oom_splits
+            self.caps.learn(batch.requests[0].bucket, max(run.largest_ok, 1), self.options.policy)
+        elif self.caps.active:
+            self.caps.succeeded(batch.requests[0].bucket, batch.padded_size, self.options.policy)
         if self.listeners:
             self._report_batch(batch, run, now)
         if not run.errors and not batch.answered:  # the usual case: every item succeeded
@@ -422,23 +431,9 @@ class ServingCore:
                 req.value = run.values[i]
             else:
                 req.error = error
-                self.sched.stats.failed += 1
+                stats.failed += 1
             done.append(req)
         return done
-
-    def _learn_from_locked(self, batch: FormedBatch, run: BatchRun) -> None:
-        """Count the run's calls and splits; learn or probe the bucket's size cap."""
-        stats = self.sched.stats
-        stats.calls += run.calls
-        stats.isolated += run.isolated
-        if run.first_output_at is not None:
-            stats.first_chunk.append(run.first_output_at - batch.dispatched_at)
-        bucket = batch.requests[0].bucket
-        if run.oom_splits:
-            stats.oom_splits += run.oom_splits
-            self.caps.learn(bucket, max(run.largest_ok, 1), self.options.policy)
-        elif self.caps.active:
-            self.caps.succeeded(bucket, batch.padded_size, self.options.policy)
 
     def abandon_locked(self, batch: FormedBatch, error: BaseException) -> list[Request]:
         """Under the lock: `batch` will never report (its task or loop is gone, or its

@@ -14,7 +14,7 @@ import functools
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from batchkit.errors import BatcherClosed, BatchTimeout
+from batchkit.errors import BatcherClosed
 from batchkit.loops import on_loop_thread, schedule_on_loop
 from batchkit.serve.core import ServingCore
 from batchkit.serve.execute import BatchRun, Outcome, run_steps
@@ -25,28 +25,10 @@ from batchkit.serve.scheduler import FormedBatch
 from batchkit.serve.streaming import run_stream_async
 
 
-async def call_async(fn: Callable[[Any], Awaitable[Any]], argument: Any) -> Outcome:
-    """Await `fn(argument)`; its output or what it raised (a cancellation is raised).
-
-    Args:
-        fn: The async batch function.
-        argument: The batch, as collated.
-
-    Returns:
-        `(True, output)`, or `(False, exception)`.
-    """
-    try:
-        return True, await fn(argument)
-    except asyncio.CancelledError:
-        raise
-    except BaseException as exc:  # noqa: BLE001 - a failing batch must not kill the loop
-        return False, exc
-
-
 async def call_async_within(
     fn: Callable[[Any], Awaitable[Any]], argument: Any, timeout: float, expired: BaseException
 ) -> Outcome:
-    """`call_async`, cancelled after `timeout` seconds.
+    """Await `fn(argument)`, cancelled after `timeout` seconds.
 
     Args:
         fn: The async batch function.
@@ -55,9 +37,12 @@ async def call_async_within(
         expired: The outcome's error when it ran past `timeout`.
 
     Returns:
-        The call's outcome, or `(False, expired)` once it is cancelled.
+        `(True, output)`, or `(False, expired)` once it is cancelled.
+
+    Raises:
+        BaseException: What the call raised.
     """
-    call = asyncio.ensure_future(call_async(fn, argument))
+    call = asyncio.ensure_future(fn(argument))
     try:
         done, _ = await asyncio.wait({call}, timeout=timeout)
     except asyncio.CancelledError:
@@ -66,7 +51,7 @@ async def call_async_within(
     if not done:
         call.cancel()  # its batch is given up now; the call unwinds on its own
         return False, expired
-    return call.result()
+    return True, call.result()
 
 
 class LoopDriver:
@@ -187,13 +172,19 @@ class LoopDriver:
         sets `poll_due` until a slot frees."""
         if self.lane.poll_due or self.loop is None:
             return
-        schedule_on_loop(self.loop, self._pump)
+        schedule_on_loop(self.loop, self._pump, self.loop)
         self.lane.poll_due = True  # (only once the pump is surely scheduled)
 
-    def _pump(self) -> None:
-        """Start every batch that is ready; arm the timer for the next max-wait expiry."""
-        loop, core = self.loop, self.core
-        if loop is None or not on_loop_thread(loop):
+    def _pump(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Start every batch that is ready; arm the timer for the next max-wait expiry.
+
+        Args:
+            loop: The loop this pass runs on (every pass runs on the loop it was
+                scheduled on); a pass of a loop this batcher no longer serves does
+                nothing.
+        """
+        core = self.core
+        if loop is not self.loop:
             return  # a stale pump or timer of a loop this batcher no longer serves
         ready: list[FormedBatch] = []
         try:
@@ -215,7 +206,9 @@ class LoopDriver:
                     self._timer.cancel()
                     self._timer = None
                 if wake_at is not None:
-                    self._timer = loop.call_later(max(wake_at - core.clock(), 0.0), self._pump)
+                    self._timer = loop.call_later(
+                        max(wake_at - core.clock(), 0.0), self._pump, loop
+                    )
                 if core.closed and self._drained is not None and core.drained:
                     self._drained.set()
         finally:
@@ -272,7 +265,7 @@ class LoopDriver:
                 holding[0] = batch
             if answered:  # a batch with failures (one that succeeded is answered later)
                 deliver(answered)
-        self._pump()  # re-arm the max-wait timer; start batches that became ready
+        self._pump(loop)  # re-arm the max-wait timer; start batches that became ready
 
     def _ended(self, task: asyncio.Task[None], holding: list[FormedBatch | None]) -> None:
         """A batch task is done. If it ended holding a batch (cancelled, even before its
@@ -290,7 +283,7 @@ class LoopDriver:
             error = BatcherClosed(f"{core.name}: the task running this batch {reason}")
             abandoned = core.abandon_locked(batch, error)
         deliver(abandoned)
-        self._pump()  # its slot is free: start what waits (a no-op off the loop)
+        self._pump(task.get_loop())  # its slot is free: start what waits
 
     async def _execute(self, batch: FormedBatch) -> BatchRun:
         """Await the function as `run_steps` asks (parts too, if split), each call
@@ -315,10 +308,15 @@ class LoopDriver:
             while True:
                 argument = steps.send(outcome)  # type: ignore[arg-type]
                 outcome = None  # (released before the next call: see ThreadDriver._run)
-                if timeout is None:
-                    outcome = await call_async(fn, argument)
-                else:
-                    outcome = await self._call_within(argument, timeout)
+                try:
+                    if timeout is None:
+                        outcome = True, await fn(argument)
+                    else:
+                        outcome = await self._call_within(argument, timeout)
+                except asyncio.CancelledError:
+                    raise  # this task's: its batch is settled by _ended
+                except BaseException as exc:  # noqa: BLE001 - a failing batch must not kill the loop
+                    outcome = False, exc
                 del argument
         except StopIteration as done:
             run: BatchRun = done.value
@@ -328,7 +326,7 @@ class LoopDriver:
         """One call of the function, cancelled past `timeout` (`batch_timeout`)."""
         core = self.core
         outcome = await call_async_within(self.fn, argument, timeout, core.batch_timeout_error())
-        if type(outcome[1]) is BatchTimeout:
+        if not outcome[0]:  # it ran past the timeout (a call that raised raises here)
             with core.lock:
                 core.count_batch_timeout_locked()
         return outcome

@@ -62,7 +62,7 @@ class Request:
         "deadline",
         "planned_answer",
         "group",
-        "_done",
+        "waiter",
     )
 
     item: Any
@@ -84,7 +84,9 @@ class Request:
     # it on a prediction (not while warming up, nor as a probe).
     planned_answer: float
     group: Hashable  # the policy's group of the item (None without `group`)
-    _done: threading.Lock | None  # a thread caller's wait
+    # A thread caller's wait: a lock held from creation until the outcome is stored
+    # (`deliver` releases it); None for an asyncio or streaming caller.
+    waiter: threading.Lock | None
 
     def __init__(
         self,
@@ -112,11 +114,11 @@ class Request:
         if channel is not None or loop is not None:
             # An asyncio caller awaits its future; a streaming caller reads its channel.
             self.future = loop.create_future() if channel is None else None  # type: ignore[union-attr]
-            self._done = None
+            self.waiter = None
         else:  # a thread caller waits on a lock held until it is answered
             self.future = None
-            self._done = threading.Lock()
-            self._done.acquire()
+            self.waiter = threading.Lock()
+            self.waiter.acquire()
 
     def wait(self, timeout: float | None) -> bool:
         """Block a thread caller until done.
@@ -130,17 +132,12 @@ class Request:
         Raises:
             TypeError: The request is an asyncio caller's (await its future).
         """
-        if self._done is None:
+        if self.waiter is None:
             raise TypeError("an asyncio request is awaited (its future), not waited on")
-        if self._done.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
-            self._done.release()  # let a second wait() (after a timeout race) pass too
+        if self.waiter.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
+            self.waiter.release()  # let a second wait() (after a timeout race) pass too
             return True
         return False
-
-    def notify_thread(self) -> None:
-        """Wake the thread caller (the outcome is already stored)."""
-        if self._done is not None:
-            self._done.release()
 
     def outcome(self) -> Any:
         """The result, or raise the request's own error."""
@@ -229,9 +226,9 @@ def deliver(requests: Sequence[Request]) -> None:
     for req in requests:
         if req.channel is not None:
             req.channel.finish(req.error)  # (a stream already ended keeps its end)
-        elif req.loop is None:
-            req.notify_thread()
-        else:
+        elif req.loop is not None:
             by_loop[req.loop].append(req)
+        elif req.waiter is not None:  # a thread caller (the one without a loop)
+            req.waiter.release()
     for loop, reqs in by_loop.items():
         call_on_loop(loop, resolve_futures, reqs)

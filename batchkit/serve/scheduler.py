@@ -125,6 +125,7 @@ class Scheduler:
         self._rules: list[DispatchRule] = []
         self.grouped = False
         self.groups_per_batch = 1
+        self.candidate_limit: int | None = None  # how many candidates `select` needs
         self.caps = SizeCaps() if caps is None else caps
         self.set_policy(policy)
         self.running: dict[int, FormedBatch] = {}
@@ -145,6 +146,7 @@ class Scheduler:
         self._rules = rules_for(policy, self.target, closing=self._closing)
         self.grouped = policy.group is not None
         self.groups_per_batch = policy.max_groups_per_batch or 1
+        self.candidate_limit = policy.candidate_limit  # (a policy is not changed in place)
 
     def set_max_latency(self, seconds: float) -> None:
         """Give every request a latency target from now on, those waiting too (their
@@ -311,7 +313,8 @@ class Scheduler:
         """
         if not self.lane.arrivals:
             return
-        bucket, queue = self._lane(None, 0)
+        bucket = self.buckets.get(None) or self._new_bucket(None)
+        queue = bucket.queues.setdefault(0, deque())
         count = self.lane.move_into(queue)
         self.stats.requests += count
         bucket.live += count
@@ -321,20 +324,15 @@ class Scheduler:
             for req in itertools.islice(reversed(queue), count):
                 self.target.entered(req)
 
-    def _lane(self, name: Hashable, priority: int) -> tuple[Bucket, deque[Request]]:
-        """The bucket `name` and its deque for `priority`, created if needed."""
-        bucket = self.buckets.get(name)
-        if bucket is None:
-            bucket = self.buckets[name] = Bucket(self.policy.max_tokens is not None)
-        queue = bucket.queues.get(priority)
-        if queue is None:
-            queue = bucket.queues[priority] = deque()
-        return bucket, queue
-
     def _place(self, req: Request) -> None:
-        """Append `req` to its bucket (created, with its deque, by `_lane` if needed)."""
-        bucket, _ = self._lane(req.bucket, req.priority)
+        """Append `req` to its bucket (created if needed)."""
+        bucket = self.buckets.get(req.bucket) or self._new_bucket(req.bucket)
         bucket.append(req)
+
+    def _new_bucket(self, name: Hashable) -> Bucket:
+        """Make the bucket `name` (it holds no request yet)."""
+        bucket = self.buckets[name] = Bucket(self.policy.max_tokens is not None)
+        return bucket
 
     def drop(self, req: Request) -> bool:
         """Withdraw a request that has not started.
@@ -371,22 +369,6 @@ class Scheduler:
         return self.caps.limit(name, self.policy)
 
     # -- dispatch ----------------------------------------------------------
-    def _reason(
-        self, name: Hashable, bucket: Bucket, now: float
-    ) -> tuple[DispatchReason | None, float | None]:
-        """Why the bucket's batch leaves now (the first rule whose time has come);
-        else None and the earliest time a rule named."""
-        limit = self._limit(name) if self.caps.active else self.policy.max_batch_size
-        wake_at: float | None = None
-        for rule in self._rules:
-            due = rule.due(bucket, limit, self.in_flight, now)
-            if due is not None:
-                if now >= due:
-                    return rule.reason, None
-                if wake_at is None or due < wake_at:
-                    wake_at = due
-        return None, wake_at
-
     def decide(self, now: float) -> tuple[FormedBatch | None, float | None, Sequence[Request]]:
         """One scheduling pass: the next batch to run now (if any), when to look again
         if nothing changes, and the waiting requests dropped on the way.
@@ -435,10 +417,18 @@ class Scheduler:
         for name, bucket in self.buckets.items():
             if bucket.live == 0:
                 continue
-            reason, due = self._reason(name, bucket, now)
+            # The bucket's batch leaves for the first rule whose time has come; else
+            # each rule's time is a time to look again.
+            limit = self._limit(name) if self.caps.active else self.policy.max_batch_size
+            reason: DispatchReason | None = None
+            for rule in self._rules:
+                due = rule.due(bucket, limit, self.in_flight, now)
+                if due is not None and now >= due:
+                    reason = rule.reason
+                    break
+                if due is not None and (wake_at is None or due < wake_at):
+                    wake_at = due
             if reason is None:
-                if due is not None:
-                    wake_at = due if wake_at is None or due < wake_at else wake_at
                 continue
             if len(self.buckets) == 1:
                 return self._take(name, bucket, reason, now, dropped)
@@ -535,7 +525,7 @@ class Scheduler:
                 self._shed(overdue)
                 dropped = [*dropped, *overdue]
         policy = self.policy
-        candidates = bucket.candidates(policy.candidate_limit)
+        candidates = bucket.candidates(self.candidate_limit)
         if self.groups_per_batch > 1:
             candidates += self._other_groups_candidates(name, len(candidates))
         try:
@@ -579,7 +569,7 @@ class Scheduler:
         """Under `max_groups_per_batch` > 1: the waiting requests of the next oldest
         other groups of the same policy bucket (at most `max_groups_per_batch - 1` of
         them, oldest head first), to fill a batch that one group leaves short."""
-        limit = self.policy.candidate_limit
+        limit = self.candidate_limit
         room = None if limit is None else limit - have  # None: every candidate
         if room is not None and room <= 0:
             return []
