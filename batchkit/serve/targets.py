@@ -19,9 +19,11 @@ With several buckets (length buckets, groups) the work ahead is not a
 queue of full batches: buckets take turns (the one whose oldest request came first
 goes next), and each batch is cut so that its own oldest member is in time, so near
 capacity the turns make small batches. Admission then *plans* the turns of what waits
-(`_plan`), as the scheduler will serve them; it keeps `TURN_ROOM` of the target in
-hand for the requests that arrive later and join the batches ahead; and it refuses a
-request whose own batch would make a request admitted before it late. Counted as
+(`_plan`), as the scheduler will serve them, each turn at least as long as a
+batch of the size its bucket's batches leave with (the requests that arrive before
+it leaves join it); it keeps `TURN_ROOM` of the target in hand beyond that; and it
+refuses a request whose own batch would make a request admitted before it late.
+Counted as
 full batches bucket by bucket, the same work let in requests that the turns then made
 late: near twice capacity, nearly a third of the refusals of a three-bucket service
 came as drops near the deadline instead of at admission.
@@ -549,10 +551,10 @@ class LatencyTarget:
                 requests already waiting than without them.
         """
         priority = reqs[0].priority
-        plan = self._plan(reqs, priority, now, slots_free_at, max_batch_size)
+        plan = self._plan(reqs, priority, now, slots_free_at, max_batch_size, joined=True)
         finish = plan.finish + TURN_ROOM * self.target_s
         if finish - now + self.reserve_s <= self.target_s:
-            before = self._plan([], priority, now, slots_free_at, max_batch_size)
+            before = self._plan([], priority, now, slots_free_at, max_batch_size, joined=True)
             more_late = len(plan.dropped) - len(before.dropped)
             if more_late > 0:
                 raise Overloaded(
@@ -571,6 +573,7 @@ class LatencyTarget:
         now: float,
         slots_free_at: Sequence[float],
         max_batch_size: int,
+        joined: bool = False,
     ) -> Plan:
         """The waiting requests of `priority` or more urgent, and `reqs` admitted now,
         served as the scheduler serves several buckets, if nothing else arrived.
@@ -590,6 +593,9 @@ class LatencyTarget:
             now: The current time (the new requests' admission).
             slots_free_at: When each batch slot is free.
             max_batch_size: The largest batch.
+            joined: Plan each turn's batch with the requests that will join it before
+                it leaves (admission): at least the size its bucket's batches leave
+                with (`_turn_seconds`). False plans what waits now alone.
         """
         lanes = self._lanes_with(reqs, priority, now + self.target_s - self.reserve_s)
         finish = now
@@ -621,15 +627,33 @@ class LatencyTarget:
                 if entry[1] == math.inf:  # a new request would be dropped: past its deadline
                     return Plan(math.nextafter(entry[3], math.inf), dropped)
                 dropped.append(entry[2])
-            batch = self._planned_batch(lane, start, max_batch_size)
-            end = start + self.batch_seconds([entry[2] for entry in batch]) - spread
+            planned = self._planned_batch(lane, start, max_batch_size)
+            batch = [entry[2] for entry in planned]
+            seconds = self.batch_seconds(batch)
+            if joined:
+                seconds = max(seconds, self._turn_seconds(name[1], batch, max_batch_size))
+            end = start + seconds - spread
             heapq.heapreplace(slots, end)
             turns += 1
-            if any(entry[1] == math.inf for entry in batch):
+            if any(entry[1] == math.inf for entry in planned):  # the new requests' turn
                 finish = end + spread * math.sqrt(turns)
             if not lanes[name]:
                 del lanes[name]
         return Plan(finish, dropped)
+
+    def _turn_seconds(
+        self, bucket: Hashable, batch: Sequence[Request], max_batch_size: int
+    ) -> float:
+        """A planned turn's time with the requests that will join its batch before it
+        leaves: a batch of the size its bucket's batches leave with (up to a full one,
+        within the cost budget), at this batch's cost per item; its own time if it is
+        as large already."""
+        leaving = self._leaving_size.get(bucket, 0.0)
+        if leaving <= len(batch):
+            return 0.0
+        per_item = self.batch_cost([req.key for req in batch]) / len(batch)
+        size = min(math.ceil(leaving), self._split(leaving, per_item, max_batch_size)[0])
+        return self.learner.predict(self.policy.padded_size(size), size * per_item)
 
     def _lanes_with(
         self, reqs: Sequence[Request], priority: int, deadline: float
