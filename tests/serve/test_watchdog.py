@@ -87,6 +87,25 @@ def test_a_hung_async_call_is_cancelled_and_its_callers_get_batch_timeout() -> N
     assert f.stats().batch_timeouts == 1
 
 
+def test_an_async_call_that_raises_within_its_timeout_fails_only_its_own_items() -> None:
+    @batchkit.batched(max_batch_size=4, max_wait_ms=50, batch_timeout=5, isolate_errors=True)
+    async def f(xs: list[int]) -> list[int]:
+        if -1 in xs:
+            raise ValueError("bad item -1")
+        return [x * 10 for x in xs]
+
+    async def main() -> list[object]:
+        calls = [f.acall(x) for x in (1, -1, 2, 3)]
+        outcomes = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 5)
+        await f.aclose()
+        return outcomes
+
+    outcomes = asyncio.run(main())
+    assert outcomes[0] == 10 and outcomes[2:] == [20, 30]
+    assert isinstance(outcomes[1], ValueError) and str(outcomes[1]) == "bad item -1"
+    assert f.stats().batch_timeouts == 0
+
+
 def test_a_timed_out_part_is_not_split_and_retried() -> None:
     calls: list[int] = []
     model = Hangs()
