@@ -934,6 +934,27 @@ def test_the_buckets_turns_are_planned_as_the_scheduler_then_serves_them(
         assert new in shed and plan.finish > new.deadline
 
 
+def answered_past_capacity(
+    policy: Batcher,
+    arrivals: list[float],
+    lengths: list[int],
+    device_time: Callable[[int, FormedBatch], float],
+) -> tuple[int, int, list[Answer]]:
+    """`run_traffic` of a 500 ms target: of the requests that arrived after the first
+    5 s (the model learned), how many were shed and refused, and the served ones."""
+    sched = Scheduler(policy, max_latency_s=0.500)
+    answers, _ = run_traffic(
+        sched,
+        arrivals,
+        lambda i: new_request(i, float(lengths[i]), policy.bucket_of(float(lengths[i])), 0),
+        device_time,
+    )
+    loaded = [a for a in answers if a.arrived >= 5.0]
+    shed = sum(a.how == "shed" for a in loaded)
+    refused = sum(a.how == "refused" for a in loaded)
+    return shed, refused, [a for a in loaded if a.how == "served"]
+
+
 def test_across_buckets_past_capacity_what_is_admitted_is_served_not_dropped_late() -> None:
     # The example service's shape: a batch costs 25 ms + 1.1 ms per item + 0.085 ms
     # per padded character, texts of 30 to 400 characters in three length buckets, a
@@ -952,18 +973,8 @@ def test_across_buckets_past_capacity_what_is_admitted_is_served_not_dropped_lat
         cost = policy.cost.of([r.key for r in batch.requests])
         return 0.025 + 0.0011 * len(batch.requests) + 0.000085 * cost
 
-    sched = Scheduler(policy, max_latency_s=0.500)
-    answers, _ = run_traffic(
-        sched,
-        arrivals,
-        lambda i: new_request(i, float(lengths[i]), policy.bucket_of(float(lengths[i])), 0),
-        device_time,
-    )
-    loaded = [a for a in answers if a.arrived >= 5.0]
-    shed = sum(a.how == "shed" for a in loaded)
-    refused = sum(a.how == "refused" for a in loaded)
-    served = [a for a in loaded if a.how == "served"]
-    assert refused > 0.3 * len(loaded)  # past capacity
+    shed, refused, served = answered_past_capacity(policy, arrivals, lengths, device_time)
+    assert refused > 0.3 * (shed + refused + len(served))  # past capacity
     assert shed <= 0.01 * (shed + refused)
     assert all(a.at - a.arrived <= 0.500 + 1e-9 for a in served)
 
@@ -986,19 +997,9 @@ def test_across_buckets_on_a_noisy_device_past_capacity_refusals_come_at_admissi
         cost = policy.cost.of([r.key for r in batch.requests])
         return (0.010 + 0.0000227 * cost) * math.exp(noise.gauss(0.0, 0.08))
 
-    sched = Scheduler(policy, max_latency_s=0.500)
-    answers, _ = run_traffic(
-        sched,
-        arrivals,
-        lambda i: new_request(i, float(lengths[i]), policy.bucket_of(float(lengths[i])), 0),
-        device_time,
-    )
-    after_warm_up = [a for a in answers if a.arrived >= 5.0]
-    shed = sum(a.how == "shed" for a in after_warm_up)
-    refused = sum(a.how == "refused" for a in after_warm_up)
-    assert refused > 0.3 * len(after_warm_up)  # past capacity
+    shed, refused, served = answered_past_capacity(policy, arrivals, lengths, device_time)
+    assert refused > 0.3 * (shed + refused + len(served))  # past capacity
     assert shed <= 0.005 * (shed + refused)
-    served = [a for a in after_warm_up if a.how == "served"]
     assert all(a.at - a.arrived <= 0.500 + 1e-9 for a in served)
 
 
