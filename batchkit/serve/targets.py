@@ -646,8 +646,8 @@ class LatencyTarget:
     ) -> float:
         """A planned turn's time with the requests that will join its batch before it
         leaves: a batch of the size its bucket's batches leave with (up to a full one,
-        within the cost budget), at this batch's cost per item; its own time if it is
-        as large already."""
+        within the cost budget), at this batch's cost per item; 0 when the batch is as
+        large already (its own time then stands)."""
         leaving = self._leaving_size.get(bucket, 0.0)
         if leaving <= len(batch):
             return 0.0
