@@ -47,6 +47,16 @@ MODEL = LatencyModel.linear(25.0, 1.1, 0.0855)
 WARM_UP = [0.2 * k for k in range(20)]  # lone requests: the model learns from them
 
 
+def apps_policy() -> BucketedBatcher:
+    """The example app's batching: its length buckets, max batch 32, max wait 2 ms."""
+    return BucketedBatcher([128, 256, 512, 1024, 4096], key=int, max_batch_size=32, max_wait_ms=2)
+
+
+def text_lengths(count: int, seed: int) -> list[float]:
+    """The lengths of `count` of `service.py`'s texts (the app's key: `len`)."""
+    return [float(len(text)) for text in texts(count, seed)]
+
+
 def run(load: float, seed: int, seconds: float) -> tuple[float, float, float]:
     """One load point: (answered in time per second after the warm-up, the share of
     the 503s that were drops after admission, mean batch size)."""
@@ -58,9 +68,10 @@ def run(load: float, seed: int, seconds: float) -> tuple[float, float, float]:
         if t >= start + seconds:
             break
         arrivals.append(t)
-    keys = [float(len(text)) for text in texts(len(arrivals), seed)]
-    policy = BucketedBatcher([128, 256, 512, 1024, 4096], key=int, max_batch_size=32, max_wait_ms=2)
-    result = simulate(MODEL, arrivals=arrivals, keys=keys, batcher=policy, max_latency_ms=TARGET_MS)
+    keys = text_lengths(len(arrivals), seed)
+    result = simulate(
+        MODEL, arrivals=arrivals, keys=keys, batcher=apps_policy(), max_latency_ms=TARGET_MS
+    )
     in_time = result.latencies_s[len(WARM_UP) :]  # (the warm-up's are all served)
     answered = float((in_time <= TARGET_MS / 1e3).sum()) / seconds
     refusals = result.overloaded + result.shed
@@ -70,9 +81,8 @@ def run(load: float, seed: int, seconds: float) -> tuple[float, float, float]:
 def device_limit(seed: int, count: int = 3000) -> float:
     """Requests per second with every text waiting at once and no target: full
     batches, bucket by bucket, back to back."""
-    keys = [float(len(text)) for text in texts(count, seed)]
-    policy = BucketedBatcher([128, 256, 512, 1024, 4096], key=int, max_batch_size=32, max_wait_ms=2)
-    result = simulate(MODEL, arrivals=[0.0] * count, keys=keys, batcher=policy)
+    keys = text_lengths(count, seed)
+    result = simulate(MODEL, arrivals=[0.0] * count, keys=keys, batcher=apps_policy())
     return result.throughput
 
 
