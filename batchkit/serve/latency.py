@@ -93,7 +93,8 @@ class LearnedLatency:
             requests; a dropped request counts its earliest possible answer):
             admission adds it to its predictions, so that a queue of batches whose
             noise adds up does not admit requests that will be dropped near their
-            deadline. 0 when plans run on time.
+            deadline. Requests that waited through a stall are left out. 0 when
+            plans run on time.
     """
 
     fixed_ms: float
@@ -145,6 +146,9 @@ class BatchTimeLearner:
         self._fit: LearnedLatency | None = None  # its margin: the spread alone
         self._since_fit = 0
         self._recent: deque[float] = deque(maxlen=SHIFT_WINDOW)  # residuals, ms
+        # Whether each batch of the window took over STALL_RATIO times its fit when it
+        # ran (what `observe` tells its caller is a stall while they stay rare).
+        self._over: deque[bool] = deque(maxlen=WINDOW)
         self._model: LearnedLatency | None = None  # the fit with the whole margin
         self._faster = 0  # newest batches in a row under REFUTE_RATIO of their fit
         self.refuted = 0  # times the model was forgotten as too slow
@@ -166,25 +170,34 @@ class BatchTimeLearner:
         """Batches the model learns from now (at most `WINDOW`)."""
         return len(self._samples)
 
-    def observe(self, size: int, cost: float, seconds: float) -> None:
+    def observe(self, size: int, cost: float, seconds: float) -> bool:
         """One batch ran.
 
         Args:
             size: Its padded size.
             cost: The policy's cost of its keys (0 for a keyless policy).
             seconds: How long it took, from leaving the queue to its results.
+
+        Returns:
+            Whether it was a stall, as the fit sets them aside: over `STALL_RATIO`
+            times its fitted time, with stalls still rare in the window (at most
+            `STALL_SHARE` of it, or two). Always False before the first fit.
         """
         sample = (float(size), float(cost), float(seconds))
         self._samples.append(sample)
         self._model = None
         if self._fit is None:
-            return
+            return False
         self._since_fit += 1
         self._recent.append(_residual_ms(self._fit, sample))
         fitted = self._fit.fit_ms(size, cost)
+        over = seconds * 1e3 > STALL_RATIO * fitted
+        self._over.append(over)
+        stall = over and sum(self._over) <= max(2, int(STALL_SHARE * len(self._over)))
         self._faster = self._faster + 1 if seconds * 1e3 < REFUTE_RATIO * fitted else 0
         if self._faster >= REFUTE_WINDOW:
             self._forget_all_but(REFUTE_WINDOW)
+        return stall
 
     def _forget_all_but(self, newest: int) -> None:
         """The fit is refuted: learn again from the `newest` batches alone."""
@@ -194,6 +207,7 @@ class BatchTimeLearner:
         self._samples.extend(kept)
         self._fit = self._model = None
         self._recent.clear()
+        self._over.clear()
         self._since_fit = self._faster = 0
         self.refuted += 1
 

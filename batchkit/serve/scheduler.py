@@ -613,7 +613,7 @@ class Scheduler:
         self.stats.batch_latency.append(elapsed)
         if self.target is not None:
             if clean:
-                self.target.observe(batch.requests, batch.padded_size, elapsed)
+                self.target.observe(batch.requests, batch.padded_size, elapsed, now)
             self.target.answered(batch.requests, now)
         if self.shedding is not None:
             self.shedding.batch_ended(batch.expected_end, now)

@@ -108,28 +108,46 @@ class PlanLateness:
     answer it could have had) less its planned answer: the `LATENESS_QUANTILE` of
     each group of `LATENESS_GROUP` requests, and the median of the last
     `LATENESS_GROUPS` groups' (never below 0) is what admission adds to its plans.
-    Lateness that persists is learned within a few hundred requests; a stall or a
-    sudden slowdown makes only the requests around it late (a group or two), which
-    leaves the median where it was (the batch-time model follows a slowdown).
+    Lateness that persists is learned within a few hundred requests.
+
+    A stall is not such a lesson: the requests that waited through it (admitted
+    before it ended, answered after it began) are left out, as the batch-time model
+    leaves the stall itself out of its margin. Recurring stalls would otherwise put
+    one in every group: at low load, with small batches, one batch in 50 stalling
+    taught a correction near the whole target, and admission refused most requests
+    the device could serve in time. A sudden slowdown makes only the requests around
+    it late (a group or two), which leaves the median where it was (the batch-time
+    model follows a slowdown).
 
     Attributes:
         correction_s: What admission adds to a plan, in seconds.
     """
 
     def __init__(self) -> None:
-        self._group: list[float] = []
+        self._group: list[tuple[float, float]] = []  # (lateness, when answered)
         self._quantiles: deque[float] = deque(maxlen=LATENESS_GROUPS)
+        self._stall_ended = -math.inf  # the end of the latest stall
         self.correction_s = 0.0
 
-    def add(self, planned: float, answered: float) -> None:
-        """A request planned to be answered at `planned` was answered at `answered`."""
+    def add(self, planned: float, answered: float, admitted: float) -> None:
+        """A request admitted at `admitted`, planned to be answered at `planned`, was
+        answered at `answered` (left out if it waited through a stall)."""
+        if admitted < self._stall_ended:
+            return
         group = self._group
-        group.append(answered - planned)
+        group.append((answered - planned, answered))
         if len(group) >= LATENESS_GROUP:
-            group.sort()
-            self._quantiles.append(group[int(LATENESS_QUANTILE * (len(group) - 1))])
+            lateness = sorted(late for late, _ in group)
+            self._quantiles.append(lateness[int(LATENESS_QUANTILE * (len(lateness) - 1))])
             group.clear()
             self.correction_s = max(statistics.median(self._quantiles), 0.0)
+
+    def stalled(self, started: float, ended: float) -> None:
+        """A batch that ran from `started` to `ended` was a stall: forget the requests
+        of the open group answered since it began, and leave out those admitted
+        before it ended."""
+        self._group = [(late, at) for late, at in self._group if at <= started]
+        self._stall_ended = max(self._stall_ended, ended)
 
     def clear(self) -> None:
         """Forget what was learned (the model or the target changed)."""
@@ -247,13 +265,16 @@ class LatencyTarget:
         padded = self.policy.padded_size(len(requests))
         return self.learner.predict(padded, self.batch_cost([r.key for r in requests]))
 
-    def observe(self, requests: Sequence[Request], padded_size: int, seconds: float) -> None:
+    def observe(
+        self, requests: Sequence[Request], padded_size: int, seconds: float, now: float
+    ) -> None:
         """A batch ran cleanly (no split, no retry): learn from its time.
 
         Args:
             requests: Its requests.
             padded_size: The size the function was called with.
             seconds: From leaving the queue to its results.
+            now: When it ended.
         """
         keys = [r.key for r in requests]
         cost = self.batch_cost(keys)
@@ -263,7 +284,8 @@ class LatencyTarget:
             self._probe_interval = self.target_s
         self._probe_pending = False
         refuted = self.learner.refuted
-        self.learner.observe(padded_size, cost, seconds)
+        if self.learner.observe(padded_size, cost, seconds):
+            self.lateness.stalled(now - seconds, now)
         if self.learner.refuted > refuted:  # the plans were made with the refuted model
             self._stop_refusing()
             self.lateness.clear()
@@ -787,7 +809,7 @@ class LatencyTarget:
         for req in requests:
             planned = getattr(req, "planned_answer", None)  # (set when admitted on a plan)
             if planned is not None:
-                self.lateness.add(planned, now)
+                self.lateness.add(planned, now, req.enqueued_at)
 
     def dropped(self, req: Request, start: float) -> Overloaded:
         """A waiting request is dropped as too late: learn how late its plan ran (its
@@ -800,7 +822,7 @@ class LatencyTarget:
         run = self.batch_seconds([req])
         planned = getattr(req, "planned_answer", None)
         if planned is not None:
-            self.lateness.add(planned, start + run + self.reserve_s)
+            self.lateness.add(planned, start + run + self.reserve_s, req.enqueued_at)
         waited = start - req.enqueued_at
         return Overloaded(
             f"dropped before it ran: waited {waited * 1e3:.1f} ms, and its batch would "

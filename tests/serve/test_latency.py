@@ -59,6 +59,18 @@ def test_one_stalled_batch_hardly_moves_the_prediction() -> None:
     assert learner.predict(16) - before < 0.002
 
 
+def test_a_batch_is_told_a_stall_while_stalls_stay_rare() -> None:
+    learner = learned([(n, 0.0, device(n)) for n in [4, 8, 16] * 40])
+    learner.snapshot()  # fitted (admission's predictions fit it)
+    assert not learner.observe(16, 0.0, 1.9 * device(16))  # slow, within the ratio
+    assert learner.observe(16, 0.0, 10 * device(16))  # a stall
+    # One batch in four stalling is no longer rare: the device is like that.
+    times = [device(16) * (10 if k % 4 == 0 else 1) for k in range(128)]
+    verdicts = [learner.observe(16, 0.0, seconds) for seconds in times]
+    assert verdicts[-8:] == [False] * 8
+    assert not learned([(4, 0.0, 1.0)]).observe(4, 0.0, 10.0)  # no fit yet: no verdict
+
+
 def test_a_slower_device_is_followed_within_a_few_batches() -> None:
     learner = learned([(n, 0.0, device(n)) for n in [4, 8, 16] * 40])
     for _ in range(3):

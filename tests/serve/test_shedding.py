@@ -23,9 +23,11 @@ def device(n: int) -> float:
 
 def taught_target() -> LatencyTarget:
     target = LatencyTarget(TARGET, DynamicBatcher(MAX_BATCH))
+    now = 0.0
     for n in (1, 4, 8, 16, 2, 12, 6, 10):
         reqs = [Request(i, 0.0, None, 0) for i in range(n)]
-        target.observe(reqs, n, device(n))
+        now += device(n)
+        target.observe(reqs, n, device(n), now)
     assert target.ready
     return target
 

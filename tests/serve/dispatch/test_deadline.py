@@ -6,9 +6,9 @@ from tests.serve.dispatch._buckets import bucket_of
 
 
 def _taught(target: LatencyTarget, seconds: float, batches: int = 8) -> None:
-    for _ in range(batches):
+    for k in range(batches):
         reqs = [new_request(0, 0.0, None, 0) for _ in range(4)]
-        target.observe(reqs, 4, seconds)
+        target.observe(reqs, 4, seconds, (k + 1) * seconds)
 
 
 def test_no_deadline_binds_while_the_model_is_still_learning():
