@@ -193,7 +193,7 @@ class BatchTimeLearner:
         fitted = self._fit.fit_ms(size, cost)
         over = seconds * 1e3 > STALL_RATIO * fitted
         self._over.append(over)
-        stall = over and sum(self._over) <= max(2, int(STALL_SHARE * len(self._over)))
+        stall = over and sum(self._over) <= _stalls_allowed(len(self._over))
         self._faster = self._faster + 1 if seconds * 1e3 < REFUTE_RATIO * fitted else 0
         if self._faster >= REFUTE_WINDOW:
             self._forget_all_but(REFUTE_WINDOW)
@@ -273,10 +273,15 @@ def _stalls(seconds: np.ndarray, fitted: np.ndarray) -> np.ndarray:
     """The indices of the batches set aside as stalls: the slowest of those over
     `STALL_RATIO` times their fit, at most `STALL_SHARE` of them (two in a short
     window: a slow first batch or two)."""
-    allowed = max(2, int(STALL_SHARE * len(seconds)))
     ratios = seconds / np.maximum(fitted, 1e-12)
     over = np.flatnonzero(ratios > STALL_RATIO)
-    return over[np.argsort(ratios[over])[::-1][:allowed]]
+    return over[np.argsort(ratios[over])[::-1][: _stalls_allowed(len(seconds))]]
+
+
+def _stalls_allowed(batches: int) -> int:
+    """How many of a window of `batches` may be set aside as stalls: `STALL_SHARE` of
+    them, and at least two (a slow first batch or two)."""
+    return max(2, int(STALL_SHARE * batches))
 
 
 def _residual_ms(fit: LearnedLatency, sample: tuple[float, float, float]) -> float:
