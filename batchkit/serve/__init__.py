@@ -14,10 +14,10 @@ from batchkit.percentiles import Percentiles
 from batchkit.serve.batched import BatchedFunction, batched
 from batchkit.serve.channels import END
 from batchkit.serve.events import BatchEvent, DropEvent, Listener
-from batchkit.serve.latency import LearnedLatency
 from batchkit.serve.options import Settings
 from batchkit.serve.scheduler import Scheduler
 from batchkit.serve.stats import DispatchReason, GroupStats, Stats
+from batchkit.serve.targets import LearnedLatency
 
 __all__ = [
     "END",

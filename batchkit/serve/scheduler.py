@@ -17,7 +17,6 @@ from batchkit.serve.caps import SizeCaps
 from batchkit.serve.dispatch import DispatchReason, DispatchRule, rules_for
 from batchkit.serve.lane import ArrivalLane
 from batchkit.serve.request import DROPPED, WAITING, Request
-from batchkit.serve.shedding import Shedding
 from batchkit.serve.stats import StatsRecorder
 from batchkit.serve.targets import LatencyTarget
 
@@ -105,10 +104,8 @@ class Scheduler:
     ) -> None:
         self.policy = policy
         self.target: LatencyTarget | None = None
-        self.shedding: Shedding | None = None  # the target's drops of waiting requests
         if max_latency_s is not None:
             self.target = LatencyTarget(max_latency_s, policy)
-            self.shedding = Shedding(self.target)
         self.max_queue_size = max_queue_size
         self._queue_limit = float("inf") if max_queue_size is None else max_queue_size
         self.max_concurrent_batches = max_concurrent_batches
@@ -159,7 +156,6 @@ class Scheduler:
         waiting = [req for bucket in self.buckets.values() for req in bucket.candidates(None)]
         if self.target is None:
             self.target = LatencyTarget(seconds, self.policy)
-            self.shedding = Shedding(self.target)
             self._rules = rules_for(self.policy, self.target, closing=self._closing)
         self.target.retarget(seconds, waiting)
 
@@ -227,7 +223,7 @@ class Scheduler:
             raise QueueFull(
                 f"{self._placed} requests are waiting (max_queue_size={self.max_queue_size})"
             )
-        probe = self.target is not None and self._check_latency([req], req.enqueued_at)
+        probe = self.target is not None and self._check_latency([req])
         self._enqueue(req, probe)
 
     def add_all(self, reqs: Sequence[Request]) -> None:
@@ -251,8 +247,7 @@ class Scheduler:
                 f"{len(reqs)} items do not fit: {self._placed} requests are "
                 f"waiting (max_queue_size={limit})"
             )
-        probe = self.target is not None and bool(reqs)
-        probe = probe and self._check_latency(reqs, reqs[0].enqueued_at)
+        probe = self.target is not None and bool(reqs) and self._check_latency(reqs)
         for req in reqs:
             self._enqueue(req, probe)
 
@@ -263,24 +258,25 @@ class Scheduler:
         self._place(req)
         self._placed += 1
         if self.target is not None:
-            self.target.entered(req, probe)
+            self.target.set_deadline(req, probe)
 
-    def _check_latency(self, reqs: Sequence[Request], now: float) -> bool:
+    def _check_latency(self, reqs: Sequence[Request]) -> bool:
         """Refuse requests predicted to be answered past the latency target; True when
-        they are let in as a probe (see `LatencyTarget.check_admission`)."""
-        assert self.target is not None
-        bucket = self.buckets.get(reqs[0].bucket)
-        priority = reqs[0].priority
+        they are let in as a probe (see `LatencyTarget.admit`)."""
+        target = self.target
+        assert target is not None
+        now = reqs[0].enqueued_at
+        for ahead, req in enumerate(reqs, 1):  # as `_enqueue` will set them
+            req.seq = self.stats.requests + ahead
+            target.set_deadline(req)
         try:
-            return self.target.check_admission(
+            return target.admit(
                 reqs,
-                now,
+                self.buckets,
                 self._slots_free_at(now),
                 self.policy.max_batch_size,
+                now,
                 idle=self.in_flight == 0 and self.num_waiting == 0,
-                last_waiting=None
-                if bucket is None
-                else lambda count: bucket.last_waiting(count, priority),
             )
         except Overloaded:
             self.stats.overloaded += len(reqs)
@@ -299,8 +295,6 @@ class Scheduler:
         """These waiting requests left the queue (taken, dropped or failed; their
         bucket already knows): count them out, and tell who waits for room."""
         self._placed -= len(reqs)
-        if self.target is not None:
-            self.target.left(reqs)
         if self.on_room is not None:
             self.on_room()
 
@@ -322,7 +316,7 @@ class Scheduler:
         if self.target is not None:
             # Only a target set live meets arrivals: those admitted just before it.
             for req in itertools.islice(reversed(queue), count):
-                self.target.entered(req)
+                self.target.set_deadline(req)
 
     def _place(self, req: Request) -> None:
         """Append `req` to its bucket (created if needed)."""
@@ -398,12 +392,12 @@ class Scheduler:
             raised (counted as failed; `wake_at` is then `now`: look again).
         """
         dropped: Sequence[Request] = ()
-        if self.shedding is not None:
+        if self.target is not None:
             dropped = self.shed_too_late(now)  # also while every slot is busy: early
         if self.in_flight >= self.max_concurrent_batches:
             # No batch can leave; under a target, look again when the next waiting
             # request becomes hopeless, to tell it then (not when a long batch ends).
-            drop_at = None if self.shedding is None else self._next_drop_at()
+            drop_at = None if self.target is None else self._next_drop_at()
             return None, drop_at, dropped
         if self.lane.arrivals:
             self.ingest()
@@ -467,7 +461,7 @@ class Scheduler:
 
     def shed_too_late(self, now: float) -> list[Request]:
         """Drop the waiting requests a latency target can no longer answer in time (see
-        `batchkit.serve.shedding`); `decide` does so first, and admission may call it
+        `LatencyTarget.too_late`); `decide` does so first, and admission may call it
         while every slot is busy (no pass runs then, and a request that became hopeless
         behind a long batch would otherwise be told only when the batch ends).
 
@@ -478,27 +472,25 @@ class Scheduler:
             The dropped requests, their error (`Overloaded`) set, counted as shed, for
             the caller to answer; none without a target, or while its model learns.
         """
-        shedding = self._ready_shedding()
-        if shedding is None:
+        target = self._ready_target()
+        if target is None:
             return []
         slots = self._slots_free_at(now)
         ends = [batch.expected_end for batch in self.running.values()]
-        shed = shedding.too_late(
-            self.buckets, slots, ends, now, self._limit, self.policy.max_batch_size
-        )
+        shed = target.too_late(self.buckets, slots, ends, self.policy.max_batch_size, now)
         self._shed(shed)
         return shed
 
     def _next_drop_at(self) -> float | None:
-        """When the next waiting request becomes hopeless (see `Shedding.next_drop_at`)."""
-        shedding = self._ready_shedding()
-        return None if shedding is None else shedding.next_drop_at(self.buckets)
+        """When the next waiting request becomes hopeless (`LatencyTarget.next_drop_at`)."""
+        target = self._ready_target()
+        return None if target is None else target.next_drop_at(self.buckets)
 
-    def _ready_shedding(self) -> Shedding | None:
-        """The latency target's shedding, once its model is ready and requests wait."""
-        if self.shedding is None or not self._placed or not self.shedding.target.ready:
+    def _ready_target(self) -> LatencyTarget | None:
+        """The latency target, once its model is ready and requests wait."""
+        if self.target is None or not self._placed or not self.target.ready:
             return None
-        return self.shedding
+        return self.target
 
     def _shed(self, shed: list[Request]) -> None:
         """Count out the waiting requests shed as too late (their error set)."""
@@ -518,10 +510,13 @@ class Scheduler:
         """Form the bucket's batch: `(batch, None, dropped)`; `(None, now, dropped +
         its candidates)` (look again) when the policy's `select` failed."""
         target = self.target
-        shedding = self.shedding  # (requests wait: the bucket's)
-        if shedding is not None and shedding.target.ready:
-            overdue = shedding.overdue_front(bucket, self._limit(name), now)
+        if target is not None and target.ready:
+            limit = self._limit(name)
+            front = bucket.candidates(4 * limit)
+            overdue = front[: target.overdue(front, now, limit)]
             if overdue:
+                bucket.drop_waiting(overdue)
+                target.set_errors(overdue, now)
                 self._shed(overdue)
                 dropped = [*dropped, *overdue]
         policy = self.policy
@@ -612,11 +607,9 @@ class Scheduler:
         elapsed = now - batch.dispatched_at
         self.stats.batch_latency.append(elapsed)
         if self.target is not None:
-            if clean:
-                self.target.observe(batch.requests, batch.padded_size, elapsed, now)
-            self.target.answered(batch.requests, now)
-        if self.shedding is not None:
-            self.shedding.batch_ended(batch.expected_end, now)
+            self.target.finished(
+                batch.requests, batch.padded_size, elapsed, batch.expected_end, now, clean
+            )
 
     @property
     def drained(self) -> bool:

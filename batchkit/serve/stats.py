@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from batchkit.percentiles import SAMPLE_WINDOW, Percentiles
 from batchkit.serve.dispatch.rule import DispatchReason
-from batchkit.serve.latency import LearnedLatency
+from batchkit.serve.targets import LearnedLatency
 
 if TYPE_CHECKING:
     from batchkit.serve.request import Request

@@ -45,10 +45,10 @@ from batchkit.batchers.dynamic import DynamicBatcher
 from batchkit.batchers.sorted import SortedBatcher
 from batchkit.batchers.static import StaticBatcher
 from batchkit.errors import QueueFull
-from batchkit.serve.latency import LearnedLatency
 from batchkit.serve.options import check_has_wait, check_latency_target, is_positive_finite
 from batchkit.serve.request import DONE, new_request
 from batchkit.serve.scheduler import FormedBatch, Scheduler, group_bucket
+from batchkit.serve.targets import LearnedLatency
 
 
 class LatencyModel:

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from batchkit.serve.latency import MIN_SAMPLES, BatchTimeLearner
+from batchkit.serve.targets import MIN_SAMPLES, BatchTimeLearner
 
 
 def device(size: int, cost: float = 0.0, per_item: float = 0.001) -> float:
@@ -136,17 +136,3 @@ def test_a_model_that_batches_keep_beating_is_learned_again() -> None:
         learner.observe(8, 0.0, 0.002)
     assert not learner.relearning
     assert learner.predict(8) == pytest.approx(0.002)
-
-
-def test_the_spread_is_the_margin_without_the_recent_shift() -> None:
-    rng = random.Random(4)
-    samples = [(n, 0.0, device(n) + rng.uniform(0, 0.002)) for n in [2, 8, 16] * 40]
-    learner = learned(samples)
-    model = learner.snapshot()
-    assert model is not None
-    assert 0 < learner.spread_s <= model.margin_ms / 1e3
-    for _ in range(2):  # two slow batches: a shift, which the spread leaves out
-        learner.observe(16, 0.0, device(16) + 0.010)
-    model = learner.snapshot()
-    assert model is not None
-    assert model.margin_ms / 1e3 - learner.spread_s == pytest.approx(0.010, abs=0.002)
