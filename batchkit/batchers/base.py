@@ -159,11 +159,9 @@ class Batcher:
     max_wait_s: float | None  # None: never leave before full (static batching)
     max_tokens: int | None
     key: KeyFn | None
-    # A class default too: a policy pickled before `cost=` existed loads as "padded".
-    cost: BatchCost = PADDED
-    # Class defaults too: a policy pickled before `group=` existed loads ungrouped.
-    group: GroupFn | None = None
-    max_groups_per_batch: int | None = None  # an int exactly when `group` is set
+    cost: BatchCost
+    group: GroupFn | None
+    max_groups_per_batch: int | None  # an int exactly when `group` is set
 
     def __init__(
         self,

@@ -161,16 +161,8 @@ class Scheduler:
 
     @property
     def closing(self) -> bool:
-        """Whether `close` was called: what waits leaves at once. (Setting it True, as
-        earlier versions did, is `close()`.)"""
+        """Whether `close` was called: what waits leaves at once, and nothing reopens it."""
         return self._closing
-
-    @closing.setter
-    def closing(self, value: bool) -> None:
-        if value:
-            self.close()
-        elif self._closing:
-            raise ValueError("a closing scheduler cannot reopen")
 
     def close(self) -> None:
         """Send every waiting batch at once from now on (`DispatchReason.CLOSING`):

@@ -142,16 +142,3 @@ def test_the_policy_shows_its_cost() -> None:
     assert "cost='sum'" in repr(DynamicBatcher(8, max_tokens=64, cost="sum"))
     assert "cost=<cost squares>" in repr(DynamicBatcher(8, max_tokens=64, cost=squares))
     assert DynamicBatcher(8).cost.name == "padded"  # the default: today's meaning
-
-
-def test_a_policy_pickled_before_cost_existed_loads_as_padded() -> None:
-    """A Ray worker may unpickle a policy an older batchkit pickled: its state has no
-    ``cost``, and it keeps cutting by the padded area."""
-    import pickle
-
-    state = vars(DynamicBatcher(8, max_tokens=10)).copy()
-    del state["cost"]
-    old = pickle.loads(pickle.dumps(DynamicBatcher(8)))
-    old.__dict__.clear()
-    old.__dict__.update(state)  # what unpickling an older pickle's state does
-    assert [b.indices for b in old.batches(_items([5, 5, 5]))] == [[0, 1], [2]]

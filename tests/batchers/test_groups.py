@@ -230,15 +230,6 @@ def test_a_policy_grouped_by_a_module_level_function_pickles() -> None:
         ]
 
 
-def test_a_policy_pickled_before_groups_existed_loads_ungrouped() -> None:
-    policy = DynamicBatcher(4)
-    del policy.__dict__["group"], policy.__dict__["max_groups_per_batch"]  # as an old pickle
-    loaded = pickle.loads(pickle.dumps(policy))
-    assert loaded.group is None and loaded.max_groups_per_batch is None
-    assert [b.indices for b in loaded.batches([1, 2, 3])] == [[0, 1, 2]]
-    assert "group" not in repr(loaded)
-
-
 def test_a_live_settings_change_keeps_the_group() -> None:
     policy = DynamicBatcher(4, 5.0, group=task, max_groups_per_batch=2)
     changed = reconfigured(policy, 8, 2.0)
