@@ -485,7 +485,7 @@ class LatencyTarget:
                 "admitted before it), over the target"
             )
         else:
-            ahead = sum(len(lane) for lane in self._lanes(buckets, reqs[0].priority).values())
+            ahead = sum(len(queue) for queue in self._waiting(buckets, reqs[0].priority).values())
             why = (
                 f"predicted {predicted * 1e3:.1f} ms to answer this request ({ahead} "
                 "requests ahead of it), over the target"
@@ -541,34 +541,34 @@ class LatencyTarget:
                 the requests expected to join it before it leaves (see
                 `_joined_seconds`). None replays what waits alone.
         """
-        lanes = self._lanes(buckets, reqs[0].priority if reqs else math.inf)
+        queues = self._waiting(buckets, reqs[0].priority if reqs else math.inf)
         for name, new in by_bucket(reqs).items():
-            lanes.setdefault(name, []).extend(new)
+            queues.setdefault(name, []).extend(new)
         fresh = {id(r) for r in reqs}
-        at = dict.fromkeys(lanes, 0)  # each lane's front
+        at = dict.fromkeys(queues, 0)  # each queue's front
         slots = sorted(slots_free_at)
         finish, cut = -math.inf, False
         dropped: list[Request] = []
-        while lanes:
+        while queues:
             start = slots[0]
-            self._drop_hopeless_fronts(lanes, at, start, dropped)
-            if not lanes:
+            self._drop_hopeless_fronts(queues, at, start, dropped)
+            if not queues:
                 break
-            name = min(lanes, key=lambda n: (lanes[n][at[n]].priority, lanes[n][at[n]].seq))
-            lane, i = lanes[name], at[name]
-            i += self.overdue(lane[i : i + 4 * max_batch_size], start, max_batch_size)
-            dropped += lane[at[name] : i]
-            batch = self._cut(lane[i : i + max_batch_size], start, max_batch_size)
-            left = [r for r in lane[i + len(batch) : i + max_batch_size] if id(r) in fresh]
+            name = min(queues, key=lambda n: (queues[n][at[n]].priority, queues[n][at[n]].seq))
+            queue, i = queues[name], at[name]
+            i += self.overdue(queue[i : i + 4 * max_batch_size], start, max_batch_size)
+            dropped += queue[at[name] : i]
+            batch = self._cut(queue[i : i + max_batch_size], start, max_batch_size)
+            left = [r for r in queue[i + len(batch) : i + max_batch_size] if id(r) in fresh]
             if left:  # with them, it would end late for an earlier member; for them too?
-                with_them = lane[i : lane.index(left[-1], i) + 1]
+                with_them = queue[i : queue.index(left[-1], i) + 1]
                 end = start + self.batch_seconds(with_them)
                 if end > left[-1].deadline:
                     return Plan(end, [r for r in dropped if id(r) not in fresh])
                 cut = True
             i += len(batch)
             seconds = self.batch_seconds(batch)
-            if joined_from is not None and i == len(lane):  # (later arrivals join it)
+            if joined_from is not None and i == len(queue):  # (later arrivals join it)
                 until = start - joined_from
                 seconds = self._joined_seconds(batch, max_batch_size, until)
             end = start + seconds
@@ -576,41 +576,41 @@ class LatencyTarget:
             if any(id(r) in fresh for r in batch):
                 finish = end
             at[name] = i
-            if i == len(lane):
-                del lanes[name]
+            if i == len(queue):
+                del queues[name]
         if any(id(r) in fresh for r in dropped):
             finish = math.inf
         return Plan(finish, [r for r in dropped if id(r) not in fresh], cut)
 
     @staticmethod
-    def _lanes(
+    def _waiting(
         buckets: Mapping[Hashable, Bucket], priority: float
     ) -> dict[Hashable, list[Request]]:
         """Each bucket's waiting requests of `priority` or more urgent, in service order."""
-        lanes = {}
+        queues = {}
         for name, bucket in buckets.items():
-            lane = [r for r in bucket.candidates(None) if r.priority <= priority]
-            if lane:
-                lanes[name] = lane
-        return lanes
+            queue = [r for r in bucket.candidates(None) if r.priority <= priority]
+            if queue:
+                queues[name] = queue
+        return queues
 
     def _drop_hopeless_fronts(
         self,
-        lanes: dict[Hashable, list[Request]],
+        queues: dict[Hashable, list[Request]],
         at: dict[Hashable, int],
         start: float,
         dropped: list[Request],
     ) -> None:
-        """In a replay: move each lane's front (`at`) past the requests late even alone
-        in a batch leaving at `start`, onto `dropped`; forget the lanes emptied."""
-        for name in list(lanes):
-            lane, i = lanes[name], at[name]
-            while i < len(lane) and start + self.batch_seconds([lane[i]]) > lane[i].deadline:
-                dropped.append(lane[i])
+        """In a replay: move each queue's front (`at`) past the requests late even alone
+        in a batch leaving at `start`, onto `dropped`; forget the queues emptied."""
+        for name in list(queues):
+            queue, i = queues[name], at[name]
+            while i < len(queue) and start + self.batch_seconds([queue[i]]) > queue[i].deadline:
+                dropped.append(queue[i])
                 i += 1
             at[name] = i
-            if i == len(lane):
-                del lanes[name]
+            if i == len(queue):
+                del queues[name]
 
     def _cut(self, batch: list[Request], start: float, max_batch_size: int) -> list[Request]:
         """A bucket's batch as the scheduler forms it at `start`: its front within the
