@@ -47,9 +47,9 @@ class Scheduler:
     """Waiting requests grouped in buckets; decides which batch leaves, and when.
 
     The pure core behind `@batched` and [`simulate`][batchkit.simulate]: no threads,
-    no sleeping; time is passed in (`poll(now)`), so its behaviour is tested with a
+    no sleeping; time is passed in (`decide(now)`), so its behaviour is tested with a
     fake clock. Requests are placed in buckets by the policy (`bucket_of` of their
-    key), FIFO per priority. `poll` forms the next batch; `finish` frees its slot.
+    key), FIFO per priority. `decide` forms the next batch; `finish` frees its slot.
     Each batch is cut to its bucket's size cap learned after out-of-memory (`caps`).
 
     Not thread-safe: the serving core calls it under its lock. Only its arrival
@@ -57,8 +57,7 @@ class Scheduler:
 
     `decide(now)` says what a pass decided: the batch that leaves, when to look
     again, and the waiting requests it dropped (their error set) for the caller to
-    answer. `poll(now)` is the same pass for code that hands the drops to the
-    `on_shed` and `on_select_failed` callbacks instead.
+    answer; it calls nobody back.
 
     Args:
         policy: The batching policy: its hooks (`key_of`, `bucket_of`, `select`,
@@ -82,11 +81,6 @@ class Scheduler:
             its own, never taught, when None.
         on_room: Called (under the caller's lock) whenever requests leave the
             queue: who waits for room (`when_full="block"`) may be let in.
-        on_shed: For `poll`: called with the waiting requests dropped as too late
-            to answer in time, their error (`Overloaded`) set. (`decide` returns them.)
-        on_select_failed: For `poll`: called with the requests a failing
-            `policy.select()` was choosing among, their error set (what it raised);
-            without it, the error is raised from `poll()`. (`decide` returns them.)
     """
 
     def __init__(
@@ -99,8 +93,6 @@ class Scheduler:
         lane: ArrivalLane | None = None,
         caps: SizeCaps | None = None,
         on_room: Callable[[], None] | None = None,
-        on_shed: Callable[[list[Request]], None] | None = None,
-        on_select_failed: Callable[[list[Request]], None] | None = None,
     ) -> None:
         self.policy = policy
         self.target: LatencyTarget | None = None
@@ -127,8 +119,6 @@ class Scheduler:
         self.set_policy(policy)
         self.running: dict[int, FormedBatch] = {}
         self.on_room = on_room
-        self.on_shed = on_shed
-        self.on_select_failed = on_select_failed
         self.stats = StatsRecorder()
 
     def set_policy(self, policy: Batcher) -> None:
@@ -426,31 +416,6 @@ class Scheduler:
             return None, wake_at, dropped
         return self._take(*chosen, now, dropped)
 
-    def poll(self, now: float) -> tuple[FormedBatch | None, float | None]:
-        """`decide`, handing what it dropped to the callbacks: `(batch, wake_at)`.
-
-        Requests dropped as too late go to `on_shed`; the candidates of a policy
-        `select` that raised go to `on_select_failed`, or, without it, the error is
-        raised here (those candidates are dropped all the same, their error set).
-
-        Args:
-            now: The current time, in seconds on the caller's clock.
-
-        Returns:
-            `(batch, wake_at)`, as `decide` returns them.
-        """
-        batch, wake_at, dropped = self.decide(now)
-        if dropped:
-            shed = [req for req in dropped if isinstance(req.error, Overloaded)]
-            failed = [req for req in dropped if not isinstance(req.error, Overloaded)]
-            if shed and self.on_shed is not None:
-                self.on_shed(shed)
-            if failed:
-                if self.on_select_failed is None:
-                    raise failed[0].error  # type: ignore[misc]
-                self.on_select_failed(failed)
-        return batch, wake_at
-
     def shed_too_late(self, now: float) -> list[Request]:
         """Drop the waiting requests a latency target can no longer answer in time (see
         `LatencyTarget.too_late`); `decide` does so first, and admission may call it
@@ -589,7 +554,7 @@ class Scheduler:
         """A batch ended (whatever its outcome): its slot is free again.
 
         Args:
-            batch: A batch `poll` returned, not finished before.
+            batch: A batch `decide` returned, not finished before.
             now: The current time, in seconds (its latency is counted to it).
             clean: It ran as one call that completed (not split, retried, timed out
                 or abandoned), so its time teaches a latency target's model.

@@ -44,7 +44,7 @@ from batchkit.batchers.cost import BatchCost, CostLike, as_batch_cost
 from batchkit.batchers.dynamic import DynamicBatcher
 from batchkit.batchers.sorted import SortedBatcher
 from batchkit.batchers.static import StaticBatcher
-from batchkit.errors import QueueFull
+from batchkit.errors import Overloaded, QueueFull
 from batchkit.serve.options import check_has_wait, check_latency_target, is_positive_finite
 from batchkit.serve.request import DONE, new_request
 from batchkit.serve.scheduler import FormedBatch, Scheduler, group_bucket
@@ -1242,7 +1242,10 @@ def _replay(
                 sched.add(req)
             i += 1
         while True:
-            formed, wake_at = sched.poll(now)
+            formed, wake_at, dropped = sched.decide(now)
+            for req in dropped:  # (too late: counted as shed by the scheduler)
+                if not isinstance(req.error, Overloaded):
+                    raise req.error  # type: ignore[misc]  # a policy's failing select
             if formed is None:
                 break
             cost = 0.0 if keys is None else policy.cost.of([r.key for r in formed.requests])

@@ -18,6 +18,7 @@ from batchkit import DynamicBatcher
 from batchkit.serve.request import new_request
 from batchkit.serve.scheduler import Scheduler
 from batchkit.serve.stats import DispatchReason
+from tests.serve._passes import poll
 
 
 def add(sched: Scheduler, item: object, now: float) -> None:
@@ -40,7 +41,7 @@ def test_eager_by_default_an_idle_device_takes_a_partial_batch_at_once() -> None
     assert policy.eager and policy.dispatch_when_idle
     sched = Scheduler(policy)
     add(sched, 1, 0.0)
-    batch, _ = sched.poll(0.0)
+    batch, _ = poll(sched, 0.0)
     assert batch is not None and batch.reason is DispatchReason.IDLE and items(batch) == [1]
 
 
@@ -49,11 +50,11 @@ def test_not_eager_an_idle_device_waits_for_max_wait() -> None:
     assert not policy.dispatch_when_idle
     sched = Scheduler(policy)
     add(sched, 1, 0.0)
-    batch, wake = sched.poll(0.0)
+    batch, wake = poll(sched, 0.0)
     assert batch is None and wake == pytest.approx(0.010)  # idle, yet it waits
     add(sched, 2, 0.004)
-    assert sched.poll(0.00999)[0] is None
-    batch, _ = sched.poll(0.010)
+    assert poll(sched, 0.00999)[0] is None
+    batch, _ = poll(sched, 0.010)
     assert batch is not None and batch.reason is DispatchReason.MAX_WAIT
     assert items(batch) == [1, 2]  # the fuller batch the wait was for
 
@@ -62,23 +63,23 @@ def test_not_eager_a_full_batch_leaves_at_once() -> None:
     sched = Scheduler(DynamicBatcher(3, max_wait_ms=1000, eager=False))
     for i in range(4):
         add(sched, i, 0.0)
-    batch, _ = sched.poll(0.0)
+    batch, _ = poll(sched, 0.0)
     assert batch is not None and batch.reason is DispatchReason.FULL and items(batch) == [0, 1, 2]
 
 
 def test_not_eager_with_no_wait_leaves_at_once() -> None:
     sched = Scheduler(DynamicBatcher(4, max_wait_ms=0, eager=False))
     add(sched, 1, 0.0)
-    batch, _ = sched.poll(0.0)
+    batch, _ = poll(sched, 0.0)
     assert batch is not None and batch.reason is DispatchReason.MAX_WAIT
 
 
 def test_not_eager_a_partial_batch_still_leaves_on_close() -> None:
     sched = Scheduler(DynamicBatcher(4, max_wait_ms=1000, eager=False))
     add(sched, 1, 0.0)
-    assert sched.poll(0.0)[0] is None
+    assert poll(sched, 0.0)[0] is None
     sched.close()
-    batch, _ = sched.poll(0.0)
+    batch, _ = poll(sched, 0.0)
     assert batch is not None and batch.reason is DispatchReason.CLOSING and items(batch) == [1]
 
 
@@ -87,13 +88,13 @@ def test_not_eager_waits_whatever_is_running() -> None:
     # (Times in quarters of a second: exact in binary, so "waited 250 ms" is exact too.)
     sched = Scheduler(DynamicBatcher(4, max_wait_ms=250, eager=False), max_concurrent_batches=2)
     add(sched, 0, 0.0)
-    assert sched.poll(0.0)[0] is None
-    first, _ = sched.poll(0.25)
+    assert poll(sched, 0.0)[0] is None
+    first, _ = poll(sched, 0.25)
     assert first is not None and first.reason is DispatchReason.MAX_WAIT
     add(sched, 1, 0.5)
-    batch, wake = sched.poll(0.5)
+    batch, wake = poll(sched, 0.5)
     assert batch is None and wake == 0.75
-    second, _ = sched.poll(0.75)
+    second, _ = poll(sched, 0.75)
     assert second is not None and second.reason is DispatchReason.MAX_WAIT
 
 

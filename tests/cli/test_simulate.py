@@ -11,6 +11,7 @@ import pytest
 
 import batchkit.tools.simulate as sim
 from batchkit.batchers import BucketedBatcher, DynamicBatcher, StaticBatcher
+from batchkit.serve.request import Request
 from batchkit.serve.scheduler import FormedBatch, Scheduler
 from batchkit.tools.simulate import LatencyModel, poisson_arrivals, read_trace, simulate
 from tests.cli._helpers import assert_one_line_error, run, within
@@ -174,8 +175,8 @@ def test_requests_the_scheduler_never_dispatches_are_an_error(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     class Stuck(Scheduler):
-        def poll(self, now: float) -> tuple[FormedBatch | None, float | None]:
-            return None, None
+        def decide(self, now: float) -> tuple[FormedBatch | None, float | None, list[Request]]:
+            return None, None, []
 
     monkeypatch.setattr(sim, "Scheduler", Stuck)
     with pytest.raises(RuntimeError, match="1 requests left waiting"):

@@ -6,6 +6,7 @@ from batchkit import DynamicBatcher
 from batchkit.serve.caps import PROBE_AFTER, SizeCaps
 from batchkit.serve.request import Request
 from batchkit.serve.scheduler import Scheduler
+from tests.serve._passes import poll
 
 
 def _requests(n: int) -> list[Request]:
@@ -72,5 +73,5 @@ def test_the_scheduler_forms_batches_within_the_caps_it_is_given() -> None:
     for req in _requests(8):
         sched.add(req)
     caps.learn(None, 3, policy)
-    batch, _ = sched.poll(0.0)
+    batch, _ = poll(sched, 0.0)
     assert batch is not None and [r.item for r in batch.requests] == [0, 1, 2]

@@ -17,6 +17,7 @@ import batchkit
 from batchkit import DynamicBatcher
 from batchkit.serve.request import Request, new_request
 from batchkit.serve.scheduler import Scheduler, group_bucket
+from tests.serve._passes import poll
 
 
 def by_task(item: tuple[Hashable, int]) -> Hashable:
@@ -40,15 +41,15 @@ def groups_of(batch: list[tuple[Hashable, int]]) -> set[Hashable]:
 def test_a_batch_takes_one_group_and_the_oldest_group_goes_first() -> None:
     sched = Scheduler(DynamicBatcher(8, 5, group=by_task), max_concurrent_batches=1)
     add(sched, ("b", 0), 0.0)
-    first, _ = sched.poll(0.0)  # idle: b leaves alone
+    first, _ = poll(sched, 0.0)  # idle: b leaves alone
     assert first is not None
     for i, task in enumerate("aabab"):
         add(sched, (task, i), 0.001 * i)
     sched.finish(first, 0.010)
-    batch, _ = sched.poll(0.010)
+    batch, _ = poll(sched, 0.010)
     assert batch is not None and [r.item for r in batch.requests] == [("a", 0), ("a", 1), ("a", 3)]
     sched.finish(batch, 0.011)
-    batch, _ = sched.poll(0.011)
+    batch, _ = poll(sched, 0.011)
     assert batch is not None and [r.item for r in batch.requests] == [("b", 2), ("b", 4)]
 
 
@@ -56,7 +57,7 @@ def test_priorities_outrank_the_age_of_a_group() -> None:
     sched = Scheduler(DynamicBatcher(8, 5, group=by_task))
     add(sched, ("a", 0), 0.0)
     add(sched, ("b", 1), 0.001, priority=-1)
-    batch, _ = sched.poll(0.002)
+    batch, _ = poll(sched, 0.002)
     assert batch is not None and [r.item for r in batch.requests] == [("b", 1)]
 
 
@@ -64,11 +65,11 @@ def test_a_short_batch_is_filled_from_the_next_oldest_groups_up_to_the_limit() -
     sched = Scheduler(DynamicBatcher(8, 5, group=by_task, max_groups_per_batch=2))
     for i, task in enumerate("abcab"):
         add(sched, (task, i), 0.0)
-    batch, _ = sched.poll(0.0)
+    batch, _ = poll(sched, 0.0)
     assert batch is not None
     assert [r.item for r in batch.requests] == [("a", 0), ("a", 3), ("b", 1), ("b", 4)]
     sched.finish(batch, 0.001)
-    batch, _ = sched.poll(0.001)
+    batch, _ = poll(sched, 0.001)
     assert batch is not None and [r.item for r in batch.requests] == [("c", 2)]
     assert sched.num_waiting == 0
 
@@ -93,7 +94,7 @@ def test_a_cold_group_behind_a_hot_one_waits_its_max_wait_plus_the_running_batch
             sched.finish(running, now)
             running = None
         if running is None:
-            running, _ = sched.poll(now)
+            running, _ = poll(sched, now)
             if running is not None:
                 ends = now + batch_s
                 if any(r.item[0] == "cold" for r in running.requests):
@@ -110,12 +111,12 @@ def test_groups_that_come_and_go_leave_no_bucket_behind() -> None:
     now = 0.0
     for user in range(500):
         reqs = [add(sched, (user, k), now) for k in range(2)]
-        batch, _ = sched.poll(now)
+        batch, _ = poll(sched, now)
         assert batch is not None and batch.requests == reqs
         now += 0.01
         sched.finish(batch, now)
     late = add(sched, ("late", 0), now)
-    batch, _ = sched.poll(now)
+    batch, _ = poll(sched, now)
     assert batch is not None and batch.requests == [late]
     assert len(sched.buckets) <= 2
 

@@ -12,6 +12,7 @@ from batchkit.serve.request import DROPPED, RUNNING, Request, new_request
 from batchkit.serve.scheduler import Scheduler
 from batchkit.serve.stats import DispatchReason
 from tests.batchers._costs import squares, within_budget
+from tests.serve._passes import poll
 
 
 def add(sched: Scheduler, item: object, now: float, priority: int = 0) -> Request:
@@ -26,7 +27,7 @@ def add(sched: Scheduler, item: object, now: float, priority: int = 0) -> Reques
 def test_idle_dispatches_at_once() -> None:
     sched = Scheduler(DynamicBatcher(4, max_wait_ms=10))
     add(sched, 1, 0.0)
-    batch, _ = sched.poll(0.0)
+    batch, _ = poll(sched, 0.0)
     assert batch is not None and batch.reason is DispatchReason.IDLE
     assert [r.item for r in batch.requests] == [1]
 
@@ -34,15 +35,15 @@ def test_idle_dispatches_at_once() -> None:
 def test_busy_waits_for_max_wait_from_oldest() -> None:
     sched = Scheduler(DynamicBatcher(4, max_wait_ms=10), max_concurrent_batches=2)
     add(sched, 0, 0.0)
-    first, _ = sched.poll(0.0)  # idle -> leaves
+    first, _ = poll(sched, 0.0)  # idle -> leaves
     assert first is not None
     add(sched, 1, 1.0)
     add(sched, 2, 1.005)
-    batch, wake = sched.poll(1.005)
+    batch, wake = poll(sched, 1.005)
     assert batch is None and wake == pytest.approx(1.010)
-    batch, _ = sched.poll(1.00999)
+    batch, _ = poll(sched, 1.00999)
     assert batch is None
-    batch, _ = sched.poll(1.010)
+    batch, _ = poll(sched, 1.010)
     assert batch is not None and batch.reason is DispatchReason.MAX_WAIT
     assert [r.item for r in batch.requests] == [1, 2]
 
@@ -50,27 +51,27 @@ def test_busy_waits_for_max_wait_from_oldest() -> None:
 def test_full_batch_leaves_while_busy() -> None:
     sched = Scheduler(DynamicBatcher(3, max_wait_ms=1000), max_concurrent_batches=2)
     add(sched, 0, 0.0)
-    assert sched.poll(0.0)[0] is not None
+    assert poll(sched, 0.0)[0] is not None
     for i in range(4):
         add(sched, i, 0.1)
-    batch, _ = sched.poll(0.1)
+    batch, _ = poll(sched, 0.1)
     assert batch is not None and batch.reason is DispatchReason.FULL and len(batch.requests) == 3
-    assert sched.poll(0.1) == (None, None)  # both slots busy: nothing to wake for
+    assert poll(sched, 0.1) == (None, None)  # both slots busy: nothing to wake for
     sched.finish(batch, 0.2)
-    batch, _ = sched.poll(0.2)
+    batch, _ = poll(sched, 0.2)
     assert batch is None  # one still running, 1 waiting, not full, not aged
 
 
 def test_no_slot_no_batch() -> None:
     sched = Scheduler(DynamicBatcher(2, max_wait_ms=0))
     add(sched, 0, 0.0)
-    running, _ = sched.poll(0.0)
+    running, _ = poll(sched, 0.0)
     for i in range(5):
         add(sched, i, 0.0)
-    assert sched.poll(100.0) == (None, None)
+    assert poll(sched, 100.0) == (None, None)
     assert running is not None
     sched.finish(running, 1.0)
-    batch, _ = sched.poll(1.0)
+    batch, _ = poll(sched, 1.0)
     assert batch is not None and len(batch.requests) == 2
 
 
@@ -78,9 +79,9 @@ def test_static_waits_for_full_then_flushes_on_close() -> None:
     sched = Scheduler(StaticBatcher(3))
     add(sched, 0, 0.0)
     add(sched, 1, 0.0)
-    assert sched.poll(1e9) == (None, None)  # no timer: static never leaves partial
+    assert poll(sched, 1e9) == (None, None)  # no timer: static never leaves partial
     sched.close()
-    batch, _ = sched.poll(1e9)
+    batch, _ = poll(sched, 1e9)
     assert batch is not None and batch.reason is DispatchReason.CLOSING
     assert len(batch.requests) == 2
 
@@ -90,7 +91,7 @@ def test_priority_lower_first_across_buckets() -> None:
     add(sched, "aaaaa", 0.0, priority=5)
     add(sched, "a", 0.1, priority=1)
     add(sched, "bbbbb", 0.2, priority=0)
-    batch, _ = sched.poll(1.0)
+    batch, _ = poll(sched, 1.0)
     assert batch is not None
     assert [r.item for r in batch.requests] == ["bbbbb", "aaaaa"]  # priority 0 then 5, same bucket
 
@@ -99,11 +100,11 @@ def test_bucket_never_mixed_and_token_budget() -> None:
     sched = Scheduler(BucketedBatcher([2, 10], max_batch_size=8, max_tokens=12, max_wait_ms=0))
     for item in ["a", "bbbb", "c", "dddd", "eeee", "ffff"]:
         add(sched, item, 0.0)
-    batch, _ = sched.poll(0.0)
+    batch, _ = poll(sched, 0.0)
     assert batch is not None
     assert [r.item for r in batch.requests] == ["a", "c"]
     sched.finish(batch, 0.0)
-    batch, _ = sched.poll(0.0)
+    batch, _ = poll(sched, 0.0)
     assert batch is not None
     assert [r.item for r in batch.requests] == ["bbbb", "dddd", "eeee"]  # 3*4 = 12 tokens
 
@@ -126,7 +127,7 @@ def test_a_bucket_is_full_when_its_waiting_requests_reach_the_budget_by_cost(
     sched = Scheduler(DynamicBatcher(8, max_wait_ms=1000, max_tokens=20, cost=cost, eager=False))
     for n in lengths:
         add(sched, "x" * n, 0.1)
-    batch, _ = sched.poll(0.1)
+    batch, _ = poll(sched, 0.1)
     if full:
         assert batch is not None and batch.reason is DispatchReason.FULL
         assert within_budget(sched.policy, [r.key for r in batch.requests])
@@ -140,7 +141,7 @@ def test_a_sum_budget_batch_takes_what_a_padded_one_leaves() -> None:
         sched = Scheduler(DynamicBatcher(8, max_wait_ms=0, max_tokens=14, cost=cost))
         for item in ["a" * 12, "b", "c"]:
             add(sched, item, 0.0)
-        batch, _ = sched.poll(0.0)
+        batch, _ = poll(sched, 0.0)
         assert batch is not None and [r.item for r in batch.requests] == expected
 
 
@@ -159,7 +160,7 @@ def test_drop_removes_waiting_only() -> None:
     b = add(sched, "b", 0.0)
     assert sched.drop(a)
     assert not sched.drop(a)
-    batch, _ = sched.poll(0.0)
+    batch, _ = poll(sched, 0.0)
     assert batch is not None and batch.requests == [b]
     assert not sched.drop(b)  # running
     assert a.state == DROPPED and b.state == RUNNING
@@ -170,7 +171,7 @@ def test_strict_sizes_pad_up() -> None:
     sched = Scheduler(policy)
     for i in range(5):
         add(sched, i, 0.0)
-    batch, _ = sched.poll(0.0)
+    batch, _ = poll(sched, 0.0)
     assert batch is not None and len(batch.requests) == 5 and batch.padded_size == 8
 
 
@@ -178,7 +179,7 @@ def test_preferred_sizes_take_largest_available() -> None:
     sched = Scheduler(DynamicBatcher(64, preferred_batch_sizes=[2, 4], max_wait_ms=0))
     for i in range(7):
         add(sched, i, 0.0)
-    batch, _ = sched.poll(0.0)
+    batch, _ = poll(sched, 0.0)
     assert batch is not None and len(batch.requests) == 4 and batch.padded_size == 4
 
 
@@ -186,7 +187,7 @@ def test_sorted_groups_nearest_keys_with_oldest() -> None:
     sched = Scheduler(SortedBatcher(batch_size=3, max_wait_ms=0))
     for item in ["a" * 5, "a" * 50, "a" * 4, "a" * 49, "a" * 6, "a" * 51]:
         add(sched, item, 0.0)
-    batch, _ = sched.poll(0.0)
+    batch, _ = poll(sched, 0.0)
     assert batch is not None
     assert sorted(len(r.item) for r in batch.requests) == [4, 5, 6]
 
@@ -233,13 +234,13 @@ def test_everything_served_once_within_limits(
     for length, priority, gap in arrivals:
         now += gap / 1000
         added.append(add(sched, "x" * length, now, priority))
-        while (batch := sched.poll(now)[0]) is not None:
+        while (batch := poll(sched, now)[0]) is not None:
             running.append(batch)
         if running and gap > 2:  # sometimes a batch finishes
             finish_oldest()
     sched.close()
     while running or sched.num_waiting:
-        while (batch := sched.poll(now)[0]) is not None:
+        while (batch := poll(sched, now)[0]) is not None:
             running.append(batch)
         finish_oldest()
     assert sorted(map(id, served)) == sorted(map(id, added))  # each once, none lost
@@ -282,8 +283,8 @@ def test_batches_are_the_service_order_heads_with_drops(
     waiting: list[Request] = []  # the model: requests not yet taken or dropped
     order: dict[int, int] = {}  # the model's own arrival numbers (bulk arrivals keep seq 0)
 
-    def poll() -> None:
-        while (batch := sched.poll(now)[0]) is not None:
+    def run_ready() -> None:
+        while (batch := poll(sched, now)[0]) is not None:
             bucket = batch.requests[0].bucket
             expected = sorted(
                 (r for r in waiting if r.bucket == bucket),
@@ -315,14 +316,14 @@ def test_batches_are_the_service_order_heads_with_drops(
             if req in waiting:
                 waiting.remove(req)
         elif op == "poll":
-            poll()
+            run_ready()
         elif op == "finish" and running:
             batch = running.pop(0)
             sched.finish(batch, now)
             served.extend(batch.requests)
     sched.close()
     while running or sched.num_waiting:
-        poll()
+        run_ready()
         batch = running.pop(0)
         sched.finish(batch, now)
         served.extend(batch.requests)
@@ -345,18 +346,18 @@ def test_bulk_arrivals_count_keep_order_and_can_be_dropped_before_placement() ->
 
     only = arrive("z", 0.0)  # dropped before any bucket exists
     assert sched.num_waiting == 1 and sched.drop(only) and sched.drained
-    assert sched.poll(0.0) == (None, None)
+    assert poll(sched, 0.0) == (None, None)
     first = add(sched, "a", 0.0)
     b, c, d = arrive("b", 0.1), arrive("c", 0.2), arrive("d", 0.3)
     assert sched.num_waiting == 4 and not sched.drained
     assert sched.drop(c)  # not yet placed: placed, then withdrawn
     assert not sched.drop(c) and sched.num_waiting == 3
     late = add(sched, "e", 0.4)  # an add places earlier arrivals first: order is kept
-    batch, _ = sched.poll(0.5)
+    batch, _ = poll(sched, 0.5)
     assert batch is not None and batch.requests == [first, b, d]
     sched.finish(batch, 0.6)
     arrive("f", 0.7)
-    batch, _ = sched.poll(0.7)
+    batch, _ = poll(sched, 0.7)
     assert batch is not None and [r.item for r in batch.requests] == ["e", "f"]
     assert batch.requests[0] is late
     assert sched.stats.requests == 7 and sched.num_waiting == 0
@@ -370,10 +371,10 @@ def test_a_batch_that_is_not_the_queue_front_leaves_the_others_waiting() -> None
     sched = Scheduler(SortedBatcher(batch_size=2, max_wait_ms=1))
     for item in ["aaaaa", "a", "aaaaaa", "aa"]:
         add(sched, item, 0.0)
-    batch, _ = sched.poll(0.0)
+    batch, _ = poll(sched, 0.0)
     assert batch is not None and [r.item for r in batch.requests] == ["aaaaa", "aaaaaa"]
     sched.finish(batch, 0.0)
-    batch, _ = sched.poll(0.0)
+    batch, _ = poll(sched, 0.0)
     assert batch is not None and sorted(r.item for r in batch.requests) == ["a", "aa"]
     sched.finish(batch, 0.0)
     assert sched.drained
@@ -384,7 +385,7 @@ def test_the_public_scheduler_accepts_a_request_without_an_arrival_time() -> Non
 
     sched = Scheduler(DynamicBatcher(4, max_wait_ms=10))
     sched.add(new_request("x", 0.0, None, 0))
-    batch, _ = sched.poll(0.0)
+    batch, _ = poll(sched, 0.0)
     assert batch is not None and [r.item for r in batch.requests] == ["x"]
 
 
@@ -403,7 +404,7 @@ def test_a_select_that_reorders_its_list_still_takes_what_it_chose() -> None:
         sched.add(new_request(item, float(len(item)), None, 0))
     served = []
     while True:
-        batch, _ = sched.poll(0.0)
+        batch, _ = poll(sched, 0.0)
         if batch is None:
             break
         served += [r.item for r in batch.requests]
@@ -423,7 +424,7 @@ def test_a_select_replaced_on_the_policy_instance_is_not_taken_for_a_prefix() ->
     for i in range(3):
         sched.add(new_request(i, 0.0, None, 0))
     served = []
-    while (batch := sched.poll(0.0)[0]) is not None:
+    while (batch := poll(sched, 0.0)[0]) is not None:
         served += [r.item for r in batch.requests]
         sched.finish(batch, 0.0)
     assert served == [2, 1, 0]
@@ -441,13 +442,13 @@ def test_a_keyless_policy_in_several_buckets_serves_the_oldest_head_first() -> N
         sched.add(new_request(item, key, policy.bucket_of(key), 0))
 
     add("first-short", 2.0)  # makes bucket 0 the first in dict order
-    batch, _ = sched.poll(0.0)
+    batch, _ = poll(sched, 0.0)
     assert batch is not None
     sched.finish(batch, 0.0)
     add("older-long", 6.0)
     add("newer-short", 2.0)
     sched.close()
-    batch, _ = sched.poll(0.0)
+    batch, _ = poll(sched, 0.0)
     assert batch is not None and [r.item for r in batch.requests] == ["older-long"]
 
 
@@ -460,7 +461,7 @@ def test_a_policy_whose_select_picks_nothing_is_an_error_not_a_stall() -> None:
     sched = Scheduler(_PicksNothing(4))
     add(sched, 1, 0.0)
     with pytest.raises(ValueError, match=r"_PicksNothing.select\(\) chose no request of the 1"):
-        sched.poll(0.0)
+        poll(sched, 0.0)
 
 
 class _RaisesOnBigBatches(DynamicBatcher):
@@ -470,13 +471,12 @@ class _RaisesOnBigBatches(DynamicBatcher):
         return super().select(candidates)
 
 
-def test_decide_returns_a_failing_selection_s_candidates_and_calls_nobody_back() -> None:
-    called: list[list[Request]] = []
-    sched = Scheduler(_RaisesOnBigBatches(4, max_wait_ms=10), on_select_failed=called.append)
+def test_decide_returns_a_failing_selection_s_candidates_with_its_error() -> None:
+    sched = Scheduler(_RaisesOnBigBatches(4, max_wait_ms=10))
     first = [add(sched, i, 0.0) for i in range(3)]
     batch, wake_at, dropped = sched.decide(0.0)
     assert batch is None and wake_at == 0.0  # look again at once
-    assert list(dropped) == first and not called
+    assert list(dropped) == first
     assert all(r.state == DROPPED and str(r.error) == "a bug in select" for r in first)
     assert sched.stats.failed == 3 and sched.num_waiting == 0
     later = add(sched, 9, 0.001)  # the others go on: the next batch forms
@@ -484,27 +484,14 @@ def test_decide_returns_a_failing_selection_s_candidates_and_calls_nobody_back()
     assert batch is not None and batch.requests == [later] and not dropped
 
 
-def test_poll_hands_a_failing_selection_to_its_callback_or_raises_it() -> None:
-    called: list[list[Request]] = []
-    sched = Scheduler(_RaisesOnBigBatches(4, max_wait_ms=10), on_select_failed=called.append)
-    reqs = [add(sched, i, 0.0) for i in range(3)]
-    assert sched.poll(0.0) == (None, 0.0) and called == [reqs]
-    bare = Scheduler(_RaisesOnBigBatches(4, max_wait_ms=10))
-    for i in range(3):
-        add(bare, i, 0.0)
-    with pytest.raises(RuntimeError, match="a bug in select"):
-        bare.poll(0.0)
-    assert bare.num_waiting == 0  # dropped all the same, their error set
-
-
 def test_close_sends_what_waits_at_once_and_a_closed_scheduler_stays_closed() -> None:
     sched = Scheduler(DynamicBatcher(4, max_wait_ms=1000), max_concurrent_batches=2)
     add(sched, 0, 0.0)
-    assert sched.poll(0.0)[0] is not None  # idle: leaves
+    assert poll(sched, 0.0)[0] is not None  # idle: leaves
     add(sched, 1, 0.0)
-    assert sched.poll(0.0)[0] is None  # waits for its max wait
+    assert poll(sched, 0.0)[0] is None  # waits for its max wait
     sched.close()
-    batch, _ = sched.poll(0.0)
+    batch, _ = poll(sched, 0.0)
     assert batch is not None and batch.reason is DispatchReason.CLOSING
     assert sched.closing
     with pytest.raises(AttributeError):

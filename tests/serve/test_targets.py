@@ -34,6 +34,7 @@ from batchkit.serve.events import DropEvent
 from batchkit.serve.request import DROPPED, WAITING, Request, new_request
 from batchkit.serve.scheduler import FormedBatch, Scheduler
 from batchkit.serve.stats import DispatchReason
+from tests.serve._passes import poll
 from tests.serve._wait import wait_until
 
 TARGET = 0.105
@@ -63,7 +64,7 @@ def taught(max_wait_ms: float = 5.0, max_concurrent_batches: int = 1) -> tuple[S
     now = 0.0
     for n in SIZES:
         reqs = [add(sched, now) for _ in range(n)]
-        batch, _ = sched.poll(now)
+        batch, _ = poll(sched, now)
         assert batch is not None and batch.requests == reqs
         now += device(n)
         sched.finish(batch, now)
@@ -96,7 +97,7 @@ def test_a_request_that_would_make_an_earlier_one_in_its_batch_late_is_refused()
     sched, now = taught(max_wait_ms=1000)
     for _ in range(16):
         add(sched, now)
-    assert sched.poll(now)[0] is not None  # runs until 26 ms
+    assert poll(sched, now)[0] is not None  # runs until 26 ms
     for _ in range(32):  # two full batches: until 52 and 78 ms
         add(sched, now)
     first = add(sched, now)  # the fourth batch's first, its deadline 102.9 ms
@@ -114,7 +115,7 @@ def test_a_request_that_would_make_an_earlier_one_late_goes_in_the_next_batch() 
     sched, now = taught(max_wait_ms=1000)
     for _ in range(16):
         add(sched, now)
-    running, _ = sched.poll(now)  # until 26 ms
+    running, _ = poll(sched, now)  # until 26 ms
     assert running is not None
     waiting = [add(sched, now) for _ in range(32)]  # two full batches: until 52 and 78 ms
     first = add(sched, now)  # the fourth batch's first, its deadline 102.9 ms
@@ -127,7 +128,7 @@ def test_a_request_that_would_make_an_earlier_one_late_goes_in_the_next_batch() 
     end = now + device(16)
     sched.finish(running, end)
     while sched.num_waiting:
-        batch, _ = sched.poll(end)
+        batch, _ = poll(sched, end)
         assert batch is not None
         end += device(len(batch.requests))
         sched.finish(batch, end)
@@ -159,7 +160,7 @@ def test_requests_of_other_buckets_count_as_batches_of_their_own() -> None:
             req = new_request(0, 30.0, policy.bucket_of(30.0), 0)
             req.enqueued_at = now
             sched.add(req)
-        batch, _ = sched.poll(now)
+        batch, _ = poll(sched, now)
         assert batch is not None and len(batch.requests) == n
         now += exact_device(policy, batch)
         sched.finish(batch, now)
@@ -209,7 +210,7 @@ def test_a_running_batch_delays_the_predicted_answer() -> None:
     sched, now = taught()
     for _ in range(16):
         add(sched, now)
-    running, _ = sched.poll(now)
+    running, _ = poll(sched, now)
     assert running is not None and running.expected_end == pytest.approx(now + device(16))
     # 26 ms until the slot frees, two full batches (78 ms), then a batch of 14.
     for _ in range(32 + 14):
@@ -221,15 +222,14 @@ def test_a_running_batch_delays_the_predicted_answer() -> None:
 def test_a_waiting_request_that_can_no_longer_be_in_time_is_dropped() -> None:
     sched, now = taught(max_wait_ms=1000)
     shed: list[Request] = []
-    sched.on_shed = shed.extend
     for _ in range(16):
         add(sched, now)
-    stuck, _ = sched.poll(now)  # runs far longer than predicted
+    stuck, _ = poll(sched, now, shed)  # runs far longer than predicted
     assert stuck is not None
     waiting = add(sched, now)
-    assert sched.poll(now + 0.090)[0] is None  # 90 + 11 ms: still in time
+    assert poll(sched, now + 0.090, shed)[0] is None  # 90 + 11 ms: still in time
     assert not shed
-    assert sched.poll(now + 0.093) == (None, None)  # 93 + 11 ms alone: too late
+    assert poll(sched, now + 0.093, shed) == (None, None)  # 93 + 11 ms alone: too late
     assert shed == [waiting] and waiting.state == DROPPED
     assert isinstance(waiting.error, Overloaded)
     assert "waited 93.0 ms" in str(waiting.error)
@@ -239,16 +239,15 @@ def test_a_waiting_request_that_can_no_longer_be_in_time_is_dropped() -> None:
 def test_requests_a_stall_makes_late_are_dropped_when_it_shows_not_at_their_deadline() -> None:
     sched, now = taught(max_wait_ms=1000)
     shed: list[Request] = []
-    sched.on_shed = shed.extend
     for _ in range(16):
         add(sched, now)
-    busy, _ = sched.poll(now)  # predicted to end at 26 ms; it stalls
+    busy, _ = poll(sched, now, shed)  # predicted to end at 26 ms; it stalls
     assert busy is not None
     waiting = [add(sched, now) for _ in range(46)]  # in time: 52, 78 and 102 ms
     with pytest.raises(Overloaded):
         add(sched, now)
-    assert sched.poll(now + 0.020)[0] is None and not shed
-    assert sched.poll(now + 0.060)[0] is None  # 34 ms past its predicted end
+    assert poll(sched, now + 0.020, shed)[0] is None and not shed
+    assert poll(sched, now + 0.060, shed)[0] is None  # 34 ms past its predicted end
     # From 60 ms, a full batch ends at 86 ms and a batch of 6 at 102: the other 24
     # cannot be in time (their deadline 102.9 ms), and are told so now.
     assert shed == waiting[22:] and sched.num_waiting == 22
@@ -259,12 +258,12 @@ def test_a_batch_leaves_before_its_max_wait_when_waiting_would_make_it_late() ->
     sched, now = taught(max_wait_ms=1000, max_concurrent_batches=2)
     for _ in range(16):
         add(sched, now)
-    assert sched.poll(now)[0] is not None  # one slot busy: no idle dispatch
+    assert poll(sched, now)[0] is not None  # one slot busy: no idle dispatch
     add(sched, now)
     add(sched, now)
-    batch, wake_at = sched.poll(now)
+    batch, wake_at = poll(sched, now)
     assert batch is None and wake_at == pytest.approx(now + PLANNED - device(2))
-    batch, _ = sched.poll(wake_at)
+    batch, _ = poll(sched, wake_at)
     assert batch is not None and batch.reason is DispatchReason.DEADLINE
     assert len(batch.requests) == 2
 
@@ -273,13 +272,12 @@ def test_a_batch_is_cut_so_that_its_oldest_member_is_in_time() -> None:
     sched, now = taught(max_wait_ms=1000)
     for _ in range(16):
         add(sched, now - 0.03)
-    busy, _ = sched.poll(now - 0.03)
+    busy, _ = poll(sched, now - 0.03)
     assert busy is not None
     shed: list[Request] = []
-    sched.on_shed = shed.extend
     reqs = [add(sched, now) for _ in range(10)]
     sched.finish(busy, now + 0.085)
-    batch, _ = sched.poll(now + 0.085)
+    batch, _ = poll(sched, now + 0.085, shed)
     # 85 ms waited; a batch of 7 ends at 102 ms, a batch of 8 at 103.
     assert batch is not None and batch.requests == reqs[:7]
     # The busy batch ran 59 ms past its predicted end: the three that cannot be in
@@ -290,15 +288,14 @@ def test_a_batch_is_cut_so_that_its_oldest_member_is_in_time() -> None:
 def test_with_a_full_batch_behind_them_the_oldest_are_dropped_not_the_batch_cut() -> None:
     sched, now = taught(max_wait_ms=1000)
     shed: list[Request] = []
-    sched.on_shed = shed.extend
     for _ in range(16):
         add(sched, now - 0.03)
-    busy, _ = sched.poll(now - 0.03)
+    busy, _ = poll(sched, now - 0.03, shed)
     assert busy is not None
     old = [add(sched, now) for _ in range(8)]
     new = [add(sched, now + 0.050) for _ in range(16)]
     sched.finish(busy, now + 0.085)
-    batch, _ = sched.poll(now + 0.085)
+    batch, _ = poll(sched, now + 0.085, shed)
     # 7 of the 8 old ones could go in a batch of 7 (102 ms); but 16 newer ones wait
     # behind them: a full batch of those is in time, a batch cut for the old is not.
     assert batch is not None and batch.requests == new
@@ -356,7 +353,6 @@ def run_traffic(
             assert req.item not in answers, f"request {req.item} answered twice"
             answers[req.item] = Answer(how, arrivals[req.item], clock[0])
 
-    sched.on_shed = lambda reqs: settle(reqs, "shed")
     running: list[tuple[float, int, FormedBatch]] = []
     batches: list[tuple[FormedBatch, float]] = []
     wake_at: float | None = None
@@ -381,7 +377,8 @@ def run_traffic(
             except Overloaded:
                 settle([req], "refused")
         while True:
-            batch, wake_at = sched.poll(now)
+            batch, wake_at, dropped = sched.decide(now)
+            settle(list(dropped), "shed")
             if batch is None:
                 break
             end = now + batch_time(len(batches), batch)
@@ -652,15 +649,14 @@ def test_a_latency_target_must_be_a_positive_finite_number(bad: object) -> None:
 def test_a_target_changed_live_applies_to_the_requests_already_waiting() -> None:
     sched, now = taught(max_wait_ms=1000)
     shed: list[Request] = []
-    sched.on_shed = shed.extend
     for _ in range(16):
         add(sched, now)
-    busy, _ = sched.poll(now)
+    busy, _ = poll(sched, now, shed)
     assert busy is not None
     waiting = [add(sched, now) for _ in range(3)]
-    assert sched.poll(now + 0.040)[0] is None and not shed  # in time for 105 ms
+    assert poll(sched, now + 0.040, shed)[0] is None and not shed  # in time for 105 ms
     sched.set_max_latency(0.050)  # 40 + 11 ms alone > 49 ms
-    assert sched.poll(now + 0.040) == (None, None)
+    assert poll(sched, now + 0.040, shed) == (None, None)
     assert shed == waiting and all(isinstance(r.error, Overloaded) for r in waiting)
 
 
@@ -668,7 +664,7 @@ def test_a_target_set_live_serves_the_requests_already_waiting() -> None:
     sched = Scheduler(DynamicBatcher(16, max_wait_ms=1000))
     reqs = [add(sched, 0.0) for _ in range(5)]
     sched.set_max_latency(TARGET)
-    batch, _ = sched.poll(0.0)
+    batch, _ = poll(sched, 0.0)
     assert batch is not None and batch.requests == reqs
     sched.finish(batch, device(5))
     assert sched.drained and sched.stats.shed == 0
@@ -874,7 +870,7 @@ def test_the_model_state_tells_warming_serving_and_refusing_apart() -> None:
     now = 0.0
     for _ in range(8):  # eight batches of 100 ms: a lone request would be late
         req = add(sched, now)
-        batch, _ = sched.poll(now)
+        batch, _ = poll(sched, now)
         assert batch is not None and batch.requests == [req]
         now += 0.100
         sched.finish(batch, now)
@@ -884,7 +880,7 @@ def test_the_model_state_tells_warming_serving_and_refusing_apart() -> None:
     assert (model.state, model.refusing_since, model.probes) == ("probing", now, 1)
     with pytest.raises(Overloaded):  # one probe at a time
         add(sched, now)
-    batch, _ = sched.poll(now + 0.5)
+    batch, _ = poll(sched, now + 0.5)
     assert batch is not None and batch.requests == [probe]
     sched.finish(batch, now + 0.6)
     assert sched.target.model().state == "refusing"
@@ -905,7 +901,7 @@ def bucket_taught(policy: BucketedBatcher, target: float) -> tuple[Scheduler, fl
             req.enqueued_at = now
             sched.add(req)
             reqs.append(req)
-        batch, _ = sched.poll(now)
+        batch, _ = poll(sched, now)
         assert batch is not None and batch.requests == reqs
         now += exact_device(policy, batch)
         sched.finish(batch, now)
@@ -930,7 +926,6 @@ def test_the_buckets_turns_are_planned_as_the_scheduler_then_serves_them(
     sched, now = bucket_taught(policy, target)
     assert sched.target is not None
     shed: list[Request] = []
-    sched.on_shed = shed.extend
     times = sorted(now - ages[i % len(ages)] for i in range(len(keys)))
     for key, at in zip(keys, times):
         req = new_request(0, float(key), policy.bucket_of(float(key)), 0)
@@ -945,7 +940,7 @@ def test_the_buckets_turns_are_planned_as_the_scheduler_then_serves_them(
     sched._enqueue(new)  # (placed without admission, to follow it)
     ends: dict[int, float] = {}
     while sched.num_waiting:
-        batch, _ = sched.poll(now)
+        batch, _ = poll(sched, now, shed)
         if batch is None:
             break
         now += exact_device(policy, batch)
@@ -1036,20 +1031,19 @@ def test_a_stall_drops_the_requests_the_buckets_turns_now_make_late_at_once() ->
     assert sched.target is not None
     for _ in range(16):
         add_keyed(sched, policy, 4.0, now)
-    busy, _ = sched.poll(now)
+    busy, _ = poll(sched, now)
     assert busy is not None and busy.expected_end is not None
     waiting = []
     for k in range(40):
         with contextlib.suppress(Overloaded):
             waiting.append(add_keyed(sched, policy, 4.0 if k % 2 else 40.0, now))
     shed: list[Request] = []
-    sched.on_shed = shed.extend
     stall_end = busy.expected_end + 0.040
     sched.finish(busy, stall_end)
     ends: dict[int, float] = {}
     at = stall_end
     while sched.num_waiting:
-        batch, wake_at = sched.poll(at)
+        batch, wake_at = poll(sched, at, shed)
         if batch is None:
             if wake_at is None:  # (what waited was dropped)
                 break
