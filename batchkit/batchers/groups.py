@@ -12,13 +12,22 @@ pool, and none holds more groups than its pool has.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from batchkit.batchers.checks import positive_count
 
 GroupFn = Callable[[Any], Hashable]
+
+
+class GroupedBucket(NamedTuple):
+    """Where a grouped request waits online: its group and the policy's bucket of its
+    key. A batch never mixes buckets, so each holds one group; `max_groups_per_batch`
+    fills a short one from the buckets of other groups with the same `bucket`."""
+
+    group: Hashable
+    bucket: Hashable
 
 
 def check_group_options(group: object, max_groups_per_batch: object) -> int | None:

@@ -11,6 +11,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 from batchkit.batchers.base import Batcher
+from batchkit.batchers.groups import GroupedBucket
 from batchkit.errors import Overloaded, QueueFull
 from batchkit.serve.buckets import Bucket, by_bucket
 from batchkit.serve.caps import SizeCaps
@@ -478,7 +479,7 @@ class Scheduler:
                 dropped = [*dropped, *overdue]
         policy = self.policy
         candidates = bucket.candidates(self.candidate_limit)
-        if self.groups_per_batch > 1:
+        if self.groups_per_batch > 1 and isinstance(name, GroupedBucket):
             candidates += self._other_groups_candidates(name, len(candidates))
         try:
             chosen = policy.select(candidates)
@@ -517,7 +518,7 @@ class Scheduler:
         for name in empty:
             del self.buckets[name]
 
-    def _other_groups_candidates(self, name: Hashable, have: int) -> list[Request]:
+    def _other_groups_candidates(self, name: GroupedBucket, have: int) -> list[Request]:
         """Under `max_groups_per_batch` > 1: the waiting requests of the next oldest
         other groups of the same policy bucket (at most `max_groups_per_batch - 1` of
         them, oldest head first), to fill a batch that one group leaves short."""
@@ -527,8 +528,8 @@ class Scheduler:
             return []
         heads = []
         for other_name, other in self.buckets.items():
-            # (Grouped names are (group, policy bucket): see group_bucket.)
-            if other_name != name and other.live and other_name[1] == name[1]:  # type: ignore[index]
+            same_bucket = isinstance(other_name, GroupedBucket) and other_name.bucket == name.bucket
+            if other_name != name and other.live and same_bucket:
                 head = other.head()
                 assert head is not None
                 heads.append((head.priority, head.seq, other_name))
@@ -574,15 +575,12 @@ class Scheduler:
         return self.num_waiting == 0 and self.in_flight == 0
 
 
-def group_bucket(policy: Batcher, key: float, group: Hashable) -> tuple[Hashable, Hashable]:
+def group_bucket(policy: Batcher, key: float, group: Hashable) -> GroupedBucket:
     """The bucket of a grouped request: its group and the policy's bucket of its key.
-
-    A batch never mixes buckets, so each holds one group; `max_groups_per_batch` fills
-    a short one from buckets of the same policy bucket (the name's second half).
 
     Args:
         policy: The batching policy (its `bucket_of`).
         key: The request's key.
         group: The request's group.
     """
-    return (group, policy.bucket_of(key))
+    return GroupedBucket(group, policy.bucket_of(key))
