@@ -320,7 +320,8 @@ class Plan:
     """What a replay of the scheduler found (`LatencyTarget.plan`).
 
     Attributes:
-        finish: When the last new request is answered (`math.inf`: it would be dropped).
+        finish: When the last new request is answered (when it would be dropped: in a
+            batch of its own, at the earliest).
         dropped: The waiting requests it would drop as late, in the order it drops them.
         cut: A new request was cut from a batch to keep an earlier member in time.
     """
@@ -550,14 +551,19 @@ class LatencyTarget:
         finish, cut = -math.inf, False
         dropped: list[Request] = []
         while queues:
-            start = slots[0]
+            start, dropped_before = slots[0], len(dropped)
             self._drop_hopeless_fronts(queues, at, start, dropped)
+            if queues:  # the bucket whose front came first forms its batch
+                name = min(queues, key=lambda n: (queues[n][at[n]].priority, queues[n][at[n]].seq))
+                queue, i = queues[name], at[name]
+                i += self.overdue(queue[i : i + 4 * max_batch_size], start, max_batch_size)
+                dropped += queue[at[name] : i]
+            late = [r for r in dropped[dropped_before:] if id(r) in fresh]
+            if late:  # (late even alone, or overdue: in a batch of its own, at the earliest)
+                end = start + self.batch_seconds(late[-1:])
+                return Plan(end, [r for r in dropped if id(r) not in fresh], cut)
             if not queues:
                 break
-            name = min(queues, key=lambda n: (queues[n][at[n]].priority, queues[n][at[n]].seq))
-            queue, i = queues[name], at[name]
-            i += self.overdue(queue[i : i + 4 * max_batch_size], start, max_batch_size)
-            dropped += queue[at[name] : i]
             batch = self._cut(queue[i : i + max_batch_size], start, max_batch_size)
             left = [r for r in queue[i + len(batch) : i + max_batch_size] if id(r) in fresh]
             if left:  # with them, it would end late for an earlier member; for them too?
@@ -578,8 +584,6 @@ class LatencyTarget:
             at[name] = i
             if i == len(queue):
                 del queues[name]
-        if any(id(r) in fresh for r in dropped):
-            finish = math.inf
         return Plan(finish, [r for r in dropped if id(r) not in fresh], cut)
 
     @staticmethod

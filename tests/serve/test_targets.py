@@ -105,8 +105,11 @@ def test_a_request_that_would_make_an_earlier_one_in_its_batch_late_is_refused()
     # makes the fourth batch longer: with 14 it ends at 78 + 10 + 14 = 102 ms, with
     # 15 at 103 ms, past the deadline of the first.
     joined = [add(sched, now + 0.010) for _ in range(13)]
-    with pytest.raises(Overloaded, match="past the deadline of a request admitted before it"):
+    with pytest.raises(Overloaded, match="past the deadline of a request admitted before it") as e:
         add(sched, now + 0.010)
+    # In the fifth batch, alone from 102 ms, it would end at 113 ms: that is the prediction
+    # (finite, as an HTTP service puts it in its 503's body).
+    assert e.value.predicted_s == pytest.approx(0.113 + RESERVE - 0.010)
     assert sched.num_waiting == 32 + 1 + len(joined)
     assert first.state == WAITING and first.deadline == pytest.approx(now + PLANNED)
 
