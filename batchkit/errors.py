@@ -28,11 +28,11 @@ class BatchTimeout(BatchkitError, TimeoutError):
 
 
 class BatchInterrupted(BatchkitError):
-    """The batch function raised `SystemExit`, `KeyboardInterrupt` or another
-    `BaseException` that is not an `Exception` on a worker thread. There it is no
-    real exit or Ctrl-C, and passed on as it is it would stop every asyncio caller's
-    event loop; so the batch's callers get this error, caused by it (`__cause__`),
-    and serving goes on."""
+    """The user's code run for a batch (the batch or step function, `collate`,
+    `split`) raised `SystemExit`, `KeyboardInterrupt` or `asyncio.CancelledError`.
+    There it is no real exit, Ctrl-C or cancellation of the callers, and passed on as
+    it is it would stop every asyncio caller's event loop; so the requests it concerns
+    get this error, caused by it (`__cause__`), and serving goes on."""
 
 
 class Overloaded(QueueFull):

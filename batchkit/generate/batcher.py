@@ -34,7 +34,9 @@ class ContinuousBatcher:
     ``step_fn(batch)`` computes ``seq.token_ids[seq.start : seq.start + seq.num_tokens]``
     for every ``seq`` in ``batch.seqs`` and returns one entry per sequence, in order:
     the next token id, or ``None`` for a prefill chunk that does not reach the last
-    token (``seq.sample`` is False). Keep per-sequence state by ``seq.slot`` (a row
+    token (``seq.sample`` is False), or an exception instance that fails that request
+    alone (as [`next_tokens`][batchkit.generate.next_tokens] gives for logits that
+    are not finite). Keep per-sequence state by ``seq.slot`` (a row
     in ``[0, max_num_seqs)``, stable while the sequence runs) or, in paged mode (pass an
     ``allocator``), in the KV blocks ``seq.block_ids`` / ``batch.layout``; drop state
     of ``batch.released`` ids. A sequence with ``start == 0`` starts from scratch (new,

@@ -22,6 +22,7 @@ from batchkit.generate.scheduler import StepScheduler
 from batchkit.generate.sequence import SeqStatus, Sequence, StepBatch
 from batchkit.generate.waiters import Waiters
 from batchkit.loops import call_on_loop, on_loop_thread
+from batchkit.usercode import arun, contained, run
 
 StepFn = Callable[[StepBatch], Any]
 
@@ -164,7 +165,7 @@ class StepDriver:
         Args:
             batch: The step's batch.
             output: What the step function returned (ignored when ``error`` is given).
-            error: What the step function raised, or None.
+            error: What the step function raised (as `contained` hands it on), or None.
         """
         sched = self.sched
         now = self.clock()
@@ -172,8 +173,8 @@ class StepDriver:
             try:
                 tokens = output if isinstance(output, list) else list(output)
                 produced = sched.update(batch, tokens, now)
-            except Exception as exc:  # noqa: BLE001 - a bad result fails its step, not the driver
-                error, produced = exc, []
+            except BaseException as exc:  # noqa: BLE001 - a bad result fails its step, not the driver
+                error, produced = contained(exc, self.name, "the step function's result"), []
                 if sched.in_flight is batch:
                     sched.fail_step(batch)
         else:
@@ -279,15 +280,12 @@ class StepThreadDriver(StepDriver):
                     self.work.wait()
                     continue
                 lock.release()
-                output: Any = None
-                error: BaseException | None = None
-                try:
-                    output = step_fn(batch)
-                except BaseException as exc:  # noqa: BLE001 - the worker must survive anything
-                    error = exc
-                finally:
-                    lock.acquire()
-                self.apply_locked(batch, output, error)
+                ok, value = run(step_fn, batch, self.name, "the step function")  # never raises
+                lock.acquire()
+                if ok:
+                    self.apply_locked(batch, value, None)
+                else:
+                    self.apply_locked(batch, None, value)
 
 
 class StepLoopDriver(StepDriver):
@@ -387,16 +385,13 @@ class StepLoopDriver(StepDriver):
                 if batch is None:
                     await wakeup.wait()
                     continue
-                output: Any = None
-                error: BaseException | None = None
-                try:
-                    output = await self.step_fn(batch)
-                except asyncio.CancelledError:
-                    raise
-                except BaseException as exc:  # noqa: BLE001 - the loop task must survive anything
-                    error = exc
+                # (raises only this task's own cancellation)
+                ok, value = await arun(self.step_fn, batch, self.name, "the step function")
                 with self.lock:
-                    self.apply_locked(batch, output, error)
+                    if ok:
+                        self.apply_locked(batch, value, None)
+                    else:
+                        self.apply_locked(batch, None, value)
                 await asyncio.sleep(0)  # let callers and submitters on this loop run
         except asyncio.CancelledError:
             with self.lock:

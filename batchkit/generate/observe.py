@@ -2,19 +2,19 @@
 
 Listeners are called by the batcher's driver right after the fact, under the
 batcher's lock: keep them fast, and do not call back into the batcher (``stats()``
-would wait for that lock). With no listener attached, the driver builds no event.
+would wait for that lock). Whatever a listener raises, a ``SystemExit`` too, is
+logged and never passed on (see `batchkit.usercode`). With no listener attached,
+the driver builds no event.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
 from batchkit.generate.sequence import Sequence, StepBatch
-
-log = logging.getLogger("batchkit")
+from batchkit.usercode import run_hook
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,11 +131,8 @@ class StepObserver:
         gaps = tuple(s.last_token_gap for s in produced if s.num_generated > 1)
         event = StepEvent(self.name, batch.num_tokens, tuple(self._queue_times), first, gaps)
         self._queue_times = []
-        for listener in self.listeners:
-            try:
-                listener.on_step(event)
-            except Exception:  # noqa: BLE001 - observers must not take the driver down
-                log.exception("batchkit listener %r failed on on_step", listener)
+        for listener in self.listeners:  # (observers must not take the driver down)
+            run_hook(listener.on_step, event, what=f"listener {listener!r} on on_step")
 
     def finished(self, seq: Sequence, now: float) -> None:
         """``seq``'s request was answered: tell every listener's ``on_finish``.
@@ -146,7 +143,4 @@ class StepObserver:
         """
         event = FinishEvent(self.name, seq.finish_reason or "error", now - seq.arrival_time)
         for listener in self.listeners:
-            try:
-                listener.on_finish(event)
-            except Exception:  # noqa: BLE001 - observers must not take the driver down
-                log.exception("batchkit listener %r failed on on_finish", listener)
+            run_hook(listener.on_finish, event, what=f"listener {listener!r} on on_finish")

@@ -11,6 +11,11 @@ are the same whether it runs alone or batched, chunked, preempted and recomputed
 The filters are those of ``transformers``' ``generate(do_sample=True)``, in its order:
 logits in float32, divided by the temperature, then top-k, then top-p (nucleus), then
 one draw from the softmax. torch is imported only when a token is sampled.
+
+Logits that make no distribution (a NaN or ``+inf`` among them, or every one
+``-inf``; sampled, also logits the temperature overflows) give no token:
+``next_tokens`` hands that row a ``ValueError`` instead, which, returned by a step
+function, fails that request alone.
 """
 
 from __future__ import annotations
@@ -115,6 +120,21 @@ class TokenSampler:
 
         Returns:
             The token id.
+
+        Raises:
+            ValueError: The filtered logits make no distribution (see `draw`).
+        """
+        token = self.draw(logits)
+        if token is None:
+            raise ValueError(NOT_FINITE)
+        return token
+
+    def draw(self, logits: Any) -> int | None:
+        """`sample`, or None where the filtered logits make no distribution (a NaN
+        or ``+inf`` among them, every one ``-inf``, or overflowed by the temperature).
+
+        Args:
+            logits: One row of next-token logits (any float dtype, any device).
         """
         import torch
 
@@ -133,8 +153,15 @@ class TokenSampler:
             drop[:, -1] = False
             scores = scores.masked_fill(drop.scatter(1, order, drop), float("-inf"))
         probs = scores.softmax(dim=-1)
-        token = torch.multinomial(probs, 1, generator=self.generator(probs.device))
-        return int(token.item())
+        # Checked on the device and read with the token: a multinomial over NaN is a
+        # device-side assert on CUDA (fatal to the process's context), and reading the
+        # check first would cost a second host sync per sampled row. An unusable row
+        # draws from a uniform stand-in, and that draw is discarded.
+        usable = probs.isfinite().all()
+        stand_in = probs.where(usable, 1.0)
+        token = torch.multinomial(stand_in, 1, generator=self.generator(probs.device))
+        drawn, ok = torch.stack((token.view(()), usable.long())).tolist()
+        return int(drawn) if ok else None
 
 
 def sampler_for(sampling: Sampling | None) -> TokenSampler | None:
@@ -148,28 +175,45 @@ def sampler_for(sampling: Sampling | None) -> TokenSampler | None:
     return TokenSampler(sampling)
 
 
-def next_tokens(logits: Any, samplers: Sequence[TokenSampler | None]) -> list[int]:
+NOT_FINITE = (
+    "the next-token logits are not finite (a NaN or +inf among them, every one -inf, "
+    "or overflowed by the temperature): no token can be picked"
+)
+
+
+def next_tokens(logits: Any, samplers: Sequence[TokenSampler | None]) -> list[int | ValueError]:
     """Each row's next token: the most likely one, or one drawn by the row's sampler.
 
     A step function calls it with one row of logits per sequence and
-    ``[s.sampler for s in batch.seqs]``; rows without a sampler are greedy (the
-    float32 argmax, as ``generate(do_sample=False)``).
+    ``[s.sampler for s in batch.seqs]``, and returns what it gives; rows without a
+    sampler are greedy (the float32 argmax, as ``generate(do_sample=False)``).
 
     Args:
         logits: torch ``[B, V]``, next-token logits, one row per sequence.
         samplers: ``B`` samplers (``StepBatch.seqs[i].sampler``), ``None`` for greedy.
 
     Returns:
-        ``B`` token ids.
+        ``B`` entries, each a token id, or a ``ValueError`` for a row whose logits
+        make no distribution (a step function returning it fails that row's request
+        alone).
 
     Raises:
         ValueError: ``samplers`` does not have one entry per row.
     """
     if len(samplers) != int(logits.shape[0]):
         raise ValueError(f"{len(samplers)} samplers for {int(logits.shape[0])} rows of logits")
-    # argmax in float32, as generate's greedy search: a float64 near-tie must break alike
-    tokens: list[int] = logits.float().argmax(dim=-1).tolist()
+    # argmax in float32, as generate's greedy search: a float64 near-tie must break alike.
+    # A row whose largest logit is not finite (a NaN propagates to it) reads -1, in the
+    # same host sync as the tokens.
+    scores = logits.float()
+    finite = scores.amax(dim=-1).isfinite()
+    tokens: list[Any] = scores.argmax(dim=-1).masked_fill(~finite, -1).tolist()
     for row, sampler in enumerate(samplers):
-        if sampler is not None:
-            tokens[row] = sampler.sample(logits[row])
+        token = tokens[row]
+        if token >= 0 and sampler is not None:
+            token = sampler.draw(logits[row])  # None: no distribution after its filters
+        if token is None or token < 0:
+            tokens[row] = ValueError(NOT_FINITE)
+        else:
+            tokens[row] = token
     return tokens

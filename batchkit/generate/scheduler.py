@@ -42,6 +42,7 @@ from batchkit.generate.sequence import ScheduledSeq, SeqStatus, Sequence, StepBa
 from batchkit.generate.stats import GenerationStatsRecorder
 from batchkit.generate.tokens import check_step_tokens
 from batchkit.kv.allocator import BlockAllocator
+from batchkit.usercode import contained
 
 
 class StepScheduler:
@@ -432,7 +433,9 @@ class StepScheduler:
 
         A sequence cancelled while the step ran gets nothing (its token is dropped). A
         bad entry (not an integer token id, or None where the sequence must sample)
-        fails its own sequence only: see
+        fails its own sequence only, and so does an exception instance (with itself,
+        e.g. [`next_tokens`][batchkit.generate.next_tokens]'s for logits that are not
+        finite): see
         [`take_errored`][batchkit.generate.StepScheduler.take_errored].
 
         Args:
@@ -466,8 +469,10 @@ class StepScheduler:
         for i, what in bad.items():
             seq = seqs[i].seq
             if seq.status is not SeqStatus.FINISHED:  # not cancelled during the step
-                seq.error = ValueError(
-                    f"request {seq.request_id}: the step function returned {what}"
+                seq.error = (
+                    contained(what, f"request {seq.request_id}", "the step function's entry")
+                    if isinstance(what, BaseException)
+                    else ValueError(f"request {seq.request_id}: the step function returned {what}")
                 )
                 self.abort(seq, "error")  # in_step: its blocks are freed below
                 self.errored.append(seq)

@@ -3,7 +3,8 @@
 A token id is an int in ``[0, MAX_TOKEN_ID]`` (int64 in every layout); numpy and torch
 integers are accepted and converted. Ids are checked where they enter: prompts and
 stop ids at submit (an error names the position), a step's sampled tokens before any
-is applied (a bad one fails only its own sequence).
+is applied (a bad one fails only its own sequence; so does an exception instance, with
+itself).
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def token_ids(ids: Iterable[Any], what: str) -> list[int]:
 
 def check_step_tokens(
     seqs: Sequence[_Scheduled], tokens: list[Any]
-) -> tuple[list[Any], dict[int, str]]:
+) -> tuple[list[Any], dict[int, str | BaseException]]:
     """Check a step's results, one per sequence (already the right number).
 
     Args:
@@ -77,9 +78,10 @@ def check_step_tokens(
     Returns:
         The tokens with integer-likes as ints (a non-integer replaced by None), and
         the bad entries by position, each with what was wrong (None where the
-        sequence must sample, not an integer, outside the token ids).
+        sequence must sample, not an integer, outside the token ids), or the
+        exception instance the entry was (the step's error for that sequence).
     """
-    bad: dict[int, str] = {}
+    bad: dict[int, str | BaseException] = {}
     if None in tokens:
         for i, (sched, token) in enumerate(zip(seqs, tokens)):
             if token is None and sched.start + sched.num_tokens == len(sched.token_ids):
@@ -97,11 +99,15 @@ def check_step_tokens(
     return tokens, bad
 
 
-def _as_token_ids(tokens: list[Any], bad: dict[int, str]) -> list[int | None]:
+def _as_token_ids(tokens: list[Any], bad: dict[int, str | BaseException]) -> list[int | None]:
     """``tokens`` with integer-likes as ints; any other entry is recorded in ``bad`` (by
     position) and replaced by None."""
     out: list[int | None] = []
     for i, token in enumerate(tokens):
+        if isinstance(token, BaseException):
+            bad[i] = token
+            out.append(None)
+            continue
         try:
             out.append(None if token is None else operator.index(token))
         except TypeError:

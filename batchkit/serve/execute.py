@@ -11,7 +11,9 @@ A batch may be split in halves and its parts re-run:
   poison items. With `k` failing items among `n`, at most about
   `2 * k * log2(n)` extra calls are made; with none, no extra call at all.
 
-A call that ran past `batch_timeout` is never retried.
+A call that ran past `batch_timeout` is never retried. What the user's code (the
+function, `collate`, `split`) raises settles its part by the rule of
+`batchkit.usercode`: a `SystemExit` reaches the callers as a `BatchInterrupted`.
 
 Anything else (a wrong number of results, an error without isolation) fails the
 whole part, which is the whole batch unless an out-of-memory split happened.
@@ -26,7 +28,6 @@ locals (so a caller holding it holds no tensors). See `release_frames`.
 from __future__ import annotations
 
 import itertools
-import logging
 import traceback
 from collections.abc import Generator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
@@ -34,22 +35,22 @@ from enum import Enum
 from typing import Any
 
 from batchkit.collate.stack import unstack
-from batchkit.errors import BatchInterrupted, BatchTimeout
+from batchkit.errors import BatchTimeout
 from batchkit.serve.options import OomRecovery, Options
 from batchkit.serve.request import Request
+from batchkit.usercode import Outcome, contained, run_hook
 
-log = logging.getLogger("batchkit")
+__all__ = ["BatchRun", "Outcome", "Stage", "contained", "release_frames", "run_steps"]
 
 Part = tuple[int, int]  # [start, stop) positions in the batch
-Outcome = tuple[bool, Any]  # (True, the function's output) or (False, what it raised)
 
 
 class Stage(Enum):
-    """Where a part failed."""
+    """Where a part failed; its value names the user code run there (see `contained`)."""
 
     COLLATE = "collate"
-    CALL = "call"
-    OUTPUT = "output"  # split() or the length check
+    CALL = "the batch function"
+    OUTPUT = "the output's split"  # split(), or the output's own len() and iteration
 
 
 def release_frames(exc: BaseException, *, drop_traceback: bool) -> None:
@@ -73,28 +74,6 @@ def release_frames(exc: BaseException, *, drop_traceback: bool) -> None:
             if drop_traceback:
                 current.__traceback__ = None
         pending += (current.__cause__, current.__context__)
-
-
-def contained(exc: BaseException, name: str) -> BaseException:
-    """What the callers get for `exc`, raised by a batch function on a worker thread.
-
-    An `Exception` as it is. A `SystemExit`, `KeyboardInterrupt` or other
-    `BaseException` there is no real exit or Ctrl-C (those reach the main thread), and
-    handed on as it is it would stop every caller's event loop (asyncio re-raises them
-    out of the loop): it becomes a `BatchInterrupted` caused by it, and serving goes on.
-
-    Args:
-        exc: What the batch function raised.
-        name: The function's name, for the message.
-    """
-    if isinstance(exc, Exception):
-        return exc
-    error = BatchInterrupted(
-        f"{name}: the batch function raised {type(exc).__name__}({exc}) on a worker thread; "
-        f"its callers get this error instead (the {type(exc).__name__} is its __cause__)"
-    )
-    error.__cause__ = exc
-    return error
 
 
 class BatchRun:
@@ -160,11 +139,18 @@ class BatchRun:
             name: The function's name, for error messages.
 
         Raises:
-            TypeError: The results have no `len()`, or are a set.
+            TypeError: The results have no `len()`, are a set, or are a `str` or
+                `bytes` (one value, not a sequence of results).
             ValueError: There are not `padded` of them (by `len()` or by iterating
                 them), or a mapping's values disagree on the batch size.
         """
         results = self.split(output) if self.split is not None else output
+        if isinstance(results, (str, bytes, bytearray)):
+            # (Indexing one would hand each caller a character, or an int.)
+            raise TypeError(
+                f"{name} returned a {type(results).__name__}, one value for the whole "
+                f"batch: return a sequence of {padded} results, one per item"
+            )
         if isinstance(results, Mapping):
             try:
                 results = unstack(results)
@@ -199,10 +185,12 @@ class BatchRun:
         if any(map(isinstance, chunk, itertools.repeat(BaseException))):
             for i, value in enumerate(chunk, start):
                 if isinstance(value, BaseException):
-                    self.errors[i] = value
+                    self.errors[i] = contained(value, name, f"the result for item {i}")
 
-    def failed(self, part: Part, exc: BaseException, stage: Stage) -> None:
-        """`part` raised `exc` at `stage`: split it and retry, or settle it with `exc`.
+    def failed(self, part: Part, exc: BaseException, stage: Stage, name: str) -> None:
+        """`part` raised `exc` at `stage`: split it and retry, or settle it with
+        `contained(exc)` (a `SystemExit` from the user's code, say, reaches the
+        callers as a `BatchInterrupted`).
 
         A part of more than one item is split in halves when it ran out of memory,
         when its `collate` failed, or when its call raised and `isolate_errors` is
@@ -214,6 +202,7 @@ class BatchRun:
             part: The `[start, stop)` positions that failed.
             exc: What was raised.
             stage: Where: collating, calling, or reading the output.
+            name: The function's name, for error messages.
         """
         start, stop = part
         size = stop - start
@@ -234,19 +223,16 @@ class BatchRun:
         else:
             if size < len(self.requests):
                 self.isolated += size
+            error = contained(exc, name, stage.value)
             for i in range(start, stop):
-                self.errors[i] = exc
+                self.errors[i] = error
         if oom:
             _run_oom_hook(self.oom)
 
 
 def _run_oom_hook(oom: OomRecovery) -> None:
-    if oom.on_oom is None:
-        return
-    try:
-        oom.on_oom()
-    except Exception:  # noqa: BLE001 - a failing hook must not cost the callers their retry
-        log.exception("batchkit on_oom hook %r failed", oom.on_oom)
+    if oom.on_oom is not None:  # (a failing hook must not cost the callers their retry)
+        run_hook(oom.on_oom, what=f"on_oom hook {oom.on_oom!r}")
 
 
 def run_steps(
@@ -285,18 +271,18 @@ def run_steps(
         try:
             argument = collate(items) if collate is not None else items
         except BaseException as exc:  # noqa: BLE001 - a bad item must not cost the others
-            run.failed(part, exc, Stage.COLLATE)
+            run.failed(part, exc, Stage.COLLATE, name)
             continue
         del items
         run.calls += 1
         ok, result = yield argument
         del argument
         if not ok:
-            run.failed(part, result, Stage.CALL)
+            run.failed(part, result, Stage.CALL, name)
             continue
         try:
             run.succeeded(part, result, padded, name)
         except BaseException as exc:  # noqa: BLE001 - e.g. a bug in split()
-            run.failed(part, exc, Stage.OUTPUT)
+            run.failed(part, exc, Stage.OUTPUT, name)
         del result
     return run

@@ -11,7 +11,9 @@ been answered), the generator is closed at its current `yield`.
 Streams are not split and retried (chunks already delivered cannot be taken back),
 but a `collate` that fails still costs only the malformed items: each item is then
 collated alone to find them, and the rest run together. Nor is `batch_timeout`
-applied to them.
+applied to them. What the user's code raises (`collate`, the generator, its
+closing) is settled by the rule of `batchkit.usercode`: the streams it concerns fail,
+a `SystemExit` as a `BatchInterrupted`, and the worker goes on.
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 from batchkit.serve.channels import END, Channel
-from batchkit.serve.execute import BatchRun, contained
+from batchkit.serve.execute import BatchRun
 from batchkit.serve.options import Clock, Options
 from batchkit.serve.request import Request
+from batchkit.usercode import contained, run_hook
 
 log = logging.getLogger("batchkit")
 
@@ -65,14 +68,14 @@ class StreamBatch:
             try:
                 self.argument = self._collate(self.positions, options)
                 return True
-            except Exception:  # noqa: BLE001 - find the malformed items, run the rest
+            except BaseException:  # noqa: BLE001 - find the malformed items, run the rest
                 self.positions = [i for i in self.positions if self._collates_alone(i, options)]
         if not self.positions:
             return False
         try:
             self.argument = self._collate(self.positions, options)
-        except Exception as exc:  # noqa: BLE001 - they collate alone but not together
-            self._fail_open(exc)
+        except BaseException as exc:  # noqa: BLE001 - they collate alone but not together
+            self._fail_open(contained(exc, self.name, "collate"))
             return False
         return True
 
@@ -86,8 +89,8 @@ class StreamBatch:
         assert options.collate is not None
         try:
             options.collate([self.run.requests[position].item])
-        except Exception as exc:  # noqa: BLE001 - this item's own error, for its caller
-            self.run.errors[position] = exc
+        except BaseException as exc:  # noqa: BLE001 - this item's own error, for its caller
+            self.run.errors[position] = contained(exc, self.name, "collate")
             self.run.isolated += 1
             return False
         return True
@@ -214,8 +217,8 @@ async def run_stream_async(
 ) -> BatchRun:
     """`run_stream_sync` for an async generator function, on the event loop: the same
     arguments and result; it raises only a cancellation. Anything else the generator
-    raises, a `BaseException` too, fails its open streams with that exception itself
-    (the task running the batch does not fail)."""
+    raises fails its open streams, not the task running the batch (a `SystemExit`
+    as a `BatchInterrupted`: see `batchkit.usercode`)."""
     stream = StreamBatch(requests, options, name)
     if not stream.prepare(options):
         return stream.run
@@ -230,7 +233,7 @@ async def run_stream_async(
     except asyncio.CancelledError:
         raise  # (this batch's task is cancelled: its streams are settled by the driver)
     except BaseException as exc:  # noqa: BLE001 - its streams get it, not the task
-        error = exc
+        error = contained(exc, name)
     finally:
         await _aclose(generator)
     return stream.ended(error)
@@ -238,11 +241,8 @@ async def run_stream_async(
 
 def _close(generator: Iterator[Any] | None) -> None:
     close = getattr(generator, "close", None)
-    if close is not None:
-        try:
-            close()  # GeneratorExit at its current yield
-        except Exception:  # noqa: BLE001 - e.g. it yielded again on GeneratorExit
-            log.exception("closing a streaming batch function's generator failed")
+    if close is not None:  # GeneratorExit at its current yield; it may yield again, or exit
+        run_hook(close, what="closing a streaming batch function's generator")
 
 
 async def _aclose(generator: AsyncIterator[Any] | None) -> None:
@@ -250,5 +250,7 @@ async def _aclose(generator: AsyncIterator[Any] | None) -> None:
     if aclose is not None:
         try:
             await aclose()
-        except Exception:  # noqa: BLE001
-            log.exception("closing a streaming batch function's generator failed")
+        except asyncio.CancelledError:
+            raise
+        except BaseException:  # noqa: BLE001 - as run_hook, awaited
+            log.exception("batchkit: closing a streaming batch function's generator failed")

@@ -135,6 +135,58 @@ def test_top_k_1_and_a_tiny_top_p_are_greedy() -> None:
         assert next_tokens(logits, [TokenSampler(sampling) for _ in range(8)]) == greedy
 
 
+BROKEN_ROWS = {
+    1: [float("nan"), 0.0, 1.0],  # a NaN among them
+    2: [0.0, float("inf"), 1.0],  # +inf: the softmax is NaN
+    3: [float("-inf")] * 3,  # every token masked
+}
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_rows_whose_logits_are_not_finite_get_an_error_and_the_others_their_tokens(
+    sampled: bool,
+) -> None:
+    logits = torch.tensor([[0.0, 5.0, -1.0], *BROKEN_ROWS.values(), [2.0, -9.0, float("-inf")]])
+    samplers = [TokenSampler(Sampling(top_k=1, seed=0)) if sampled else None for _ in range(5)]
+    got = next_tokens(logits, samplers)
+    assert got[0] == 1 and got[4] == 0  # (top_k=1: the draw is the argmax)
+    for row in BROKEN_ROWS:
+        assert isinstance(got[row], ValueError) and "not finite" in str(got[row])
+    assert len({id(got[row]) for row in BROKEN_ROWS}) == 3  # an error of its own each
+
+
+def test_a_temperature_that_overflows_the_logits_is_an_error_not_a_draw() -> None:
+    sampler = TokenSampler(Sampling(temperature=1e-30, seed=0))
+    logits = torch.tensor([[1e10, 0.0]])  # 1e40 after the temperature: +inf in float32
+    (got,) = next_tokens(logits, [sampler])
+    assert isinstance(got, ValueError)
+    with pytest.raises(ValueError, match="not finite"):
+        sampler.sample(logits[0])
+
+
+def _nan_for_request_1(batch: StepBatch) -> list[int | ValueError | None]:
+    rows = [s for s in batch.seqs if s.sample]
+    logits = torch.tensor(np.array([_logits(s.token_ids[: s.start + s.num_tokens]) for s in rows]))
+    for i, s in enumerate(rows):
+        if s.request_id == 1:
+            logits[i, 0] = float("nan")  # e.g. a bad adapter for this request
+    tokens = iter(next_tokens(logits.reshape(len(rows), VOCAB), [s.sampler for s in rows]))
+    return [next(tokens) if s.sample else None for s in batch.seqs]
+
+
+@pytest.mark.parametrize("sampling", [None, Sampling(temperature=0.8, seed=4)], ids=repr)
+def test_a_request_whose_logits_are_not_finite_fails_alone(sampling: Sampling | None) -> None:
+    prompts = [[1, 2], [3, 4], [5, 6]]
+    with ContinuousBatcher(_stateless_step, max_num_seqs=3) as b:
+        want = [b.submit(p, max_new_tokens=3, sampling=sampling).result(10) for p in prompts]
+    with ContinuousBatcher(_nan_for_request_1, max_num_seqs=3) as b:
+        handles = [b.submit(p, max_new_tokens=3, sampling=sampling) for p in prompts]
+        with pytest.raises(ValueError, match="next-token logits are not finite"):
+            handles[1].result(timeout=10)
+        assert [handles[0].result(timeout=10), handles[2].result(timeout=10)] == want[::2]
+        assert b.stats().failed == 1
+
+
 def test_next_tokens_needs_one_sampler_per_row() -> None:
     with pytest.raises(ValueError, match="2 samplers for 3 rows of logits"):
         next_tokens(torch.zeros(3, 5), [None, None])

@@ -179,6 +179,31 @@ def test_sixteen_concurrent_submitters_each_get_their_own_greedy_tokens() -> Non
     assert [got[i] for i in range(16)] == want
 
 
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_a_request_with_nan_keys_fails_alone_and_poisons_no_later_request(sampled: bool) -> None:
+    clean = tiny("llama", seed=1)
+    model = tiny("llama", seed=1)
+    with torch.no_grad():
+        model.get_input_embeddings().weight[100] = float("nan")  # a bad embedding row
+    sampling = Sampling(temperature=0.9, seed=7) if sampled else None
+    short, long = [5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15, 16]
+    with continuous_batcher(
+        clean, max_num_seqs=4, max_num_batched_tokens=64, num_blocks=32, block_size=4
+    ) as cb:
+        want = [cb.submit(p, max_new_tokens=4, sampling=sampling).result(60) for p in (short, long)]
+    with continuous_batcher(
+        model, max_num_seqs=4, max_num_batched_tokens=64, num_blocks=32, block_size=4
+    ) as cb:
+        poisoned = cb.submit([100] * 5, max_new_tokens=4, sampling=sampling)  # takes block 0
+        beside = cb.submit(short, max_new_tokens=4, sampling=sampling)  # in its steps
+        with pytest.raises(ValueError, match="next-token logits are not finite"):
+            poisoned.result(timeout=60)
+        assert beside.result(timeout=60) == want[0]
+        # later, the short one's keys are padded to the long one's in a decode group
+        handles = [cb.submit(p, max_new_tokens=4, sampling=sampling) for p in (short, long)]
+        assert [h.result(timeout=60) for h in handles] == want
+
+
 def test_eos_from_the_generation_config_stops_early_unless_overridden() -> None:
     model = tiny("llama", seed=6)
     prompt = [5, 9, 13, 2]

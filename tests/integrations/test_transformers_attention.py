@@ -1,6 +1,7 @@
 """The packed paged attention (every sequence of a step at once) equals batchkit's reference
 paged attention (one sequence at a time) on any step: decodes, chunks from any start,
-grouped-query heads, blocks scattered through the pool."""
+grouped-query heads, blocks scattered through the pool, and every slot that holds none
+of the step's keys NaN (what a poisoned request left behind reaches nobody else)."""
 
 from __future__ import annotations
 
@@ -52,6 +53,12 @@ def test_packed_attention_equals_the_reference_on_any_step(
     shape = (NUM_BLOCKS, BLOCK, kv_heads, dim)
     k_cache = torch.tensor(rng.normal(size=shape))  # the earlier tokens' keys: any values
     v_cache = torch.tensor(rng.normal(size=shape))
+    keys = np.zeros(NUM_BLOCKS * BLOCK, dtype=bool)  # the slots holding the step's keys
+    for blocks, (start, n) in zip(block_ids, chunks):
+        position = np.arange(start + n)
+        keys[np.asarray(blocks)[position // BLOCK] * BLOCK + position % BLOCK] = True
+    for cache in (k_cache, v_cache):  # any other slot: stale, and poisoned
+        cache.view(NUM_BLOCKS * BLOCK, kv_heads, dim)[torch.from_numpy(~keys)] = float("nan")
     t = layout.num_tokens
     q = torch.tensor(rng.normal(size=(t, heads, dim)))
     k = torch.tensor(rng.normal(size=(t, kv_heads, dim)))
@@ -63,7 +70,8 @@ def test_packed_attention_equals_the_reference_on_any_step(
 
     plan = plan_step(layout, BLOCK, min_saved_keys=min_saved)
     write_step_kv(k_cache, v_cache, k, v, plan)
-    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+    for cache, ref in ((k_cache, ref_k), (v_cache, ref_v)):
+        torch.testing.assert_close(cache, ref, rtol=0, atol=0, equal_nan=True)
     got = packed_paged_attention(q, k_cache, v_cache, plan, scale=0.3)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 

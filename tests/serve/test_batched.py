@@ -710,6 +710,23 @@ def test_a_mapping_whose_values_do_not_lead_with_the_batch_is_refused() -> None:
     f.close()
 
 
+@pytest.mark.parametrize("one_value", ["ab", b"ab", bytearray(b"ab")], ids=repr)
+def test_a_str_or_bytes_result_is_refused_naming_the_function(one_value) -> None:
+    def caption(xs):
+        return one_value  # one value for the batch, not one per item
+
+    f = batchkit.batched(batcher=StaticBatcher(2))(caption)
+    kind = type(one_value).__name__
+    with pytest.raises(TypeError, match=f"caption returned a {kind}, one value"):
+        f.map(["x", "y"])  # len() agrees: it was split into characters (or ints)
+
+    async def main():
+        return await asyncio.gather(f.acall("x"), f.acall("y"), return_exceptions=True)
+
+    assert all(isinstance(e, TypeError) for e in asyncio.run(main()))
+    f.close()
+
+
 def test_a_set_result_is_refused() -> None:
     f = batchkit.batched(max_batch_size=4)(lambda xs: {x * 2 for x in xs})
     with pytest.raises(TypeError, match="returned a set, whose order is arbitrary"):

@@ -32,8 +32,9 @@ class AttentionGroup:
     Attributes:
         query_rows: Int64 ``[G * Q]``, the step row of each padded query (padding
             repeats a real row; its output is dropped).
-        key_slots: Int64 ``[G, L]``, the pool slot of each key (padding reads slot 0,
-            masked out).
+        key_slots: Int64 ``[G, L]``, the pool slot of each key (padding reads the
+            sequence's own first key, masked out: never another sequence's slot,
+            whose stale NaN would reach this one through the masked product).
         mask: Bool ``[G, 1, Q, L]``, True where a query may see a key.
         valid: Int64 ``[n]``, the padded query positions (in ``[0, G * Q)``) that are
             real, in step-row order...
@@ -161,7 +162,10 @@ def _group(
     query_rows = first[:, None] + np.where(real_q, i[None, :], 0)
     # key j of a sequence sits in its block j // block_size, at offset j % block_size
     blocks = tables[members][:, j // block_size]  # [G, L]; -1 past its last block
-    key_slots = np.where(j[None, :] < lens[:, None], blocks * block_size + j % block_size, 0)
+    # Padding points at the sequence's own key 0: a masked key still enters the product
+    # (0 * NaN is NaN), so a slot another request left NaN would poison this one.
+    slots = blocks * block_size + j % block_size
+    key_slots = np.where(j[None, :] < lens[:, None], slots, slots[:, :1])
     # query i sees the keys up to its own position, lens - nq + i
     last_key = (lens - nq)[:, None] + i[None, :]  # [G, Q]
     mask = j[None, None, :] <= last_key[:, :, None]

@@ -96,14 +96,15 @@ class PagedLM:
         )  # fmt: skip
 
     @torch.inference_mode()
-    def __call__(self, batch: StepBatch) -> list[int | None]:
+    def __call__(self, batch: StepBatch) -> list[int | ValueError | None]:
         """Compute one step: one forward pass over every sequence's tokens.
 
         Args:
             batch: The step (paged mode: ``batch.layout`` is read).
 
         Returns:
-            The next token of each sequence that samples, ``None`` for the others.
+            The next token of each sequence that samples (a ``ValueError`` where its
+            logits are not finite: that request fails alone), ``None`` for the others.
         """
         layout = batch.layout
         device = self.device
