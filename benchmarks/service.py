@@ -20,7 +20,9 @@ Steps, in one run:
    machine's cores, and its network stack).
 3. capacity: on a first instance without a target, closed loop, 32 clients, each a
    new connection per request, for a few seconds after the warm-up: the 200 answers
-   per second (the service's own capacity C, with HTTP).
+   per second (the service's own capacity C, with HTTP); then, on the same instance,
+   open loop at 0.5x and 1x C with the same arrivals as step 4's: what the service
+   answers within the target when it has none (``no target`` below).
 4. on a second instance, as documented (its target set) and warmed up the same way,
    open loop at 0.5x, 1x, 2x and 4x C, each for ``--seconds`` (default 8 s), then
    an idle pause and 20 requests one at a time, which must all be answered 200 (a
@@ -32,7 +34,9 @@ goodput (200s within the target per second / C); the served p50/p99 (200s) and t
 
 Goals (PASS/MISS; exit 1 on a miss): served p99 <= 1.1x the target at every load;
 goodput >= 0.9 of C at >= 1x; 503 p99 <= 0.25x the target at >= 2x; every idle request
-answered 200 after each load. Each line prints the machine's bounds beside it.
+answered 200 after each load; at 0.5x and 1x, the answers within the target at least
+0.99 of those the service without a target gives (a target costs nothing below
+capacity). Each line prints the machine's bounds beside it.
 
 Usage::
 
@@ -68,6 +72,7 @@ from _report import check, percentile  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 APP = ROOT / "examples" / "service" / "app.py"
 LOADS = (0.5, 1.0, 2.0, 4.0)
+UNDER_CAPACITY = (0.5, 1.0)  # loads also run without a target
 EDGE_PROBES_PER_S = 10  # 404s beside each load: the server's own answer time there
 SENTENCE = (
     "the model reads a batch of texts and returns one embedding for each of them while "
@@ -295,6 +300,7 @@ class Row:
     refusals: dict[str, int] = dataclasses.field(default_factory=dict)
     dropped_p99_ms: float = math.nan
     edge_p99_ms: float = math.nan
+    in_time: int = 0  # 200s within the target
 
 
 def summarize(load: float, outcomes: list[Outcome], capacity: float, seconds: float,
@@ -315,6 +321,7 @@ def summarize(load: float, outcomes: list[Outcome], capacity: float, seconds: fl
         refusals=dict(Counter(o.refusal for o in outcomes if o.refusal)),
         dropped_p99_ms=percentile(dropped, 0.99) * 1e3,
         edge_p99_ms=percentile(edge, 0.99) * 1e3,
+        in_time=in_time,
     )
 
 
@@ -327,15 +334,26 @@ async def warm_up(port: int) -> None:
         await post(port, "/embed", BODIES[k], 60.0)
 
 
-async def measure_capacity(args: argparse.Namespace, port: int) -> tuple[float, float]:
-    """On a service without a target: the client's bound, then the 200s per second of
-    32 closed-loop clients (C)."""
+async def measure_capacity(
+    args: argparse.Namespace, port: int
+) -> tuple[float, float, dict[float, int]]:
+    """On a service without a target: the client's bound, the 200s per second of 32
+    closed-loop clients (C), and at each load below capacity the answers within the
+    target (the arrivals `measure` offers at that load)."""
     await warm_up(port)
     # (A path the app does not serve: its 404 is the HTTP stack's least work.)
     client_ok, client_s = await closed_loop(port, 32, min(args.seconds, 3.0), "/none", None)
     await closed_loop(port, 32, 1.0, "/embed", BODIES)  # batches of every size, once
     cap_ok, cap_s = await closed_loop(port, 32, min(args.seconds, 5.0), "/embed", BODIES)
-    return client_ok / client_s, cap_ok / cap_s
+    capacity, target_s = cap_ok / cap_s, args.target_ms / 1e3
+    in_time = {}
+    for load in UNDER_CAPACITY:
+        seed = args.loads.index(load)  # (as `measure` seeds it)
+        outcomes, _ = await open_loop(
+            port, load * capacity, args.seconds, BODIES, seed=seed, timeout=30.0
+        )
+        in_time[load] = sum(o.status == 200 and o.seconds <= target_s for o in outcomes)
+    return client_ok / client_s, capacity, in_time
 
 
 async def measure(args: argparse.Namespace, port: int, capacity: float) -> list[Row]:
@@ -353,7 +371,7 @@ async def measure(args: argparse.Namespace, port: int, capacity: float) -> list[
 
 
 def report(args: argparse.Namespace, device: float, client: float, capacity: float,
-           rows: list[Row]) -> bool:  # fmt: skip
+           rows: list[Row], untargeted: dict[float, int]) -> bool:  # fmt: skip
     target = args.target_ms
     print(f"\ndevice (ref): {device:.0f} texts/s, the model alone on full batches, no HTTP")
     print(f"client (ref): {client:.0f} connections/s, the client against a 404 (no model)")
@@ -396,6 +414,10 @@ def report(args: argparse.Namespace, device: float, client: float, capacity: flo
             ok &= check(f"{r.load:g}x: 503 p99 <= {0.25 * target:g} ms", fast, edge)
         ok &= check(f"{r.load:g}x: then every idle request answered 200", r.idle_ok == 20,
                     f"{r.idle_ok}/20")  # fmt: skip
+        if r.load in untargeted:
+            ratio = r.in_time / max(untargeted[r.load], 1)
+            ok &= check(f"{r.load:g}x: in time >= 0.99 of no target", ratio >= 0.99,
+                        f"{ratio:.3f} ({r.in_time} against {untargeted[r.load]})")  # fmt: skip
     return ok
 
 
@@ -431,9 +453,9 @@ def main() -> int:
           f"in its own process; open loop, one connection per request, "
           f"{args.seconds:g} s per load")  # fmt: skip
     device = device_rate_apart(args.model, 3.0)
-    client, capacity = serve(args, None, measure_capacity)
+    client, capacity, untargeted = serve(args, None, measure_capacity)
     rows = serve(args, args.target_ms, lambda a, port: measure(a, port, capacity))
-    ok = report(args, device, client, capacity, rows)
+    ok = report(args, device, client, capacity, rows, untargeted)
     if args.json:
         Path(args.json).write_text(json.dumps([dataclasses.asdict(r) for r in rows], indent=1))
     print(f"\n(total {time.perf_counter() - t_start:.0f} s; median 200 p99 "
