@@ -24,7 +24,7 @@ import numpy as np
 VOCABULARY = 1000
 WIDTH = 64
 HIDDEN = 256
-DEPTH = 96  # residual blocks on the pooled vector
+DEPTH = 192  # residual blocks on the pooled vector
 HEADS = 4
 NEEDS_TORCH = 'the torch encoder needs torch: pip install "batchkit-ml[torch]"'
 
