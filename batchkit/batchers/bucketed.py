@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import bisect
-import numbers
 from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
 
@@ -11,7 +10,7 @@ import numpy as np
 from typing_extensions import Self
 
 from batchkit.batchers.base import Batcher, KeyFn
-from batchkit.batchers.checks import positive_count
+from batchkit.batchers.checks import is_real_number, positive_count
 from batchkit.batchers.cost import BatchCost, CostLike
 from batchkit.batchers.groups import GroupFn
 from batchkit.batchers.sampler import check_lengths
@@ -71,7 +70,9 @@ class BucketedBatcher(Batcher):
             raise ValueError("boundaries must name at least one bucket boundary")
         for i, b in enumerate(bounds):
             # (NaN would pass the ordering check below: every comparison with it is False)
-            if isinstance(b, bool) or not isinstance(b, numbers.Real) or b != b:
+            if not is_real_number(b):
+                raise TypeError(f"boundaries[{i}] must be a number, got {type(b).__name__} {b!r}")
+            if b != b:
                 raise ValueError(f"boundaries[{i}] must be a number, got {b!r}")
         if any(nxt <= prev for prev, nxt in zip(bounds, bounds[1:])):
             raise ValueError(f"boundaries must be strictly increasing, got {bounds}")

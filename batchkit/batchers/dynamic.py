@@ -6,7 +6,7 @@ import bisect
 from collections.abc import Iterable, Sequence
 
 from batchkit.batchers.base import Batcher, C, KeyFn, take_within_budget
-from batchkit.batchers.checks import positive_count
+from batchkit.batchers.checks import check_flag, positive_count
 from batchkit.batchers.cost import BatchCost, CostLike
 from batchkit.batchers.groups import GroupFn
 
@@ -65,8 +65,13 @@ class DynamicBatcher(Batcher):
         max_groups_per_batch: int | None = None,
     ) -> None:
         max_batch_size = positive_count("max_batch_size", max_batch_size)  # used below
-        if not isinstance(eager, bool):  # a truthy string or 0/1 is a mistake, not a choice
-            raise TypeError(f"eager must be True or False, got {eager!r}")
+        eager = check_flag("eager", eager)
+        strict_sizes = check_flag("strict_sizes", strict_sizes)
+        if preferred_batch_sizes is not None and not isinstance(preferred_batch_sizes, Iterable):
+            raise TypeError(
+                "preferred_batch_sizes must be an iterable of ints, got "
+                f"{type(preferred_batch_sizes).__name__}"
+            )
         given = [
             positive_count(f"preferred_batch_sizes[{i}]", size)
             for i, size in enumerate(preferred_batch_sizes or ())

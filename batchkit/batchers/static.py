@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from batchkit.batchers.base import Batcher
+from batchkit.batchers.checks import check_flag
 from batchkit.batchers.groups import GroupFn
 
 
@@ -43,7 +44,7 @@ class StaticBatcher(Batcher):
             group=group,
             max_groups_per_batch=max_groups_per_batch,
         )
-        self.drop_last = drop_last
+        self.drop_last = check_flag("drop_last", drop_last)
 
     @property
     def batch_size(self) -> int:

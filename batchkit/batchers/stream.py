@@ -2,7 +2,10 @@
 
 `policy.stream(items, buffer_size=...)` reads `items` lazily into a buffer of at most
 `buffer_size` items, shuffles each fill under the seed, cuts it into batches by the
-policy's own rules and hands them out in steps of one batch per rank. Every rank
+policy's own rules and hands them out in steps of one batch per rank. A batch a
+fill leaves short (it could take another item like its own) is not handed out: its
+items join the next fill, so that a static policy's batches are full except the
+last, whatever the buffer size. Every rank
 runs the same steps from the same seed and keeps its own batch of each, so the ranks
 agree without talking to each other, and all get the same number of batches. With
 the policy's `group`, each fill is batched within the group limit (as `batches` does).
@@ -16,6 +19,7 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
+from batchkit.batchers.cost import BatchCost
 from batchkit.batchers.groups import GroupFn
 from batchkit.batchers.sampler import even_out
 
@@ -28,6 +32,21 @@ class StreamPolicy(Protocol):
     @property
     def group(self) -> GroupFn | None:
         """The policy's group function; None: no groups."""
+        ...
+
+    @property
+    def max_batch_size(self) -> int:
+        """The most items in a batch."""
+        ...
+
+    @property
+    def max_tokens(self) -> int | None:
+        """The budget a batch's cost is held to; None: the size alone decides."""
+        ...
+
+    @property
+    def cost(self) -> BatchCost:
+        """How a batch of keys is costed against `max_tokens`."""
         ...
 
     def index_batches(self, keys: Sequence[float], *, shuffled: bool = False) -> list[list[int]]:
@@ -114,7 +133,9 @@ def stream_batches(
     still held back), shuffles what it read, batches it, and yields every full step
     (`world_size` batches, one per rank): a group's last batches that do not fill a
     step wait for the next round. Groups are the policy's buckets with `sync_buckets`
-    (a step never mixes buckets), else one. At the end of `items` the last steps are
+    (a step never mixes buckets), else one. A batch the fill left short
+    (`_could_take_more`) is not handed out while `items` go on: its items are
+    batched again with the next fill's. At the end of `items` the last steps are
     evened out like a sampler's epoch (batches repeated from the start of the group,
     or dropped with `drop_last`). A buffer too small for one step's batches makes
     them go early, evened out the same way, so a stream is never stuck. With the
@@ -139,7 +160,9 @@ def stream_batches(
     # what is read and not yet handed out, by stream position
     held: dict[int, T] = {}
     held_keys: dict[int, float] = {}
+    held_groups: dict[int, Hashable] = {}
     waiting: dict[Hashable, list[list[int]]] = {}  # group -> batches held back for a step
+    carried: list[int] = []  # items of short batches, batched again with the next fill
     read = 0  # items read so far: the next item's stream position
     exhausted = False
     grouped = policy.group is not None
@@ -162,13 +185,23 @@ def stream_batches(
                 groups = [groups[i] for i in order]
         held.update(zip(positions, chunk))
         held_keys.update(zip(positions, keys))
-        if groups is None:
-            batches = policy.index_batches(keys)
+        if groups is not None:
+            held_groups.update(zip(positions, groups))
+        fill = carried + positions
+        fill_keys = [held_keys[p] for p in fill]
+        if grouped:
+            batches = policy.grouped_index_batches(fill_keys, [held_groups[p] for p in fill])
         else:
-            batches = policy.grouped_index_batches(keys, groups)
+            batches = policy.index_batches(fill_keys)
+        # More items are coming and there is room for them: a short batch waits for them
+        carry = not exhausted and room > 0
+        carried = []
         for batch in batches:
-            members = [positions[p] for p in batch]
-            group = policy.bucket_of(keys[batch[0]]) if sync_buckets else None
+            members = [fill[p] for p in batch]
+            if carry and _could_take_more(policy, [fill_keys[p] for p in batch]):
+                carried += members
+                continue
+            group = policy.bucket_of(fill_keys[batch[0]]) if sync_buckets else None
             waiting.setdefault(group, []).append(members)
         stuck = room <= 0  # held-back batches fill the buffer: they go, buckets mixed
         if stuck:
@@ -195,13 +228,24 @@ def stream_batches(
         for step in steps:
             mine = step[rank]
             yield [held[i] for i in mine], list(mine)
-        # what is held now: the batches waiting for a step (a batch repeated to even out
-        # a step can come again in this round, so items are freed only here)
-        kept = [i for batches in waiting.values() for b in batches for i in b]
+        # what is held now: the batches waiting for a step and the carried items (a
+        # batch repeated to even out a step can come again in this round, so items
+        # are freed only here)
+        kept = [i for batches in waiting.values() for b in batches for i in b] + carried
         held = {i: held[i] for i in kept}
         held_keys = {i: held_keys[i] for i in kept}
+        held_groups = {i: held_groups[i] for i in kept if i in held_groups}
         if exhausted and not waiting:
             return
+
+
+def _could_take_more(policy: StreamPolicy, keys: list[float]) -> bool:
+    """Whether a batch with `keys` could take another item like its longest: fewer than
+    `max_batch_size` items and, under a token budget, room for that item's cost."""
+    if len(keys) >= policy.max_batch_size:
+        return False
+    budget = policy.max_tokens
+    return budget is None or policy.cost.of([*keys, max(keys)]) <= budget
 
 
 def _arranged(

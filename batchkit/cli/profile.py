@@ -48,8 +48,8 @@ def add_parser(commands: Any) -> None:
             "torch tensor with --framework torch) for each batch size: warm-up runs, then "
             "timed rounds, every size once a round, until the knee settles or --budget-s "
             "runs out (CUDA-synchronised on GPU). Prints each size's median latency with its "
-            "95%% confidence interval and p10-p90 spread, the throughput, the knee (the "
-            "smallest size within 5%% of the peak throughput) and settings for --sla-ms; "
+            "95% confidence interval and p10-p90 spread, the throughput, the knee (the "
+            "smallest size within 5% of the peak throughput) and settings for --sla-ms; "
             "when the timings leave the knee in doubt, the range it may be in and no settings."
         ),
     )

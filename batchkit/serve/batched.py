@@ -464,8 +464,11 @@ class BatchedFunction(Generic[R]):
             The settings in force afterwards.
 
         Raises:
-            ValueError: A value is not valid, or the policy has no such setting;
-                nothing was changed.
+            TypeError: A value has the wrong type (a string or a bool for a
+                number); nothing was changed.
+            ValueError: A value is out of range (a wait or target longer than the
+                platform's timers take among them), or the policy has no such
+                setting; nothing was changed.
         """
         changes = SettingsChange(
             max_batch_size, max_wait_ms, max_concurrent_batches, max_queue_size, max_latency_ms
@@ -714,16 +717,21 @@ def batched(
         Without: a decorator that makes one.
 
     Raises:
-        ValueError: An option is not valid (the message names it): `max_batch_size`
-            or `max_wait_ms` beside a `batcher`, a `max_queue_size` or
-            `max_concurrent_batches` below 1, an unknown `when_full`,
-            `when_full="block"` without a `max_queue_size`, or a `batch_timeout` or
-            `max_latency_ms` that is not a finite number above 0, `group` or
-            `max_groups_per_batch` beside a `batcher`, or a `max_groups_per_batch`
-            that is not a whole number >= 1 or is given without `group`.
-        TypeError: `batcher` is not a [`Batcher`][batchkit.Batcher]; `fn`,
-            `collate`, `split`, `group` or `on_oom` is not callable; or `oom_errors` holds
-            something that is not an exception type.
+        TypeError: An option has the wrong type (the message names it): a
+            string, a bool or None where a number is needed, `batcher` not a
+            [`Batcher`][batchkit.Batcher], `fn`, `collate`, `split`, `group`,
+            `clock` or `on_oom` not callable, `isolate_errors` not a bool, a
+            `when_full` that is not a string, or `oom_errors` holding something
+            that is not an exception type.
+        ValueError: An option has a value out of range (the message names it):
+            `max_batch_size` or `max_wait_ms` beside a `batcher`, a `max_queue_size`
+            or `max_concurrent_batches` below 1, an unknown `when_full`,
+            `when_full="block"` without a `max_queue_size`, a `batch_timeout` or
+            `max_latency_ms` that is not a finite number above 0, a wait or timeout
+            longer than the platform's timers take (`threading.TIMEOUT_MAX`
+            seconds), `group` or `max_groups_per_batch` beside a `batcher`, or a
+            `max_groups_per_batch` that is not a whole number >= 1 or is given
+            without `group`.
     """
     if batcher is not None and (max_batch_size is not None or max_wait_ms is not None):
         raise ValueError("pass max_batch_size/max_wait_ms to the batcher, not to @batched")
@@ -742,7 +750,13 @@ def batched(
     elif not isinstance(batcher, Batcher):
         raise TypeError(f"batcher must be a batchkit Batcher, got {type(batcher).__name__}")
     check_serving_options(
-        max_queue_size, max_concurrent_batches, when_full, batch_timeout, max_latency_ms
+        max_queue_size,
+        max_concurrent_batches,
+        when_full,
+        batch_timeout,
+        max_latency_ms,
+        isolate_errors,
+        clock,
     )
     for name, cb in (("collate", collate), ("split", split)):
         if cb is not None and not callable(cb):
@@ -757,7 +771,7 @@ def batched(
         oom=oom_recovery(oom_errors, on_oom),
         batch_timeout=None if batch_timeout is None else float(batch_timeout),
         max_latency_s=None if max_latency_ms is None else max_latency_ms / 1e3,
-        isolate_errors=bool(isolate_errors),
+        isolate_errors=isolate_errors,
         when_full=when_full,
     )
 

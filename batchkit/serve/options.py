@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from batchkit.batchers.base import Batcher
-from batchkit.batchers.checks import positive_count, wait_ms
+from batchkit.batchers.checks import check_flag, duration, is_real_number, positive_count, wait_ms
 
 Clock = Callable[[], float]
 
@@ -141,6 +141,11 @@ def oom_recovery(
         return OomRecovery(on_oom=hook)
     if isinstance(oom_errors, type):
         oom_errors = (oom_errors,)
+    if not isinstance(oom_errors, (tuple, list)):
+        raise TypeError(
+            f"oom_errors must be an exception type or a tuple of them, got "
+            f"{type(oom_errors).__name__}"
+        )
     for t in oom_errors:
         if not (isinstance(t, type) and issubclass(t, BaseException)):
             raise TypeError(f"oom_errors must hold exception types, got {t!r}")
@@ -153,26 +158,44 @@ def check_serving_options(
     when_full: str,
     batch_timeout: float | None,
     max_latency_ms: float | None = None,
+    isolate_errors: bool = False,
+    clock: Clock | None = None,
 ) -> None:
-    """Raise ValueError naming the first option of `@batched` that is not valid.
+    """Raise, naming the first option of `@batched` that is not valid.
 
     Args:
         max_queue_size: A positive int, or None.
         max_concurrent_batches: A positive int.
         when_full: `"reject"` or `"block"` (which needs a `max_queue_size`).
-        batch_timeout: A finite number of seconds above 0, or None.
-        max_latency_ms: A finite number of milliseconds above 0, or None.
+        batch_timeout: A number of seconds above 0 that timers take
+            (`threading.TIMEOUT_MAX` at most), or None.
+        max_latency_ms: A number of milliseconds above 0 that timers take, or None.
+        isolate_errors: True or False.
+        clock: A callable, or None.
+
+    Raises:
+        TypeError: An option has the wrong type (a string for a number, a number
+            for `when_full`, something else than a bool for `isolate_errors`, a
+            `clock` that is not callable).
+        ValueError: An option has the right type and a value out of range.
     """
     # (Checked here to name the option first; `Options` stores them as ints.)
     positive_count("max_queue_size", max_queue_size, allow_none=True)
     positive_count("max_concurrent_batches", max_concurrent_batches)
+    if not isinstance(when_full, str):
+        raise TypeError(
+            f'when_full must be "reject" or "block", got {type(when_full).__name__} {when_full!r}'
+        )
     if when_full not in ("reject", "block"):
         raise ValueError(f'when_full must be "reject" or "block", got {when_full!r}')
     if when_full == "block" and max_queue_size is None:
         raise ValueError('when_full="block" needs a max_queue_size')
-    if batch_timeout is not None and not is_positive_finite(batch_timeout):
-        raise ValueError(f"batch_timeout must be a number of seconds > 0, got {batch_timeout!r}")
+    if batch_timeout is not None:
+        duration("batch_timeout", batch_timeout, unit="s")
     check_latency_target(max_latency_ms)
+    check_flag("isolate_errors", isolate_errors)
+    if clock is not None and not callable(clock):
+        raise TypeError(f"clock must be callable, got {type(clock).__name__}")
 
 
 @dataclass(frozen=True)
@@ -241,7 +264,7 @@ def check_settings(
     max_queue_size: int | None,
     max_latency_ms: float | None = None,
 ) -> tuple[int | None, float | None, int | None, int | None, float | None]:
-    """Raise ValueError, naming the setting, for a value no policy could take.
+    """Raise, naming the setting, for a value no policy could take.
 
     Args:
         max_batch_size: A positive int (or a whole-number float such as `8.0`, as a
@@ -255,6 +278,11 @@ def check_settings(
     Returns:
         The settings in the order given, the counts as ints (`8.0` becomes `8`):
         the values to store.
+
+    Raises:
+        TypeError: A setting is not a number.
+        ValueError: A setting is a number out of its range (a wait or target
+            longer than `threading.TIMEOUT_MAX` seconds among them).
     """
     batch = positive_count("max_batch_size", max_batch_size, allow_none=True)
     concurrent = positive_count("max_concurrent_batches", max_concurrent_batches, allow_none=True)
@@ -265,15 +293,18 @@ def check_settings(
 
 
 def check_latency_target(max_latency_ms: float | None) -> None:
-    """Raise ValueError unless `max_latency_ms` is None or a number in (0, inf).
+    """Raise unless `max_latency_ms` is None or a number of milliseconds timers take.
 
     Args:
         max_latency_ms: A latency target in milliseconds, or None.
+
+    Raises:
+        TypeError: It is not a number.
+        ValueError: It is not above 0, is not finite, or is longer than
+            `threading.TIMEOUT_MAX` seconds.
     """
-    if max_latency_ms is not None and not is_positive_finite(max_latency_ms):
-        raise ValueError(
-            f"max_latency_ms must be a finite number of milliseconds > 0, got {max_latency_ms!r}"
-        )
+    if max_latency_ms is not None:
+        duration("max_latency_ms", max_latency_ms, unit="ms")
 
 
 def is_positive_finite(value: object) -> bool:
@@ -282,9 +313,7 @@ def is_positive_finite(value: object) -> bool:
     Args:
         value: Any value.
     """
-    return (
-        not isinstance(value, bool) and isinstance(value, (int, float)) and 0 < value < math.inf
-    )
+    return is_real_number(value) and 0 < value < math.inf  # type: ignore[operator]
 
 
 def check_has_wait(policy: Batcher, max_wait_ms: float | None) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass, field
@@ -132,6 +134,86 @@ class Stats:
     def mean_batch_size(self) -> float:
         """Average real items per batch."""
         return self.items_run / self.batches if self.batches else 0.0
+
+    def __str__(self) -> str:
+        """A readable table, one figure a line (what `print(f.stats())` shows).
+
+        Every figure is also a field (`repr()` lists them all as they are).
+        """
+        refused = {
+            "rejected": self.rejected,
+            "overloaded": self.overloaded,
+            "shed": self.shed,
+            "timeouts": self.timeouts,
+            "cancelled": self.cancelled,
+            "closed": self.closed,
+            "failed": self.failed,
+        }
+        rows = [
+            ("requests", f"{self.requests} admitted; {_counts(refused) or _NONE_LOST}"),
+            (
+                "batches",
+                f"{self.batches} (calls {self.calls}), mean size {self.mean_batch_size:.1f}, "
+                f"padded slots {self.padded_slots}",
+            ),
+            ("batch sizes", _counts(self.batch_sizes) or "-"),
+            ("dispatched", _counts(self.dispatch_reasons) or "-"),
+            ("now", f"{self.queue_depth} waiting, {self.in_flight} batches running"),
+            (
+                "health",
+                f"{'healthy' if self.healthy else 'UNHEALTHY'}; batch timeouts "
+                f"{self.batch_timeouts}, abandoned workers {self.abandoned_workers}",
+            ),
+        ]
+        if self.oom_splits or self.isolated or self.effective_max_batch_size:
+            caps = _counts(self.effective_max_batch_size) or "none"
+            rows.append(
+                ("errors", f"oom splits {self.oom_splits}, isolated {self.isolated}, caps {caps}")
+            )
+        rows.append(("", f"{'p50':>9}{'p90':>9}{'p99':>9}{'max':>9}  (ms; count)"))
+        rows.append(("queue wait", _percentiles(self.queue_wait)))
+        rows.append(("batch latency", _percentiles(self.batch_latency)))
+        if self.time_to_first_chunk.count:
+            rows.append(("first chunk", _percentiles(self.time_to_first_chunk)))
+        if self.latency_model is not None:
+            lines = _fields(self.latency_model)
+            rows += [("latency model" if i == 0 else "", line) for i, line in enumerate(lines)]
+        for group, g in self.groups.items():
+            rows.append((f"group {group!r}", f"{g.requests} requests, {g.batches} batches"))
+            rows.append(("  queue wait", _percentiles(g.queue_wait)))
+        width = max(len(name) for name, _ in rows) + 2
+        return "\n".join(["Stats"] + [f"  {name:<{width}}{value}".rstrip() for name, value in rows])
+
+
+_NONE_LOST = "none refused, timed out or failed"
+
+
+def _counts(counts: dict[str, int] | dict[int, int]) -> str:
+    """`a: 3, b: 1` for the non-zero counts, in the order given."""
+    return ", ".join(f"{k}: {n}" for k, n in counts.items() if n)
+
+
+def _percentiles(p: Percentiles) -> str:
+    """The four figures in milliseconds, aligned under the header row, and the count."""
+    if not p.count:
+        return f"{'-':>9}{'-':>9}{'-':>9}{'-':>9}  (0)"
+    return "".join(f"{v * 1e3:9.3g}" for v in (p.p50, p.p90, p.p99, p.max)) + f"  ({p.count})"
+
+
+def _fields(record: object, width: int = 64) -> list[str]:
+    """A record's fields as `name=value` (floats to 3 significant digits), in lines of
+    about `width` characters; a record that is not a dataclass as its `str()`."""
+    if not dataclasses.is_dataclass(record):
+        return [str(record)]
+    lines = [""]
+    for f in dataclasses.fields(record):
+        value = getattr(record, f.name)
+        shown = f"{value:.3g}" if isinstance(value, float) and math.isfinite(value) else repr(value)
+        part = f"{f.name}={shown}"
+        if lines[-1] and len(lines[-1]) + len(part) + 2 > width:
+            lines.append("")
+        lines[-1] += f", {part}" if lines[-1] else part
+    return lines
 
 
 @dataclass

@@ -12,16 +12,18 @@ from batchkit import BucketedBatcher
 
 
 @pytest.mark.parametrize(
-    ("boundaries", "match"),
+    ("boundaries", "error", "match"),
     [
-        ([10, float("nan"), 30], r"boundaries\[1\] must be a number, got nan"),
-        (["a", "b"], r"boundaries\[0\] must be a number, got 'a'"),
-        ([1, None], r"boundaries\[1\] must be a number, got None"),
-        ([True, 5], r"boundaries\[0\]"),
+        ([10, float("nan"), 30], ValueError, r"boundaries\[1\] must be a number, got nan"),
+        (["a", "b"], TypeError, r"boundaries\[0\] must be a number, got str 'a'"),
+        ([1, None], TypeError, r"boundaries\[1\] must be a number, got NoneType None"),
+        ([True, 5], TypeError, r"boundaries\[0\]"),
     ],
 )
-def test_bucket_boundaries_must_be_numbers(boundaries: list, match: str) -> None:
-    with pytest.raises(ValueError, match=match):
+def test_bucket_boundaries_must_be_numbers(
+    boundaries: list, error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match):
         BucketedBatcher(boundaries)
 
 

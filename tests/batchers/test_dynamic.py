@@ -168,7 +168,7 @@ def test_eager_shows_in_repr() -> None:
 def test_max_batch_size_is_checked_before_preferred_sizes_cap_it() -> None:
     with pytest.raises(ValueError, match=r"max_batch_size must be a positive int.*, got 8\.7"):
         DynamicBatcher(8.7, preferred_batch_sizes=[1, 2, 4])  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"preferred_batch_sizes\[1\] must be a positive int"):
+    with pytest.raises(TypeError, match=r"preferred_batch_sizes\[1\] must be a positive int"):
         DynamicBatcher(8, preferred_batch_sizes=[2, "4"])  # type: ignore[list-item]
     assert DynamicBatcher(8, preferred_batch_sizes=[4, 2]).max_batch_size == 4
 

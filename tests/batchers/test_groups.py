@@ -183,11 +183,22 @@ def test_every_policy_takes_group_and_defaults_to_one_group_a_batch(make: Any) -
 
 
 @pytest.mark.parametrize("make", ALL_POLICIES.values(), ids=ALL_POLICIES.keys())
-@pytest.mark.parametrize("bad", [0, -1, 4.5, True, "4", float("nan"), float("inf")])
+@pytest.mark.parametrize(
+    ("bad", "error"),
+    [
+        (0, ValueError),
+        (-1, ValueError),
+        (4.5, ValueError),
+        (float("nan"), ValueError),
+        (float("inf"), ValueError),
+        (True, TypeError),
+        ("4", TypeError),
+    ],
+)
 def test_a_limit_that_is_not_a_whole_number_of_at_least_one_is_refused(
-    make: Any, bad: object
+    make: Any, bad: object, error: type[Exception]
 ) -> None:
-    with pytest.raises(ValueError, match=r"max_groups_per_batch must be a positive int"):
+    with pytest.raises(error, match=r"max_groups_per_batch must be a positive int"):
         make(group=task, max_groups_per_batch=bad)
 
 

@@ -73,9 +73,12 @@ def test_float_keys_pack_by_the_loop() -> None:
     assert sorted(sum(b) for b in batches) == [1.0, 1.0]
 
 
-@pytest.mark.parametrize("bad", [0, -3, 2.5, None, True])
-def test_max_tokens_must_be_a_positive_int(bad: object) -> None:
-    with pytest.raises(ValueError, match="max_tokens must be a positive int"):
+@pytest.mark.parametrize(
+    ("bad", "error"),
+    [(0, ValueError), (-3, ValueError), (2.5, ValueError), (None, TypeError), (True, TypeError)],
+)
+def test_max_tokens_must_be_a_positive_int(bad: object, error: type[Exception]) -> None:
+    with pytest.raises(error, match="max_tokens must be a positive int"):
         PackingBatcher(max_tokens=bad)  # type: ignore[arg-type]
 
 

@@ -167,6 +167,16 @@ def test_plot_without_matplotlib(capsys: pytest.CaptureFixture[str], tmp_path: P
         assert code == 0 and (tmp_path / "p.png").stat().st_size > 0
 
 
+@pytest.mark.parametrize("command", ["demo", "profile", "simulate", "memory"])
+def test_help_shows_percent_signs_as_written(
+    capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    code, out, _ = run(capsys, command, "--help")
+    assert code == 0 and "%%" not in out
+    if command == "profile":
+        assert "95% confidence interval" in out and "within 5% of the peak" in out
+
+
 def test_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "--help")
     assert code == 0 and "simulate" in out and "profile" in out
@@ -183,16 +193,22 @@ def test_python_m_batchkit_demo_runs() -> None:
     assert "@batched (bucketed)" in done.stdout and "speed-up" in done.stdout
 
 
-def test_demo_without_torch_is_one_line(tmp_path: Path) -> None:
+def test_demo_without_torch_runs_the_numpy_model(tmp_path: Path) -> None:
     # A stub that makes 'import torch' fail, as on a numpy-only install.
     (tmp_path / "torch.py").write_text("raise ImportError('No module named torch')\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
     done = subprocess.run(
-        [sys.executable, "-m", "batchkit", "demo", "--requests", "8"],
+        [sys.executable, "-m", "batchkit", "demo", "--requests", "16", "--rounds", "1"],
         cwd=ROOT, capture_output=True, text=True, timeout=60, env=env,
     )  # fmt: skip
-    assert done.returncode == 2
-    assert done.stderr.strip() == 'batchkit demo needs torch: pip install "batchkit-ml[torch]"'
+    assert done.returncode == 0, done.stderr
+    assert "built-in numpy encoder" in done.stdout and "results: equal" in done.stdout
+    asked = subprocess.run(
+        [sys.executable, "-m", "batchkit", "demo", "--requests", "8", "--model", "torch"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60, env=env,
+    )  # fmt: skip
+    assert asked.returncode == 2
+    assert asked.stderr.strip() == 'the torch encoder needs torch: pip install "batchkit-ml[torch]"'
 
 
 def test_main_maps_memory_error(
@@ -279,7 +295,6 @@ def test_rate_too_low_for_finite_arrivals(capsys: pytest.CaptureFixture[str]) ->
     code, _, err = run(capsys, "simulate", "--rate", "1e-320")
     assert_one_line_error(code, err, "--rate", "too low")
     assert "RuntimeWarning" not in err
-
 
 
 def test_profile_loads_a_file_that_defines_a_dataclass_under_postponed_annotations(

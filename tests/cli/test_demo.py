@@ -1,12 +1,16 @@
-"""demo: the one-at-a-time baseline serves callers in arrival order."""
+"""demo: the one-at-a-time baseline serves callers in arrival order; the report gives
+an equality verdict with its tolerance, says what dispatch reasons mean, and says why
+one caller gets about 1.0x; the numpy model runs without torch."""
 
 from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pytest
 
-from batchkit.tools.demo import BASELINE, ArrivalOrder, DemoResult, DemoRow
+from batchkit.tools.demo import BASELINE, TOLERANCE, ArrivalOrder, DemoResult, DemoRow, run_demo
+from batchkit.tools.encoder import NumpyEncoder
 from tests.cli._helpers import within
 
 
@@ -75,3 +79,42 @@ def test_the_report_says_what_the_baseline_is() -> None:
     table = DemoResult(8, 2, 4, 47, rows, 0.0, {"idle": 1}).table()
     assert BASELINE in table
     assert "in arrival order (FIFO)" in table
+
+
+def test_the_report_gives_a_verdict_with_its_tolerance_and_words_for_reasons() -> None:
+    rows = [DemoRow("one at a time", 8, 1.0, 1.0, 2.0, 1.0, 1.0)]
+    table = DemoResult(8, 2, 4, 47, rows, 2.4e-7, {"idle": 50, "full": 2}).table()
+    assert (
+        f"results: equal (largest |batched - alone| = 2.4e-07, tolerance {TOLERANCE:.0e})" in table
+    )
+    assert "50 idle (the model was free, so waiting requests went at once)" in table
+    assert "2 full (a bucket held a full batch)" in table
+    assert "one caller" not in table
+    wrong = DemoResult(8, 2, 4, 47, rows, 1.0, {"idle": 1})
+    assert not wrong.ok and "results: DIFFERENT" in wrong.table()
+
+
+def test_one_caller_is_told_why_about_1x_is_expected() -> None:
+    rows = [DemoRow("one at a time", 8, 1.0, 1.0, 2.0, 1.0, 1.0)]
+    table = DemoResult(8, 1, 4, 47, rows, 0.0, {"idle": 8}).table()
+    assert "8 requests from 1 thread," in table
+    assert "nothing can be batched; about 1.0x is the expected speed-up" in table
+
+
+def test_a_row_of_the_numpy_encoder_does_not_depend_on_its_batch_mates_or_padding() -> None:
+    encode = NumpyEncoder()
+    ids = np.array([[5, 6, 7, 0, 0], [8, 9, 10, 11, 12]])
+    mask = np.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], dtype=bool)
+    together = encode(ids, mask)
+    alone = encode(ids[:1, :3], mask[:1, :3])
+    assert together.shape == (2, 64) and together.dtype == np.float32
+    np.testing.assert_allclose(together[0], alone[0], atol=TOLERANCE)
+    assert not np.allclose(together[0], together[1])
+
+
+def test_the_numpy_demo_times_both_servers_the_same_number_of_rounds() -> None:
+    result = run_demo(48, 8, rounds=2, warmup=8, backend="numpy")
+    assert result.ok and result.model == "built-in numpy encoder"
+    assert [r.name for r in result.rows] == ["one at a time", "@batched (bucketed)"]
+    assert sum(result.dispatch_reasons.values()) * result.rows[1].mean_batch_size == 48 * 2
+    assert "2 timed rounds in alternating order" in result.table()

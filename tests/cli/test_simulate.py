@@ -183,9 +183,11 @@ def test_requests_the_scheduler_never_dispatches_are_an_error(
         within(5, lambda: simulate((1.0, 0.0), arrivals=[0.0]))
 
 
-@pytest.mark.parametrize("slots", [0, -1, 1.5, True])
-def test_simulate_rejects_bad_max_concurrent_batches(slots: Any) -> None:
-    with pytest.raises(ValueError, match="max_concurrent_batches"):
+@pytest.mark.parametrize(
+    ("slots", "error"), [(0, ValueError), (-1, ValueError), (1.5, ValueError), (True, TypeError)]
+)
+def test_simulate_rejects_bad_max_concurrent_batches(slots: Any, error: type[Exception]) -> None:
+    with pytest.raises(error, match="max_concurrent_batches"):
         within(5, lambda: simulate(rate=10, num_requests=5, max_concurrent_batches=slots))
 
 
@@ -390,20 +392,32 @@ def test_whole_number_float_counts_are_taken_as_ints() -> None:
         simulate((2.0, 0.5), rate=500, num_requests=10, max_batch_size=16.5)
 
 
-@pytest.mark.parametrize("bad", [-5, 0, float("nan"), float("inf"), True, "10"])
-def test_simulate_refuses_a_latency_target_as_batched_and_configure_do(bad: object) -> None:
+@pytest.mark.parametrize(
+    ("bad", "error"),
+    [
+        (-5, ValueError),
+        (0, ValueError),
+        (float("nan"), ValueError),
+        (float("inf"), ValueError),
+        (True, TypeError),
+        ("10", TypeError),
+    ],
+)
+def test_simulate_refuses_a_latency_target_as_batched_and_configure_do(
+    bad: object, error: type[Exception]
+) -> None:
     import batchkit
 
-    with pytest.raises(ValueError) as from_simulate:
+    with pytest.raises(error) as from_simulate:
         simulate(rate=100, num_requests=10, max_latency_ms=bad)  # type: ignore[arg-type]
 
     @batchkit.batched(max_batch_size=4)
     def identity(xs: list[int]) -> list[int]:
         return xs
 
-    with pytest.raises(ValueError) as from_configure:
+    with pytest.raises(error) as from_configure:
         identity.configure(max_latency_ms=bad)  # type: ignore[arg-type]
     identity.close()
-    with pytest.raises(ValueError) as from_decorator:
+    with pytest.raises(error) as from_decorator:
         batchkit.batched(max_batch_size=4, max_latency_ms=bad)(lambda xs: xs)  # type: ignore[arg-type]
     assert str(from_simulate.value) == str(from_configure.value) == str(from_decorator.value)

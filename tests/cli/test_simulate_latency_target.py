@@ -236,7 +236,6 @@ LATENCY_RULE = "max_latency_ms must be a finite number of milliseconds > 0"
         ({"max_latency_ms": 0}, LATENCY_RULE),
         ({"max_latency_ms": -5.0}, LATENCY_RULE),
         ({"max_latency_ms": float("nan")}, LATENCY_RULE),
-        ({"max_latency_ms": True}, LATENCY_RULE),
         ({"goodput_ms": float("inf")}, "goodput_ms must be a positive number"),
         ({"policy": "sorted"}, "policy='sorted' groups requests by length: pass keys="),
         ({"policy": "bucketed"}, "policy='bucketed' groups requests by length"),

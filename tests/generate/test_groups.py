@@ -104,11 +104,23 @@ def test_an_unhashable_group_is_refused_at_submit_naming_its_type(group: object)
         assert cb.submit([1], max_new_tokens=2, group="ok").result(timeout=10) == solo([1], 2)
 
 
-@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2", float("nan")])
-def test_a_bad_max_groups_per_step_is_refused_naming_it(bad: object) -> None:
-    with pytest.raises(ValueError, match="max_groups_per_step must be a positive int"):
+@pytest.mark.parametrize(
+    ("bad", "error"),
+    [
+        (0, ValueError),
+        (-1, ValueError),
+        (1.5, ValueError),
+        (float("nan"), ValueError),
+        (True, TypeError),
+        ("2", TypeError),
+    ],
+)
+def test_a_bad_max_groups_per_step_is_refused_naming_it(
+    bad: object, error: type[Exception]
+) -> None:
+    with pytest.raises(error, match="max_groups_per_step must be a positive int"):
         ContinuousBatcher(SlottedToy(), max_groups_per_step=bad)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="max_groups_per_step"):
+    with pytest.raises(error, match="max_groups_per_step"):
         make(groups=bad)  # type: ignore[arg-type]
 
 

