@@ -169,9 +169,9 @@ def namespace(kind: str) -> Any:
             returned.
     """
     if kind == "np":
-        return _compat().numpy
+        return importlib.import_module("array_api_compat.numpy")
     if kind == "pt":
-        return _compat().torch
+        return importlib.import_module("array_api_compat.torch")
     return _NAMESPACES[kind]
 
 

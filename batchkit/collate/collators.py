@@ -16,6 +16,7 @@ from batchkit._backend import (
     ReturnTensors,
     array_kind,
     check_pin_memory,
+    device_of,
     from_host,
     is_array,
     is_generic,
@@ -69,10 +70,16 @@ def _seq_length(value: Any) -> int | None:
     return None
 
 
-def _features_kind(first: Mapping[str, Any]) -> str:
-    """The library a batch of features follows: that of item 0's first array value
-    (numpy when it holds only lists and numbers)."""
-    return next((array_kind(v) for v in first.values() if is_array(v)), "np")
+def _features_kind(first: Mapping[str, Any], requested: str | None) -> tuple[str, Any]:
+    """The library and device a batch of features comes out in: ``requested`` (on its
+    default device), else those of item 0's first array value (numpy when it holds
+    only lists and numbers)."""
+    if requested is not None:
+        return requested, None
+    leader = next((v for v in first.values() if is_array(v)), None)
+    if leader is None:
+        return "np", None
+    return array_kind(leader), device_of(leader)
 
 
 def _requested_kind(return_tensors: ReturnTensors, pin_memory: object) -> str | None:
@@ -199,7 +206,7 @@ class PadCollator:
         """
         who = type(self).__name__
         keys = _check_features(features, who)
-        kind = self._requested or _features_kind(features[0])
+        kind, device = _features_kind(features[0], self._requested)
         reference = self._reference_key(keys, features[0])
         reference_lengths = [_seq_length(f[reference]) for f in features] if reference else []
         batch: dict[str, Any] = {}
@@ -210,7 +217,9 @@ class PadCollator:
             out_key = _out_key(key)
             unpadded = self._why_not_padded(key, values, reference, reference_lengths)
             if unpadded is not None:
-                batch[out_key] = _stack_key(values, key, who, kind, unpadded, self.pin_memory)
+                batch[out_key] = _stack_key(
+                    values, key, who, kind, device, unpadded, self.pin_memory
+                )
                 continue
             ragged = _ragged_for_key(values, key, who, kind)
             if out_key in _HF_INT64:  # widened before padding, so the output is allocated so
@@ -276,8 +285,11 @@ class PadCollator:
         return None
 
 
-def _stack_key(values: list[Any], key: str, who: str, kind: str, why: str, pin: bool) -> Any:
-    """A key that is not padded, stacked per item into ``kind``; a ragged one is refused,
+def _stack_key(
+    values: list[Any], key: str, who: str, kind: str, device: Any, why: str, pin: bool
+) -> Any:
+    """A key that is not padded, stacked per item into ``kind`` on ``device`` (None:
+    where the values are, numbers on the default device); a ragged one is refused,
     naming it and ``why`` it is not padded."""
     lengths = [_seq_length(v) for v in values]
     if lengths[0] is not None and len(set(lengths)) > 1:
@@ -291,9 +303,12 @@ def _stack_key(values: list[Any], key: str, who: str, kind: str, why: str, pin: 
         if kind == "pt" and values[0].dtype == np.float64:
             values = [v.astype(np.float32) for v in values]  # torch's default float
     try:
-        return stack(values, return_tensors=kind, pin_memory=pin)
+        stacked = stack(values, return_tensors=kind, pin_memory=pin)
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{who}: key {key!r}: {exc}") from None
+    if device is not None and is_array(stacked) and device_of(stacked) != device:
+        return to_kind(stacked, kind, device)  # numbers join the batch on its device
+    return stacked
 
 
 # VarlenCollator's own output keys: a feature key of one of these names is refused
@@ -380,7 +395,7 @@ class VarlenCollator:
         """
         who = type(self).__name__
         keys = _check_features(features, who)
-        kind = self._requested or _features_kind(features[0])
+        kind, _ = _features_kind(features[0], self._requested)
         pin = self.pin_memory
         check_pin_memory(pin, who, kind)  # again here: a DataLoader worker cannot pin
         if "input_ids" not in keys:
@@ -492,7 +507,7 @@ def _carried(
             return namespace(kind).expand_dims(flat, axis=0)
         return to_kind(flat[None], kind, pin=pin)
     why = "it is not as long as input_ids in every item, so it is not flattened"
-    return _stack_key(values, key, who, kind, why, pin)
+    return _stack_key(values, key, who, kind, tokens.device, why, pin)
 
 
 def _seq_len(ids: Any, i: int, who: str) -> int:

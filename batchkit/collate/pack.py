@@ -125,7 +125,7 @@ class Packed:
         check_leading_axes(outputs, (self.num_rows, self.max_length), "unpack")
         result = []
         for parts in self.pieces:
-            slices = [outputs[p.row, p.start : p.start + p.length] for p in parts]
+            slices = [outputs[p.row, p.start : p.start + p.length, ...] for p in parts]
             result.append(slices[0] if len(slices) == 1 else concat(slices))
         return result
 

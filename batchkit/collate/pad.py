@@ -149,8 +149,8 @@ class Padded:
         check_leading_axes(outputs, (self.batch_size, self.max_length), "unpad")
         width = self.max_length
         if self.side == "right":
-            return [outputs[i, :n] for i, n in enumerate(self._host_lengths)]
-        return [outputs[i, width - n :] for i, n in enumerate(self._host_lengths)]
+            return [outputs[i, :n, ...] for i, n in enumerate(self._host_lengths)]
+        return [outputs[i, width - n :, ...] for i, n in enumerate(self._host_lengths)]
 
 
 def pad_ragged(

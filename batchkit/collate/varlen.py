@@ -133,7 +133,7 @@ class Varlen:
         """
         check_leading_axes(outputs, (self.total_length,), "unpack")
         offs = self._offsets
-        return [outputs[offs[i] : offs[i + 1]] for i in range(self.num_items)]
+        return [outputs[offs[i] : offs[i + 1], ...] for i in range(self.num_items)]
 
 
 _INT32_MAX = 2**31 - 1
