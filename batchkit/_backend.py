@@ -114,10 +114,13 @@ def is_array(x: object) -> bool:
     Args:
         x: Any value.
     """
-    if isinstance(x, np.ndarray) or is_tensor(x):
+    if isinstance(x, np.ndarray):
         return True
-    if isinstance(x, (np.generic, list, tuple, str, bytes, numbers.Number)) or x is None:
+    # Plain types first: collators ask this of every value of every feature dict.
+    if isinstance(x, (int, float, str, list, tuple, bytes, np.generic)) or x is None:
         return False
+    if is_tensor(x):
+        return True
     return hasattr(x, "__array_namespace__") or (
         "array_api_compat" in sys.modules and _compat().is_array_api_obj(x)
     )

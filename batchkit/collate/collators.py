@@ -410,7 +410,13 @@ class VarlenCollator:
         if not kept:
             raise ValueError(f"{who}: every sequence in the batch is empty")
         kept_features = [features[i] for i in kept]
-        tokens = _ragged_for_key([f["input_ids"] for f in kept_features], "input_ids", who, kind)
+        # numpy or CPU torch out, from host items: built with numpy, converted at the end
+        in_kind, in_device = _features_kind(features[0], None)
+        on_host = kind == "np" or (
+            kind == "pt" and (in_kind == "np" or (in_kind == "pt" and in_device.type == "cpu"))
+        )
+        build = None if on_host else kind
+        tokens = _ragged_for_key([f["input_ids"] for f in kept_features], "input_ids", who, build)
         if tokens.feature_shape:  # nested lists: one flat row needs 1-D token ids
             raise ValueError(
                 f"{who}: input_ids must be 1-D sequences of token ids, got items of shape "
@@ -418,7 +424,7 @@ class VarlenCollator:
             )
         labels = None
         if "labels" in keys:
-            labels = _ragged_for_key([f["labels"] for f in kept_features], "labels", who, kind)
+            labels = _ragged_for_key([f["labels"] for f in kept_features], "labels", who, build)
             bad = np.flatnonzero(labels.lengths != tokens.lengths)
             if bad.size:
                 i = int(bad[0])
@@ -427,8 +433,7 @@ class VarlenCollator:
                     f"length {tokens.lengths[i]}"
                 )
         layout = varlen_from_ragged(tokens)
-        device = tokens.device
-        on_host = kind == "np" or (kind == "pt" and device.type == "cpu")
+        device = None if on_host else tokens.device
         rows = _host_rows if on_host else _device_rows
         batch = rows(tokens, labels, layout, self.separator_id, kind, pin)
         batch["max_length_q"] = batch["max_length_k"] = layout.max_seqlen
@@ -441,7 +446,7 @@ class VarlenCollator:
         for key in keys:
             if key in ("input_ids", "labels", "attention_mask") or key in batch:
                 continue
-            batch[key] = _carried(kept_features, key, tokens, who, kind, pin)
+            batch[key] = _carried(kept_features, key, tokens, who, kind, device, pin)
         return batch
 
 
@@ -494,7 +499,13 @@ def _device_rows(
 
 
 def _carried(
-    features: list[Mapping[str, Any]], key: str, tokens: Ragged, who: str, kind: str, pin: bool
+    features: list[Mapping[str, Any]],
+    key: str,
+    tokens: Ragged,
+    who: str,
+    kind: str,
+    device: Any,
+    pin: bool,
 ) -> Any:
     """A key VarlenCollator does not interpret: flattened like ``input_ids`` when it is as
     long as them in every item, else stacked per item."""
@@ -507,7 +518,7 @@ def _carried(
             return namespace(kind).expand_dims(flat, axis=0)
         return to_kind(flat[None], kind, pin=pin)
     why = "it is not as long as input_ids in every item, so it is not flattened"
-    return _stack_key(values, key, who, kind, tokens.device, why, pin)
+    return _stack_key(values, key, who, kind, device, why, pin)
 
 
 def _seq_len(ids: Any, i: int, who: str) -> int:
