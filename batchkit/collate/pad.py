@@ -183,9 +183,9 @@ def pad_ragged(
     batch = ragged.num_items
     values = ragged.values
     shape = (batch, width, *ragged.feature_shape)
-    host_mask = real_token_mask(lengths, width, side)
-    mask = from_host(kind, host_mask, device, pin=pin_memory)
     if is_generic(kind):
+        host_mask = real_token_mask(lengths, width, side)
+        mask = from_host(kind, host_mask, device)
         # Real steps in row-major order are exactly concatenation order; one gather
         # builds the block (the standard has no boolean-mask assignment).
         index = np.full(batch * width, values.shape[0], dtype=np.int64)
@@ -193,6 +193,8 @@ def pad_ragged(
         data = namespace(kind).reshape(gather_rows(kind, values, index, pad_value, device), shape)
     else:
         data = full(kind, shape, pad_value, like=values, pin=pin_memory)
+        host_mask = real_token_mask(lengths, width, side)
+        mask = from_host(kind, host_mask, device, pin=pin_memory)
         if values.shape[0]:
             # Boolean-mask assignment fills row-major, which is exactly concatenation order.
             scatter_rows(data, host_mask, mask, values)
