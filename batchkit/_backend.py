@@ -1,20 +1,51 @@
-"""Array backends: numpy always, torch when the caller hands us tensors.
+"""Array backends: numpy always, torch when the caller hands us tensors, and any other
+Array API library (JAX, CuPy, array-api-strict, ...) through ``array-api-compat``.
 
-The collators never import torch themselves: a tensor can only reach us if the
-caller already imported torch, so we look it up in ``sys.modules``. That keeps
+A backend is named by a *kind*: ``"np"`` and ``"pt"`` have hand-written paths (numpy
+and torch were measured faster on them, see benchmarks/collate.py), and every other
+library's kind is the name of its Array API namespace (``"jax.numpy"``,
+``"array_api_strict"``, ``"array_api_compat.cupy"``), whose arrays the collators
+build with the standard's functions alone: allocated on the input's device, never
+written in place, lengths kept as host integers.
+
+The collators never import torch or JAX themselves: a tensor can only reach us if
+the caller already imported torch, so we look it up in ``sys.modules``. That keeps
 ``import batchkit`` (and every collator on numpy input) working with torch absent.
+``array_api_compat`` is imported only when an array of a third library (or its name
+in ``return_tensors``) arrives.
 """
 
 from __future__ import annotations
 
+import importlib
+import numbers
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from types import ModuleType
+from typing import Any
 
 import numpy as np
 
-ReturnTensors = Literal["np", "pt"] | None
-"""``"np"`` forces numpy output, ``"pt"`` torch output, ``None`` follows the input."""
+ReturnTensors = str | ModuleType | None
+"""Where a result goes: ``None`` follows the input (arrays of a library give that
+library's arrays on their device; lists and numpy arrays give numpy); a name
+(``"np"``/``"numpy"``, ``"pt"``/``"torch"``, ``"jax"``, ``"cupy"``,
+``"array_api_strict"``) or an Array API namespace module (``jax.numpy``,
+``array_api_strict``, ``numpy``, ``torch``) forces that library."""
+
+# return_tensors names -> the module to import for them ("np" and "pt" need none).
+_NAMED_LIBRARIES = {
+    "np": "numpy",
+    "numpy": "numpy",
+    "pt": "torch",
+    "torch": "torch",
+    "jax": "jax.numpy",
+    "cupy": "cupy",
+    "array_api_strict": "array_api_strict",
+}
+
+# Kinds of the libraries without a hand-written path -> their Array API namespace.
+_NAMESPACES: dict[str, Any] = {}
 
 
 def torch_module() -> Any | None:
@@ -57,8 +88,60 @@ def is_tensor(x: object) -> bool:
     return torch is not None and isinstance(x, torch.Tensor)
 
 
+def _compat() -> Any:
+    """``array_api_compat``, imported on first use (a third library's array is in play)."""
+    import array_api_compat
+
+    return array_api_compat
+
+
+def _kind_of_namespace(xp: Any) -> str:
+    """The kind of a namespace that ``array_api_compat.array_namespace`` returned (or a
+    standard namespace module), registering it for `namespace`."""
+    name = getattr(xp, "__name__", "")
+    if name in ("numpy", "array_api_compat.numpy"):
+        return "np"
+    if name in ("torch", "array_api_compat.torch"):
+        return "pt"
+    _NAMESPACES.setdefault(name, xp)
+    return name
+
+
+def is_array(x: object) -> bool:
+    """True for a numpy array, a torch tensor, or an array of another Array API library
+    (numpy scalars, which carry a namespace too, are not arrays here).
+
+    Args:
+        x: Any value.
+    """
+    if isinstance(x, np.ndarray):
+        return True
+    # Plain types first: collators ask this of every value of every feature dict.
+    if isinstance(x, (int, float, str, list, tuple, bytes, np.generic)) or x is None:
+        return False
+    if is_tensor(x):
+        return True
+    return hasattr(x, "__array_namespace__") or (
+        "array_api_compat" in sys.modules and _compat().is_array_api_obj(x)
+    )
+
+
+def array_kind(x: Any) -> str:
+    """The kind of an array: ``"np"``, ``"pt"``, or its Array API namespace's name.
+
+    Args:
+        x: An array (`is_array` is True for it).
+    """
+    if isinstance(x, np.ndarray):
+        return "np"
+    if is_tensor(x):
+        return "pt"
+    return _kind_of_namespace(_compat().array_namespace(x))
+
+
 def kind_of(x: object) -> str:
-    """``"pt"`` for tensors, ``"np"`` for numpy arrays, ``"list"`` for python sequences.
+    """``"pt"`` for tensors, ``"np"`` for numpy arrays, ``"list"`` for python sequences,
+    the namespace's name for another Array API library's arrays (`array_kind`).
 
     Args:
         x: An item.
@@ -72,71 +155,196 @@ def kind_of(x: object) -> str:
         return "pt"
     if isinstance(x, (list, tuple)):
         return "list"
-    raise TypeError(f"expected a list, numpy array or torch tensor, got {type(x).__name__}")
+    if is_array(x):
+        return array_kind(x)
+    raise TypeError(
+        "expected a list, numpy array, torch tensor or an Array API library's array, "
+        f"got {type(x).__name__}"
+    )
+
+
+def namespace(kind: str) -> Any:
+    """The Array API namespace of a kind (``array_api_compat``'s wrappers for numpy and
+    torch, whose own modules are not fully standard).
+
+    Args:
+        kind: ``"np"``, ``"pt"``, or a kind `array_kind` or `resolve_return_tensors`
+            returned.
+    """
+    if kind == "np":
+        return importlib.import_module("array_api_compat.numpy")
+    if kind == "pt":
+        return importlib.import_module("array_api_compat.torch")
+    return _NAMESPACES[kind]
+
+
+def _import_library(name: str, what: str) -> ModuleType:
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        extra = "jax" if name.startswith("jax") else "torch" if name == "torch" else None
+        hint = f'pip install "batchkit-ml[{extra}]"' if extra else f"pip install {name}"
+        raise ImportError(f"{what} needs {name.split('.')[0]}: {hint}") from exc
+
+
+def _kind_of_module(module: ModuleType) -> str:
+    """The kind of a library's module: numpy, torch, a standard namespace (it has
+    ``__array_api_version__``) or one ``array_api_compat`` wraps (CuPy, Dask)."""
+    name = module.__name__
+    if name in ("numpy", "torch", "array_api_compat.numpy", "array_api_compat.torch"):
+        return _kind_of_namespace(module)
+    wrapped = {"cupy": "cupy", "dask.array": "dask.array"}.get(name)
+    if wrapped is not None:
+        return _kind_of_namespace(importlib.import_module(f"array_api_compat.{wrapped}"))
+    if hasattr(module, "__array_api_version__"):
+        return _kind_of_namespace(module)
+    raise TypeError(
+        f"return_tensors: module {name!r} is not an Array API namespace (it has no "
+        "__array_api_version__); pass jax.numpy, array_api_strict, numpy, torch, ..."
+    )
+
+
+def resolve_return_tensors(return_tensors: object) -> str | None:
+    """The kind ``return_tensors`` asks for (None: follow the input), importing the
+    library it names.
+
+    Args:
+        return_tensors: The value given (see `ReturnTensors`).
+
+    Raises:
+        TypeError: It is neither None, a string nor a module, or a module that is not
+            an Array API namespace.
+        ValueError: A name not in the table.
+        ImportError: The library named is not installed (the message gives the pip
+            command).
+    """
+    if return_tensors is None or return_tensors == "np" or return_tensors == "pt":
+        return return_tensors  # type: ignore[return-value]
+    if isinstance(return_tensors, str) and return_tensors in _NAMESPACES:
+        return return_tensors  # a kind seen before ("jax.numpy")
+    if isinstance(return_tensors, str):
+        library = _NAMED_LIBRARIES.get(return_tensors)
+        if library is None:
+            names = ", ".join(f'"{n}"' for n in _NAMED_LIBRARIES)
+            raise ValueError(
+                f"return_tensors must be None, one of {names}, or an Array API namespace "
+                f"module, got {return_tensors!r}"
+            )
+        if library in ("numpy", "torch"):
+            return "np" if library == "numpy" else "pt"
+        what = f"return_tensors={return_tensors!r}"
+        return _kind_of_module(_import_library(library, what))
+    if isinstance(return_tensors, ModuleType):
+        return _kind_of_module(return_tensors)
+    raise TypeError(
+        "return_tensors must be None, a library's name or an Array API namespace module, "
+        f"got {type(return_tensors).__name__}"
+    )
 
 
 def check_return_tensors(return_tensors: object) -> None:
-    """Reject anything but None, "np" or "pt".
+    """Reject anything `resolve_return_tensors` refuses.
 
     Args:
         return_tensors: The value given.
 
     Raises:
-        ValueError: It is none of those.
+        TypeError: Not None, a string or a namespace module.
+        ValueError: An unknown name.
+        ImportError: The library named is not installed.
     """
-    if return_tensors not in (None, "np", "pt"):
-        raise ValueError(f'return_tensors must be "np", "pt" or None, got {return_tensors!r}')
+    resolve_return_tensors(return_tensors)
 
 
 def output_kind(input_kind: str, return_tensors: ReturnTensors) -> str:
-    """The backend a result is returned in: explicit request, else torch in -> torch out.
+    """The backend a result is returned in: explicit request, else the input's
+    (lists give numpy).
 
     Args:
-        input_kind: The input's kind (``"pt"``, ``"np"`` or ``"list"``).
+        input_kind: The input's kind (``"pt"``, ``"np"``, ``"list"`` or a namespace's).
         return_tensors: The caller's request, or None.
     """
-    check_return_tensors(return_tensors)
-    if return_tensors is not None:
-        return return_tensors
-    return "pt" if input_kind == "pt" else "np"
+    requested = resolve_return_tensors(return_tensors)
+    if requested is not None:
+        return requested
+    return "np" if input_kind == "list" else input_kind
+
+
+def is_generic(kind: str) -> bool:
+    """True for a kind built with the Array API standard alone (not numpy, torch or lists).
+
+    Args:
+        kind: A kind.
+    """
+    return kind not in ("np", "pt", "list")
+
+
+def device_of(x: Any) -> Any:
+    """Where an array lives: None for numpy, the torch device, or the library's device.
+
+    Args:
+        x: An array.
+    """
+    if isinstance(x, np.ndarray):
+        return None
+    if is_tensor(x):
+        return x.device
+    return _compat().device(x)
 
 
 def to_numpy(x: Any) -> np.ndarray:
     """Host numpy view/copy of an array or tensor.
 
     Args:
-        x: An array, tensor (detached, brought to the CPU) or anything
-            ``np.asarray`` takes.
+        x: An array, tensor (detached, brought to the CPU), another library's array
+            (copied to the host) or anything ``np.asarray`` takes.
     """
     if isinstance(x, np.ndarray):
         return x
     if is_tensor(x):
         out: np.ndarray = x.detach().cpu().numpy()
         return out
-    return np.asarray(x)
+    if type(x).__module__.split(".")[0] == "cupy":
+        host: np.ndarray = x.get()  # CuPy refuses implicit host copies by design
+        return host
+    try:
+        return np.asarray(x)
+    except (TypeError, ValueError, RuntimeError):
+        return np.from_dlpack(x)
 
 
 def to_kind(x: np.ndarray | Any, kind: str, device: Any = None, *, pin: bool = False) -> Any:
-    """Convert a numpy array or tensor to ``kind`` ("np" or "pt"), on ``device`` for torch;
-    with ``pin``, a torch result lies in page-locked host memory (see
-    `check_pin_memory`).
+    """Convert an array to ``kind`` (on ``device`` for any kind but numpy); with ``pin``,
+    a torch result lies in page-locked host memory (see `check_pin_memory`).
+
+    An array already of ``kind`` (and on ``device``, or with ``device`` None) is
+    returned as it is; between two libraries the data goes through the host.
 
     Args:
-        x: A numpy array or tensor.
-        kind: ``"np"`` or ``"pt"``.
-        device: For torch, where the result goes (None: where it is).
+        x: A numpy array, tensor, or another library's array.
+        kind: ``"np"``, ``"pt"`` or a namespace's kind.
+        device: Where the result goes (None: where it is; the library's default
+            device for a host array).
         pin: For torch, put the result in page-locked host memory.
     """
     if kind == "np":
         return to_numpy(x)
-    torch = require_torch()
-    if pin:
+    if kind == "pt":
+        torch = require_torch()
+        if not (isinstance(x, np.ndarray) or is_tensor(x)):
+            x = to_numpy(x)
+        if pin:
+            if isinstance(x, np.ndarray):
+                return pinned_copy(x)
+            return x if x.is_pinned() else x.pin_memory()  # PinMemoryBackward keeps a graph
         if isinstance(x, np.ndarray):
-            return pinned_copy(x)
-        return x if x.is_pinned() else x.pin_memory()  # PinMemoryBackward keeps a graph
-    if isinstance(x, np.ndarray):
-        x = torch.from_numpy(np.ascontiguousarray(x))
-    return x if device is None else x.to(device)
+            x = torch.from_numpy(np.ascontiguousarray(x))
+        return x if device is None else x.to(device)
+    xp = namespace(kind)
+    if not isinstance(x, np.ndarray) and array_kind(x) == kind:
+        return x if device is None else _compat().to_device(x, device)
+    host = to_numpy(x)
+    return xp.asarray(host) if device is None else xp.asarray(host, device=device)
 
 
 def pinned_empty(shape: tuple[int, ...], dtype: Any) -> Any:
@@ -220,7 +428,7 @@ def check_pin_memory(pin_memory: object, who: str, kind: str, device: Any = None
     Args:
         pin_memory: The caller's ``pin_memory`` argument.
         who: The caller, named in the errors.
-        kind: The output about to be built: ``"np"`` or ``"pt"``.
+        kind: The output about to be built: ``"np"``, ``"pt"`` or a namespace's kind.
         device: Its torch device (None for numpy, or not known yet).
 
     Raises:
@@ -233,9 +441,14 @@ def check_pin_memory(pin_memory: object, who: str, kind: str, device: Any = None
     if not isinstance(pin_memory, bool):
         raise TypeError(f"{who}: pin_memory must be True or False, got {pin_memory!r}")
     if kind != "pt":
+        came = (
+            'numpy (numpy or list input, or return_tensors="np")'
+            if kind == "np"
+            else f"{kind} arrays (that library manages its own host memory)"
+        )
         raise ValueError(
-            f"{who}: pin_memory=True pins torch tensors, but this batch comes out as numpy "
-            '(numpy or list input, or return_tensors="np"); pass return_tensors="pt"'
+            f"{who}: pin_memory=True pins torch tensors, but this batch comes out as {came}; "
+            'pass return_tensors="pt"'
         )
     if device is not None and device.type != "cpu":
         raise ValueError(
@@ -348,6 +561,12 @@ def full(kind: str, shape: tuple[int, ...], fill: Any, like: Any, *, pin: bool =
                 held = None
             _check_fill(fill, held, dtype)
         return torch.full(shape, fill, dtype=dtype, device=like.device, pin_memory=pin)
+    if is_generic(kind):
+        xp = namespace(kind)
+        dtype = like.dtype
+        if not xp.isdtype(dtype, ("real floating", "complex floating")):
+            _check_fill(fill, _held_exactly(xp, dtype, fill), dtype)
+        return xp.full(shape, fill, dtype=dtype, device=device_of(like))
     dtype = like.dtype
     if dtype.kind in "biu":
         try:
@@ -358,6 +577,20 @@ def full(kind: str, shape: tuple[int, ...], fill: Any, like: Any, *, pin: bool =
     return np.full(shape, fill, dtype=dtype)
 
 
+def _held_exactly(xp: Any, dtype: Any, fill: Any) -> Any:
+    """``fill`` as a bool or integer ``dtype`` of namespace ``xp`` would hold it, computed
+    on the host (None when it cannot hold it at all)."""
+    if not isinstance(fill, (numbers.Real, np.generic)) or isinstance(fill, complex):
+        return None
+    if xp.isdtype(dtype, "bool"):
+        return bool(fill)
+    if fill != fill or fill in (float("inf"), float("-inf")):  # nan, inf
+        return None
+    info = xp.iinfo(dtype)
+    held = int(fill)  # type: ignore[arg-type]
+    return held if info.min <= held <= info.max else None
+
+
 def _check_fill(fill: Any, held: Any, dtype: Any) -> None:
     """``held`` is ``fill`` cast to ``dtype`` and back (None if the cast failed)."""
     if held is None or held != fill:
@@ -365,13 +598,12 @@ def _check_fill(fill: Any, held: Any, dtype: Any) -> None:
 
 
 def from_host(kind: str, arr: np.ndarray, device: Any = None, *, pin: bool = False) -> Any:
-    """A host numpy array in the output backend (on ``device`` for torch; page-locked
-    with ``pin``).
+    """A host numpy array in the output backend (on ``device``; page-locked with ``pin``).
 
     Args:
-        kind: ``"np"`` or ``"pt"``.
+        kind: ``"np"``, ``"pt"`` or a namespace's kind.
         arr: The host array.
-        device: For torch, where the result goes.
+        device: Where the result goes (not for numpy).
         pin: For torch, put the result in page-locked host memory.
     """
     return to_kind(arr, kind, device, pin=pin)
@@ -401,7 +633,28 @@ def concat(parts: Sequence[Any], *, pin: bool = False) -> Any:
         parts: The arrays or tensors (not empty).
         pin: For tensors, put the result in page-locked host memory.
     """
-    if is_tensor(parts[0]):
+    first = parts[0]
+    if is_tensor(first):
         torch = _torch()
         return join_tensors(torch, torch.cat, list(parts), pin=pin)
-    return np.concatenate(parts, axis=0)
+    if isinstance(first, np.ndarray):
+        return np.concatenate(parts, axis=0)
+    return namespace(array_kind(first)).concat(list(parts), axis=0)
+
+
+def gather_rows(kind: str, values: Any, index: np.ndarray, fill: Any, device: Any) -> Any:
+    """``values[index]`` along axis 0 for a standard namespace, where an index equal to
+    ``len(values)`` picks a row of ``fill``: one gather builds a padded or packed
+    layout without writing into an array (JAX arrays, for one, are immutable).
+
+    Args:
+        kind: The namespace's kind.
+        values: ``[T, *feat]``.
+        index: Host int ``[K]``, each in ``0..T`` (``T``: a padding row).
+        fill: The padding rows' value (must fit ``values``'s dtype).
+        device: ``values``'s device, where the index goes.
+    """
+    xp = namespace(kind)
+    pad_row = full(kind, (1, *values.shape[1:]), fill, like=values)
+    source = xp.concat([values, pad_row], axis=0)
+    return xp.take(source, from_host(kind, index, device), axis=0)

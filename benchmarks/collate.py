@@ -10,11 +10,18 @@ prints per-system medians, speedups and PASS/MISS lines for the targets:
 - varlen from lists: batchkit >= 3x faster than ``transformers.DataCollatorWithFlattening``;
 - pad from tensors: ``batchkit.pad`` no slower than ``pad_sequence`` + mask (>= 1.0x,
   with a 5% noise band).
+- with ``--baseline PATH`` (a checkout of an earlier batchkit, e.g. ``git worktree add
+  /tmp/bk-base <commit>``): each numpy and torch case at least 0.95x as fast as that
+  checkout's code, both timed interleaved in this one process;
+- with JAX installed: ``batchkit.pad`` on JAX arrays against a hand-written ``jnp``
+  padding loop (``jnp.pad`` per item, ``jnp.stack``, a mask from the lengths), and
+  ``pack_varlen`` against ``jnp.concatenate``; informational, no target.
 
 Usage::
 
     python benchmarks/collate.py            # ~30-60 s
     python benchmarks/collate.py --quick    # ~10 s, noisier
+    python benchmarks/collate.py --baseline /tmp/bk-base  # also: this code vs that one
     python benchmarks/collate.py --prototype  # also time the prototype fast pad
     python benchmarks/collate.py --breakdown  # batchkit.pad on tensors, stage by stage
 
@@ -26,11 +33,14 @@ load then disturbs every system alike.
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import itertools
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -229,6 +239,134 @@ def breakdown_pad_tensors(tensors: list[torch.Tensor], repeats: int, min_time: f
     )
 
 
+# --------------------------------------------------------------------------- baseline
+
+
+def load_baseline(path: str) -> ModuleType:
+    """The ``batchkit`` package of another checkout, imported beside this one: its
+    modules are loaded under their own names while this checkout's are set aside, then
+    both are put back (each module keeps the functions it imported at load time)."""
+    root = str(Path(path).resolve())
+    if not (Path(root) / "batchkit" / "__init__.py").is_file():
+        raise SystemExit(f"--baseline {path}: no batchkit/ package there")
+    ours = {k: v for k, v in sys.modules.items() if k == "batchkit" or k.startswith("batchkit.")}
+    for name in ours:
+        del sys.modules[name]
+    sys.path.insert(0, root)
+    try:
+        base = importlib.import_module("batchkit")
+        for sub in ("collate", "collate.collators", "collate.pad", "collate.pack"):
+            importlib.import_module(f"batchkit.{sub}")
+    finally:
+        sys.path.remove(root)
+        theirs = [k for k in sys.modules if k == "batchkit" or k.startswith("batchkit.")]
+        for name in theirs:
+            del sys.modules[name]
+        sys.modules.update(ours)
+    if not Path(base.__file__ or "").resolve().is_relative_to(root):
+        raise SystemExit(f"--baseline {path}: imported {base.__file__} instead")
+    return base
+
+
+def baseline_cases(
+    new: ModuleType, old: ModuleType, lists: list[list[int]], tensors: list[torch.Tensor]
+) -> dict[str, tuple[Callable[[], Any], Callable[[], Any]]]:
+    """(this code, the baseline's) per numpy/torch case, the calls users make most."""
+    arrays = [np.asarray(s) for s in lists]
+    feats_list = [{"input_ids": s, "label": i % 2} for i, s in enumerate(lists)]
+    feats_tensor = [{"input_ids": t, "label": i % 2} for i, t in enumerate(tensors)]
+    ids_list = [{"input_ids": s} for s in lists]
+    ids_tensor = [{"input_ids": t} for t in tensors]
+    rows = [{"x": a[:8], "n": i} for i, a in enumerate(arrays)]
+
+    def both(call: Callable[[ModuleType], Any]) -> tuple[Callable[[], Any], Callable[[], Any]]:
+        return (lambda: call(new)), (lambda: call(old))
+
+    pad_new = new.PadCollator(return_tensors="pt")
+    pad_old = old.PadCollator(return_tensors="pt")
+    flat_new = new.VarlenCollator(return_tensors="pt")
+    flat_old = old.VarlenCollator(return_tensors="pt")
+    return {
+        "pad, lists -> numpy": both(lambda bk: bk.pad(lists)),
+        "pad, numpy arrays": both(lambda bk: bk.pad(arrays, side="left", pad_to_multiple_of=8)),
+        "pad, torch tensors": both(lambda bk: bk.pad(tensors)),
+        "pack_varlen, lists -> torch": both(lambda bk: bk.pack_varlen(lists, return_tensors="pt")),
+        "pack_varlen, torch tensors": both(lambda bk: bk.pack_varlen(tensors)),
+        "pack, numpy arrays": both(lambda bk: bk.pack(arrays, 1024)),
+        "pack, torch tensors": both(lambda bk: bk.pack(tensors, 1024)),
+        "stack, dicts of numpy": both(lambda bk: bk.stack(rows)),
+        "PadCollator, lists -> torch": (
+            (lambda: pad_new(feats_list)),
+            (lambda: pad_old(feats_list)),
+        ),
+        "PadCollator, tensors": ((lambda: pad_new(feats_tensor)), (lambda: pad_old(feats_tensor))),
+        # input_ids alone: a baseline before keys were carried drops "label" unread
+        "VarlenCollator, lists -> torch": (
+            (lambda: flat_new(ids_list)),
+            (lambda: flat_old(ids_list)),
+        ),
+        "VarlenCollator, tensors": ((lambda: flat_new(ids_tensor)), (lambda: flat_old(ids_tensor))),
+    }
+
+
+def run_baseline(
+    path: str, lists: list[list[int]], tensors: list[torch.Tensor], repeats: int, min_time: float
+) -> list[bool]:
+    """Each case, this code against the baseline's, interleaved; PASS at >= 0.95x."""
+    old = load_baseline(path)
+    results = []
+    print(f"\n## this checkout against the baseline {path} (>= 0.95x as fast each)")
+    for label, (ours, theirs) in baseline_cases(batchkit, old, lists, tensors).items():
+        timings = measure({"this": ours, "baseline": theirs}, repeats=repeats, min_time=min_time)
+        r, q1, q3 = speedup(timings["baseline"], timings["this"])
+        times = f"{timings['this'].median * 1e6:.0f} vs {timings['baseline'].median * 1e6:.0f} us"
+        results.append(report_target(f"{label} ({times})", r, (q1, q3), goal=0.95))
+    return results
+
+
+# --------------------------------------------------------------------------- JAX
+
+
+def jnp_pad_loop(items: Sequence[Any]) -> tuple[Any, Any]:
+    """The hand-written JAX idiom: ``jnp.pad`` each item to the longest, stack, and a
+    mask from the lengths."""
+    import jax.numpy as jnp
+
+    width = max(int(x.shape[0]) for x in items)
+    data = jnp.stack([jnp.pad(x, (0, width - int(x.shape[0]))) for x in items])
+    lengths = jnp.asarray([int(x.shape[0]) for x in items])
+    return data, jnp.arange(width)[None, :] < lengths[:, None]
+
+
+def run_jax(lists: list[list[int]], repeats: int, min_time: float) -> None:
+    """batchkit on JAX arrays against the hand-written jnp loops (results checked equal
+    first; every call waits for its arrays, JAX dispatching asynchronously)."""
+    if importlib.util.find_spec("jax") is None:
+        print('\n## JAX: skipped (pip install -e ".[jax]")')
+        return
+    import jax
+    import jax.numpy as jnp
+
+    items = [jnp.asarray(s, dtype=jnp.int32) for s in lists]
+    ours = batchkit.pad(items)
+    data, mask = jnp_pad_loop(items)
+    assert bool(jnp.array_equal(ours.data, data)) and bool(jnp.array_equal(ours.mask, mask))
+
+    def ready(*arrays: Any) -> None:
+        jax.block_until_ready(arrays)
+
+    cases = {
+        "batchkit.pad": lambda: ready(*_data_mask(batchkit.pad(items))),
+        "jnp.pad per item + stack + mask": lambda: ready(*jnp_pad_loop(items)),
+        "batchkit.pack_varlen": lambda: ready(batchkit.pack_varlen(items).values),
+        "jnp.concatenate": lambda: ready(jnp.concatenate(items)),
+    }
+    timings = measure(cases, repeats=repeats, min_time=min_time)
+    print_table(f"JAX {jax.__version__} ({jax.default_backend()}), int32 items", timings)
+    r, q1, q3 = speedup(timings["jnp.pad per item + stack + mask"], timings["batchkit.pad"])
+    print(f"info  JAX pad, batchkit.pad vs the jnp loop: {r:.2f}x (IQR {q1:.2f}-{q3:.2f})")
+
+
 # --------------------------------------------------------------------------- checks
 
 
@@ -290,6 +428,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--breakdown", action="store_true", help="time batchkit.pad's stages on tensors"
     )
+    parser.add_argument(
+        "--baseline",
+        metavar="PATH",
+        help="a checkout of an earlier batchkit: time this code against it, interleaved",
+    )
+    parser.add_argument("--no-jax", action="store_true", help="skip the JAX section")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     repeats = args.repeats or (9 if args.quick else 25)
@@ -384,6 +528,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.breakdown:
         breakdown_pad_tensors(tensors, repeats, min_time)
+    if args.baseline:
+        results += run_baseline(args.baseline, lists, tensors, repeats, min_time)
+    if not args.no_jax:
+        run_jax(lists, repeats, min_time)
     print(
         f"\n{sum(results)}/{len(results)} targets met; took {time.perf_counter() - start:.1f} s "
         f"(times are per call; the ratios, not the times, carry across machines)"

@@ -756,7 +756,7 @@ def load_minilm(path: str | None) -> Any:
     # float(): a float16 copy of the weights (half the size, for a machine without the
     # package) runs in float32 like the original; batched and alone stay comparable.
     model.model = AutoModel.from_pretrained(path).float().eval()
-    model.collate = batchkit.PadCollator()
+    model.collate = batchkit.PadCollator(return_tensors="pt")
     return model
 
 

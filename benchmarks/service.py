@@ -243,7 +243,7 @@ def device_rate(model: str, batch: list[str], seconds: float) -> float:
 
     encoder = service.MiniLM() if model == "minilm" else service.TinyEncoder()
     service.torch.set_num_threads(service.BatchSettings().torch_threads)  # as it serves
-    pad = service.batchkit.PadCollator()
+    pad = service.batchkit.PadCollator(return_tensors="pt")
     run = 0
     encoder(pad([encoder.tokenize(t) for t in batch]))  # its own warm-up
     t0 = time.perf_counter()

@@ -45,8 +45,11 @@ embed = torch.nn.Embedding(1000, 8)
 
 # Pad to the longest in each batch, rounded up to a multiple of 8 (tensor-core
 # friendly shapes, fewer distinct shapes for compiled models). "label" is stacked and
-# renamed "labels", as transformers' collators do.
-collate = batchkit.PadCollator(pad_values={"input_ids": PAD_ID}, pad_to_multiple_of=8)
+# renamed "labels", as transformers' collators do. The features hold python lists,
+# which give numpy unless return_tensors asks for torch.
+collate = batchkit.PadCollator(
+    pad_values={"input_ids": PAD_ID}, pad_to_multiple_of=8, return_tensors="pt"
+)
 loader = DataLoader(dataset, batch_size=16, shuffle=True, collate_fn=collate)
 
 seen = 0
@@ -71,7 +74,7 @@ varlen_loader = DataLoader(
     dataset,
     batch_size=16,
     shuffle=True,
-    collate_fn=batchkit.VarlenCollator(return_sample_index=True),
+    collate_fn=batchkit.VarlenCollator(return_tensors="pt", return_sample_index=True),
 )
 batch = next(iter(varlen_loader))
 cu = batch["cu_seq_lens_q"]

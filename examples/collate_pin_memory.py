@@ -44,7 +44,7 @@ print(f"pad -> to_device({DEVICE!r}): data {tuple(on_device.data.shape)}")
 # In a DataLoader, the collator pins in this process (num_workers=0)...
 dataset = [{"input_ids": r.tolist(), "label": i % 2} for i, r in enumerate(requests)]
 embed = torch.nn.Embedding(1000, 16).to(DEVICE)
-collate = batchkit.PadCollator(pad_to_multiple_of=8, pin_memory=CUDA)
+collate = batchkit.PadCollator(pad_to_multiple_of=8, return_tensors="pt", pin_memory=CUDA)
 for features in DataLoader(dataset, batch_size=2, collate_fn=collate):
     features = batchkit.to_device(features, DEVICE)  # a dict of tensors, non-blocking if pinned
     ids, mask = features["input_ids"], features["attention_mask"]
@@ -55,7 +55,11 @@ for features in DataLoader(dataset, batch_size=2, collate_fn=collate):
 # ...while with worker processes the DataLoader pins (a worker's batch reaches this
 # process through shared memory, which is not page-locked; the collator refuses there).
 loader = DataLoader(
-    dataset, batch_size=2, num_workers=1, collate_fn=batchkit.PadCollator(), pin_memory=CUDA
+    dataset,
+    batch_size=2,
+    num_workers=1,
+    collate_fn=batchkit.PadCollator(return_tensors="pt"),
+    pin_memory=CUDA,
 )
 for features in loader:
     features = batchkit.to_device(features, DEVICE)

@@ -79,7 +79,7 @@ def padding_waste(loader: DataLoader[Any]) -> tuple[float, int]:
 def main() -> None:
     dataset = TextDataset(docstrings())
     lengths = dataset.lengths()
-    collate = batchkit.PadCollator(pad_to_multiple_of=8)  # shapes friendly to kernels
+    collate = batchkit.PadCollator(pad_to_multiple_of=8, return_tensors="pt")  # kernel-friendly
 
     # Batch dataset indices by their lengths; at most 32 per batch and 4096 padded
     # tokens, so a batch of long texts is smaller than one of short texts. Under DDP,

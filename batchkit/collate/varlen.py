@@ -10,15 +10,17 @@ import numpy as np
 
 from batchkit._backend import (
     ReturnTensors,
+    array_kind,
     check_leading_axes,
     check_pin_memory,
     concat,
+    device_of,
     from_host,
     full,
     to_kind,
 )
 from batchkit.collate.device import pinned_batch
-from batchkit.collate.pad import round_up
+from batchkit.collate.pad import is_positive_int, round_up
 from batchkit.collate.ragged import Ragged, to_ragged
 
 
@@ -34,16 +36,46 @@ def positions_restarting(lengths: np.ndarray) -> np.ndarray:
     return np.arange(total, dtype=np.int64) - np.repeat(starts, lengths)
 
 
+def fixed_segments(cu: np.ndarray, num_segments: int | None, who: str) -> np.ndarray:
+    """Host ``cu`` (``[S+1]`` segment boundaries) extended to ``num_segments + 1``
+    entries by empty segments at the end (unchanged when ``num_segments`` is None).
+
+    Args:
+        cu: Host int boundaries, 0 first.
+        num_segments: How many segments the result describes, or None.
+        who: The caller, named in the errors.
+
+    Raises:
+        ValueError: ``num_segments`` is not a positive int, or fewer than ``S``.
+    """
+    if num_segments is None:
+        return cu
+    if not is_positive_int(num_segments):
+        raise ValueError(f"{who}: num_segments must be a positive int, got {num_segments!r}")
+    have = len(cu) - 1
+    if have > num_segments:
+        raise ValueError(
+            f"{who}: the batch has {have} segments but num_segments={num_segments} "
+            "(make the batch smaller or num_segments larger)"
+        )
+    return np.concatenate([cu, np.full(int(num_segments) - have, cu[-1], dtype=cu.dtype)])
+
+
 @dataclass(frozen=True, slots=True)
 class Varlen:
     """Items packed end to end for varlen attention kernels.
 
     [`pack_varlen`][batchkit.pack_varlen] returns it; it is not constructed directly.
 
+    Every array is in the items' library and on their device; ``max_seqlen`` and the
+    offsets `unpack` slices by are host integers, so nothing here reads the device.
+
     Attributes:
         values: ``[T, *feat]``, the items' steps one after another.
         cu_seqlens: Int32, 0 first and ``T`` last, with ``N+1`` entries, plus one
-            when ``pad_to_multiple_of`` added a trailing padding segment.
+            when ``pad_to_multiple_of`` added a trailing padding segment (with
+            ``num_segments``, exactly ``num_segments + 1``: empty segments, ``T``
+            repeated, after the real ones).
         max_seqlen: The longest segment (the padding segment included, since a
             kernel sizes its tiles by it).
         position_ids: Int64 ``[T]``, restarting at 0 in every segment.
@@ -67,6 +99,18 @@ class Varlen:
         """T, rows in ``values`` including any trailing padding."""
         return int(self.values.shape[0])
 
+    @property
+    def segment_ids(self) -> Any:
+        """Int32 ``[T]``: ``k`` for the steps of item ``k - 1`` (1-based, as
+        ``Packed.segment_ids``), 0 for the padding segment; built on request, in
+        ``values``'s library and on its device. ``segment_ids[:, None] ==
+        segment_ids[None, :]`` is the block-diagonal attention mask of the pack."""
+        offsets = np.asarray(self._offsets, dtype=np.int64)
+        lengths = np.diff(offsets)
+        ids = np.zeros(self.total_length, dtype=np.int32)
+        ids[: offsets[-1]] = np.repeat(np.arange(1, len(lengths) + 1, dtype=np.int32), lengths)
+        return from_host(array_kind(self.values), ids, device_of(self.values))
+
     def pin_memory(self) -> Varlen:
         """A copy with every host tensor in page-locked memory (numpy arrays as they are).
 
@@ -89,7 +133,7 @@ class Varlen:
         """
         check_leading_axes(outputs, (self.total_length,), "unpack")
         offs = self._offsets
-        return [outputs[offs[i] : offs[i + 1]] for i in range(self.num_items)]
+        return [outputs[offs[i] : offs[i + 1], ...] for i in range(self.num_items)]
 
 
 _INT32_MAX = 2**31 - 1
@@ -100,6 +144,7 @@ def varlen_from_ragged(
     *,
     pad_to_multiple_of: int | None = None,
     pad_value: Any = 0,
+    num_segments: int | None = None,
     pin_memory: bool = False,
 ) -> Varlen:
     """Build the varlen layout from validated items (shared with the dict collators).
@@ -113,10 +158,13 @@ def varlen_from_ragged(
         pad_to_multiple_of: Round ``T`` up to a multiple of this with one trailing
             padding segment (None: no padding).
         pad_value: The value the padding segment holds.
+        num_segments: Give ``cu_seqlens`` exactly ``num_segments + 1`` entries
+            (None: as many as there are segments).
         pin_memory: Allocate every output array in page-locked memory.
 
     Raises:
-        ValueError: More tokens than an int32 ``cu_seqlens`` can count.
+        ValueError: More tokens than an int32 ``cu_seqlens`` can count, or more
+            segments than ``num_segments``.
     """
     kind, device = ragged.kind, ragged.device
     check_pin_memory(pin_memory, "pack_varlen", kind, device)
@@ -141,7 +189,12 @@ def varlen_from_ragged(
         values = to_kind(values, kind, pin=True)  # a no-op when to_ragged pinned it
     return Varlen(
         values=values,
-        cu_seqlens=from_host(kind, offsets.astype(np.int32), device, pin=pin_memory),
+        cu_seqlens=from_host(
+            kind,
+            fixed_segments(offsets.astype(np.int32), num_segments, "pack_varlen"),
+            device,
+            pin=pin_memory,
+        ),
         max_seqlen=int(seg_lengths.max(initial=0)),
         position_ids=from_host(kind, positions_restarting(seg_lengths), device, pin=pin_memory),
         seq_lens=from_host(kind, lengths.copy(), device, pin=pin_memory),
@@ -154,6 +207,7 @@ def pack_varlen(
     *,
     pad_to_multiple_of: int | None = None,
     pad_value: Any = 0,
+    num_segments: int | None = None,
     return_tensors: ReturnTensors = None,
     pin_memory: bool = False,
 ) -> Varlen:
@@ -164,20 +218,27 @@ def pack_varlen(
     uncovered; ``unpack`` never returns it.
 
     Args:
-        seqs: The items: Python lists, numpy arrays or torch tensors, all with the
-            same trailing (feature) shape.
+        seqs: The items: Python lists, numpy arrays, torch tensors or any Array API
+            library's arrays, all with the same trailing (feature) shape.
         pad_to_multiple_of: Round ``T`` up to a multiple of this with one trailing
             padding segment (``None``: no padding).
         pad_value: The value the padding segment holds.
-        return_tensors: ``"np"`` for numpy output, ``"pt"`` for torch, ``None`` to follow
-            the input (torch in, torch out; lists and numpy arrays give numpy).
+        num_segments: Give ``cu_seqlens`` exactly ``num_segments + 1`` entries, empty
+            segments after the real ones (``None``: as many as there are). With a
+            ``pad_to_multiple_of`` that every batch fits in, every array then has
+            one shape from batch to batch (one compile of a ``jax.jit`` function).
+        return_tensors: The output's library: a name (``"np"``, ``"pt"``, ``"jax"``,
+            ``"cupy"``, ...) or an Array API namespace; ``None`` follows the input
+            (each library's arrays give its own, on their device; lists and numpy
+            arrays give numpy).
         pin_memory: Allocate every output array in page-locked memory (torch output,
             CUDA available), so [`to_device`][batchkit.collate.to_device] with
             ``non_blocking`` overlaps the copy to the GPU.
 
     Raises:
-        ValueError: Items differ in feature shape, or the pack holds more tokens
-            than an int32 ``cu_seqlens`` can count.
+        ValueError: Items differ in feature shape, the pack holds more tokens
+            than an int32 ``cu_seqlens`` can count, or more segments than
+            ``num_segments``.
         ValueError: ``pin_memory=True`` for numpy output or items already on a GPU.
         RuntimeError: ``pin_memory=True`` without CUDA, or in a ``DataLoader`` worker.
     """
@@ -189,5 +250,9 @@ def pack_varlen(
         who="pack_varlen",
     )
     return varlen_from_ragged(
-        ragged, pad_to_multiple_of=pad_to_multiple_of, pad_value=pad_value, pin_memory=pin_memory
+        ragged,
+        pad_to_multiple_of=pad_to_multiple_of,
+        pad_value=pad_value,
+        num_segments=num_segments,
+        pin_memory=pin_memory,
     )

@@ -466,7 +466,7 @@ def create_app(
         server = ServerSettings.from_env()
     if encoder is None:
         encoder = MiniLM() if os.environ.get("EMBED_MODEL") == "minilm" else TinyEncoder()
-    pad = batchkit.PadCollator()  # torch tensors, attention_mask from input_ids
+    pad = batchkit.PadCollator(return_tensors="pt")  # attention_mask from input_ids
 
     def tokenize_and_pad(texts: list[str]) -> dict[str, torch.Tensor]:
         # On the worker thread, as part of the batch: tokenising never runs on the
@@ -565,7 +565,7 @@ def freeze_startup_heap() -> None:
 def embed_alone(encoder: Encoder, text: str) -> list[float]:
     """The unbatched reference: one text (cut as the service cuts it), one forward pass."""
     features = encoder.tokenize(text[: encoder.max_chars])
-    out: list[float] = encoder(batchkit.PadCollator()([features]))[0].tolist()
+    out: list[float] = encoder(batchkit.PadCollator(return_tensors="pt")([features]))[0].tolist()
     return out
 
 

@@ -322,7 +322,7 @@ def test_dataloader_with_workers() -> None:
     loader: DataLoader[dict[str, object]] = DataLoader(
         dataset,  # type: ignore[arg-type]
         batch_sampler=sampler,
-        collate_fn=PadCollator(),
+        collate_fn=PadCollator(return_tensors="pt"),
         num_workers=2,
     )
     assert len(loader) == len(sampler)

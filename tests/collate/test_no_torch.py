@@ -41,6 +41,12 @@ SCRIPT = textwrap.dedent(
         [{"input_ids": [1, 2], "label": 0}, {"input_ids": [3], "label": 1}]
     )
     assert out["attention_mask"].tolist() == [[1, 1], [1, 0]], out
+    by_default = batchkit.PadCollator()([{"input_ids": [1, 2]}, {"input_ids": [3]}])
+    assert all(isinstance(v, np.ndarray) for v in by_default.values()), by_default
+    assert by_default["input_ids"].tolist() == [[1, 2], [3, 0]]
+    with_idx = [{"input_ids": [1, 2], "idx": 4}, {"input_ids": [3], "idx": 5}]
+    flat = batchkit.VarlenCollator()(with_idx)
+    assert flat["idx"].tolist() == [4, 5] and isinstance(flat["input_ids"], np.ndarray)
     flat = batchkit.VarlenCollator(return_tensors="np")([{"input_ids": [1, 2]}, {"input_ids": [3]}])
     assert flat["cu_seq_lens_q"].tolist() == [0, 2, 3] and flat["max_length_q"] == 2
     try:

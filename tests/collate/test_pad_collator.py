@@ -109,3 +109,15 @@ def test_pad_value_none_for_input_ids_pads_nothing() -> None:
     ragged = [{"input_ids": [1, 2]}, {"input_ids": [3]}]
     with pytest.raises(ValueError, match="'input_ids', the key padded by, has pad value None"):
         batchkit.PadCollator(pad_values={"input_ids": None}, return_tensors="np")(ragged)
+
+
+def test_by_default_the_output_follows_the_features() -> None:
+    """Lists give numpy (the numpy-only install needs no torch), tensors give torch."""
+    lists = [{"input_ids": [1, 2], "label": 0}, {"input_ids": [3], "label": 1}]
+    batch = batchkit.PadCollator()(lists)
+    assert all(isinstance(v, np.ndarray) for v in batch.values()), batch
+    assert batch["input_ids"].tolist() == [[1, 2], [3, 0]]
+    torch = pytest.importorskip("torch")
+    tensors = [{"input_ids": torch.tensor(f["input_ids"]), "label": f["label"]} for f in lists]
+    batch = batchkit.PadCollator()(tensors)
+    assert all(isinstance(v, torch.Tensor) for v in batch.values()), batch

@@ -58,11 +58,13 @@ BUILDERS: dict[str, Callable[[bool], Any]] = {
         return_tensors="pt",
         pin_memory=pin,
     ),
-    "PadCollator": lambda pin: batchkit.PadCollator(pad_to_multiple_of=8, pin_memory=pin)(FEATURES),
+    "PadCollator": lambda pin: batchkit.PadCollator(
+        pad_to_multiple_of=8, return_tensors="pt", pin_memory=pin
+    )(FEATURES),
     "PadCollator-tensors": lambda pin: batchkit.PadCollator(pin_memory=pin)(TENSOR_FEATURES),
-    "VarlenCollator": lambda pin: batchkit.VarlenCollator(return_sample_index=True, pin_memory=pin)(
-        [{"input_ids": ids} for ids in INTS]
-    ),
+    "VarlenCollator": lambda pin: batchkit.VarlenCollator(
+        return_tensors="pt", return_sample_index=True, pin_memory=pin
+    )([{"input_ids": ids} for ids in INTS]),
 }
 
 
