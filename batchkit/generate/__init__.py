@@ -3,7 +3,7 @@
 ``ContinuousBatcher`` drives a step function: every step, finished sequences leave and
 waiting ones join, with chunked prefill, a token budget, and (with a
 `BlockAllocator`) paged KV memory with preemption by recompute.
-The scheduler core (``StepScheduler``; ``Scheduler`` is its older name) is pure and
+The scheduler core (``StepScheduler``) is pure and
 usable on its own. Listeners
 (``add_listener``) get a ``StepEvent`` per step and a ``FinishEvent`` per answered
 request (``batchkit.metrics`` exports them to Prometheus). ``submit(..., sampling=Sampling(...))``
@@ -20,9 +20,6 @@ from batchkit.generate.scheduler import StepScheduler
 from batchkit.generate.sequence import ScheduledSeq, SeqStatus, Sequence, StepBatch
 from batchkit.generate.stats import GenerationGroupStats, GenerationStats
 
-# The name it had before `batchkit.serve.Scheduler` and this one were told apart.
-Scheduler = StepScheduler
-
 __all__ = [
     "ContinuousBatcher",
     "FinishEvent",
@@ -32,7 +29,6 @@ __all__ = [
     "GenerationGroupStats",
     "Sampling",
     "ScheduledSeq",
-    "Scheduler",
     "StepScheduler",
     "SeqStatus",
     "Sequence",
