@@ -356,6 +356,8 @@ class LatencyTarget:
         # join a bucket's next batch before it leaves.
         self._left: deque[tuple[float, Hashable]] = deque()
         self._left_by_bucket: dict[Hashable, int] = {}
+        # Predicted times by (padded size, cost), until the model learns again.
+        self._times: dict[tuple[int, float], float] = {}
         self._slipped = False  # a batch ran past its predicted end
         self._next_recheck = 0.0  # when a batch still running late is looked at again
 
@@ -411,12 +413,15 @@ class LatencyTarget:
             batch: Its requests.
             size: Its size, when more requests join it (at their cost per item).
         """
-        keys = [r.key for r in batch]
-        cost = 0.0 if self.policy.key is None else float(self.policy.cost.of(keys))
-        if size is not None and size > len(batch):
-            cost *= size / len(batch)
         n = len(batch) if size is None else size
-        return self.learner.predict(self.policy.padded_size(n), cost)
+        cost = 0.0
+        if self.policy.key is not None:
+            cost = float(self.policy.cost.of([r.key for r in batch])) * max(n / len(batch), 1)
+        padded = self.policy.padded_size(n)
+        seconds = self._times.get((padded, cost))  # (a replay asks the same sizes often)
+        if seconds is None:
+            seconds = self._times[padded, cost] = self.learner.predict(padded, cost)
+        return seconds
 
     def latest_start(self, batch: Sequence[Request]) -> float:
         """When `batch` must leave at the latest for its most urgent member to be in time.
@@ -543,9 +548,11 @@ class LatencyTarget:
                 `_joined_seconds`). None replays what waits alone.
         """
         queues = self._waiting(buckets, reqs[0].priority if reqs else math.inf)
+        fresh_from = {}  # where the new requests begin, at the back of their queues
         for name, new in by_bucket(reqs).items():
-            queues.setdefault(name, []).extend(new)
-        fresh = {id(r) for r in reqs}
+            queue = queues.setdefault(name, [])
+            fresh_from[name] = len(queue)
+            queue.extend(new)
         at = dict.fromkeys(queues, 0)  # each queue's front
         slots = sorted(slots_free_at)
         finish, cut = -math.inf, False
@@ -558,19 +565,20 @@ class LatencyTarget:
                 queue, i = queues[name], at[name]
                 i += self.overdue(queue[i : i + 4 * max_batch_size], start, max_batch_size)
                 dropped += queue[at[name] : i]
-            late = [r for r in dropped[dropped_before:] if id(r) in fresh]
-            if late:  # (late even alone, or overdue: in a batch of its own, at the earliest)
-                end = start + self.batch_seconds(late[-1:])
-                return Plan(end, [r for r in dropped if id(r) not in fresh], cut)
+                at[name] = i
+            late = [r for r in dropped[dropped_before:] if r in reqs]
+            if late:  # a new one dropped: in a batch of its own, at the earliest
+                earlier = [r for r in dropped if r not in reqs]
+                return Plan(start + self.batch_seconds(late[-1:]), earlier, cut)
             if not queues:
                 break
             batch = self._cut(queue[i : i + max_batch_size], start, max_batch_size)
-            left = [r for r in queue[i + len(batch) : i + max_batch_size] if id(r) in fresh]
-            if left:  # with them, it would end late for an earlier member; for them too?
-                with_them = queue[i : queue.index(left[-1], i) + 1]
-                end = start + self.batch_seconds(with_them)
-                if end > left[-1].deadline:
-                    return Plan(end, [r for r in dropped if id(r) not in fresh])
+            first_new = fresh_from.get(name, math.inf)
+            cut_end = min(i + max_batch_size, len(queue))
+            if cut_end > max(first_new, i + len(batch)):  # the cut took new ones: for them?
+                end = start + self.batch_seconds(queue[i:cut_end])
+                if end > queue[cut_end - 1].deadline:
+                    return Plan(end, dropped)
                 cut = True
             i += len(batch)
             seconds = self.batch_seconds(batch)
@@ -579,12 +587,12 @@ class LatencyTarget:
                 seconds = self._joined_seconds(batch, max_batch_size, until)
             end = start + seconds
             heapq.heapreplace(slots, end)
-            if any(id(r) in fresh for r in batch):
+            if i > first_new:
                 finish = end
             at[name] = i
             if i == len(queue):
                 del queues[name]
-        return Plan(finish, [r for r in dropped if id(r) not in fresh], cut)
+        return Plan(finish, dropped, cut)
 
     @staticmethod
     def _waiting(
@@ -782,5 +790,6 @@ class LatencyTarget:
         keys = [r.key for r in requests]
         cost = 0.0 if self.policy.key is None else float(self.policy.cost.of(keys))
         self.learner.observe(padded_size, cost, seconds)
+        self._times.clear()
         if self.learner.refuted > refuted:
             self._stop_refusing()
