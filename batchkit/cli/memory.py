@@ -180,4 +180,11 @@ def run(args: argparse.Namespace) -> int:
         f"largest batch: {plan.max_batch_size} sequences of {args.seq_len} tokens "
         f"({tokens:,} tokens in the KV cache)"
     )
+    kv_only = plan.available_bytes // plan.kv_bytes_per_sequence
+    if kv_only > plan.max_batch_size:
+        print(
+            f"  activations counted: each sequence also needs "
+            f"{format_bytes(plan.activation_bytes_per_sequence)} of peak activations; the KV "
+            f"cache alone would allow {kv_only}"
+        )
     return 0

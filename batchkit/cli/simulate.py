@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import math
 import re
 import sys
 import warnings
 from collections.abc import Hashable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -189,6 +191,20 @@ def _latency_model(args: argparse.Namespace) -> LatencyModel:
     fixed = 5.0 if args.latency_ms is None else args.latency_ms
     per_item = 0.5 if args.per_item_ms is None else args.per_item_ms
     return LatencyModel.linear(fixed, per_item, per_cost, switch_ms=switch)
+
+
+def _noisy_profile_warning(path: str) -> str | None:
+    """The warning for a profile whose own report found its timings too noisy to pick a
+    knee (``knee_determined`` false in its JSON); None for a settled one."""
+    data = json.loads(Path(path).read_text())  # (read once already: from_profile)
+    if data.get("knee_determined", True):
+        return None
+    low, high = data.get("knee_range", ("?", "?"))
+    return (
+        f"{path}: batchkit profile found these timings too noisy to pick a knee (anywhere "
+        f"from {low} to {high}); the batch times below are as uncertain (profile again "
+        "with a larger --budget-s or --max-repeats, on a quieter machine)"
+    )
 
 
 def _check_options(args: argparse.Namespace) -> None:
@@ -393,6 +409,9 @@ def run(args: argparse.Namespace) -> int:
             f"latency target {args.max_latency_ms:g} ms: requests predicted late are refused, "
             "waiting ones that can no longer be in time are shed (Overloaded)"
         )
+    noisy = None if args.profile is None else _noisy_profile_warning(args.profile)
+    if noisy is not None:
+        print(f"warning: {noisy}")
     for message in dict.fromkeys(w for r in results for w in r.warnings):
         print(f"warning: {message}")
     if len(results) == 1:
@@ -426,11 +445,13 @@ def format_table(combos: list[tuple[int, float | None, int]], results: list[SimR
     if grouped:
         head += f"{'grp/b':>6}{'worst p99':>10}  group"
     lines = [head]
+    figures = []  # each row without its settings
     for (size, wait, slots), r in zip(combos, results):
         shown = "-" if wait is None else f"{wait:g}"
         row = f"{size:>9}{shown:>8}{slots:>6}"
         if grouped:
             row += f"{r.max_groups_per_batch:>7}"
+        settings_width = len(row)
         row += (
             f"{r.throughput:>9,.0f}{r.latency.p50:>8.1f}"
             f"{r.latency.p99:>8.1f}{r.latency.p999:>9.1f}{r.mean_batch_size:>7.1f}"
@@ -441,10 +462,59 @@ def format_table(combos: list[tuple[int, float | None, int]], results: list[SimR
         if grouped:
             worst = "-" if r.worst_group is None else str(r.worst_group)
             row += f"{r.mean_groups_per_batch:>6.2f}{r.worst_group_p99:>10.1f}  {worst}"
-        lines.append(row + _overload_mark(r))
+        lines.append(row)
+        figures.append(row[settings_width:])
+    twins = _identical_runs(figures)
+    for index, r in enumerate(results):
+        twin = next((n for n, rows in enumerate(twins, 1) if index in rows), None)
+        lines[index + 1] += _overload_mark(r) + ("" if twin is None else f"  (={twin})")
     if any(_overload_mark(r) for r in results):
         lines.append(f"(!) overloaded: arrivals exceed capacity, {_excess(results[0])}")
+    for number, rows in enumerate(twins, 1):
+        lines.append(
+            f"(={number}) {_why_identical([combos[i] for i in rows], [results[i] for i in rows])}"
+        )
     return "\n".join(lines)
+
+
+def _identical_runs(figures: list[str]) -> list[list[int]]:
+    """The indices of rows whose figures print the same, in groups of two or more."""
+    by_result: dict[str, list[int]] = {}
+    for index, printed in enumerate(figures):
+        by_result.setdefault(printed, []).append(index)
+    return [indices for indices in by_result.values() if len(indices) > 1]
+
+
+def _why_identical(combos: list[tuple[int, float | None, int]], results: list[SimResult]) -> str:
+    """What made runs of different settings come out the same, where the runs say so."""
+    sizes = sorted({size for size, _, _ in combos})
+    waits = sorted({wait for _, wait, _ in combos if wait is not None})
+    slots = sorted({slot for _, _, slot in combos})
+    limits = sorted({r.max_groups_per_batch for r in results if r.max_groups_per_batch})
+    differing = [
+        (name, values)
+        for name, values in (
+            ("max_batch", sizes), ("wait ms", waits), ("slots", slots), ("groups", limits)
+        )
+        if len(values) > 1
+    ]  # fmt: skip
+    settings = " and ".join(
+        f"{name} {', '.join(f'{v:g}' for v in values)}" for name, values in differing
+    )
+    reasons = []
+    if len(waits) > 1 and not any(r.dispatch_reasons.get("max_wait") for r in results):
+        reasons.append(
+            "no batch waited for max wait: each left full or as soon as the model was free"
+        )
+    largest = max((size for r in results for size in r.batch_sizes), default=0)
+    if len(sizes) > 1 and largest < sizes[0]:
+        reasons.append(f"no batch reached {sizes[0]} requests, the smallest max_batch")
+    most_groups = max((n for r in results for n in r.batch_groups), default=0)
+    if len(limits) > 1 and most_groups < limits[0]:
+        reasons.append(f"no batch held {limits[0]} groups, the smallest limit")
+    if reasons and len(reasons) == len(differing):
+        return f"identical figures at {settings}: " + "; ".join(reasons)
+    return f"identical figures at {settings}"
 
 
 def _overload_mark(r: SimResult) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 import subprocess
@@ -32,6 +33,18 @@ def test_memory_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert re.search(r"batch of 8 +16.00 GiB", out)
     assert "weights: 7B params x 2 B = 13.04 GiB" in out
     assert "largest batch: 29 sequences" in out
+    assert "activations counted" not in out  # none given: the KV cache alone decides
+
+
+def test_memory_says_activations_cut_the_largest_batch(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, *LLAMA, "--gpu-memory", "80GiB", "--params", "7B",
+                       "--hidden-size", "4096", "--intermediate-size", "11008")  # fmt: skip
+    assert code == 0
+    assert "largest batch: 26 sequences" in out
+    assert (
+        "activations counted: each sequence also needs 236.00 MiB of peak activations; "
+        "the KV cache alone would allow 29"
+    ) in out
 
 
 @pytest.mark.parametrize(
@@ -88,6 +101,67 @@ def test_simulate_sweep_and_trace(capsys: pytest.CaptureFixture[str], tmp_path: 
     assert code == 0
     rows = out.splitlines()[2:4]
     assert rows[0].split()[:3] == ["2", "5", "1"] and rows[1].split()[:3] == ["32", "5", "1"]
+
+
+def test_simulate_sweep_says_why_rows_are_identical(capsys: pytest.CaptureFixture[str]) -> None:
+    # At 500 req/s the model is always busy: every batch leaves when it frees, before
+    # either wait, so both rows are the same run.
+    code, out, _ = run(capsys, "simulate", "--rate", "500", "--requests", "2000",
+                       "--max-wait-ms", "1,5")  # fmt: skip
+    assert code == 0
+    rows = out.splitlines()[2:4]
+    assert all(row.endswith("  (=1)") for row in rows), rows
+    assert (
+        "(=1) identical figures at wait ms 1, 5: no batch waited for max wait: each left "
+        "full or as soon as the model was free"
+    ) in out
+
+
+def test_simulate_sweep_notes_identical_rows_it_cannot_explain(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # One group: a limit of 1 or 2 groups per batch cannot differ, but no batch held
+    # fewer than 1 group, so the runs give no reason beyond the figures.
+    code, out, _ = run(capsys, "simulate", "--rate", "50", "--requests", "500", "--groups",
+                       "1", "--max-groups-per-batch", "1,2")  # fmt: skip
+    assert code == 0
+    assert out.splitlines()[-1] == "(=1) identical figures at groups 1, 2"
+
+
+def test_simulate_sweep_marks_no_row_that_differs(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "simulate", "--rate", "50", "--requests", "2000",
+                       "--max-concurrent-batches", "1,2")  # fmt: skip
+    assert code == 0
+    assert "(=" not in out and "identical" not in out
+
+
+def _profile_json(path: Path, *, knee_determined: bool) -> Path:
+    """A ``batchkit profile --json`` file of four sizes, its knee settled or not."""
+    points = [
+        {"batch_size": b, "latency_ms": 2.0 + 0.5 * b, "p10_ms": 1.0, "p90_ms": 9.0}
+        for b in (1, 4, 8, 16)
+    ]
+    knee = [8, 8] if knee_determined else [1, 16]
+    path.write_text(json.dumps({"batchkit_profile": 1, "points": points, "knee_range": knee,
+                                "knee_determined": knee_determined}))  # fmt: skip
+    return path
+
+
+def test_simulate_warns_of_a_profile_too_noisy_to_pick_a_knee(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    noisy = _profile_json(tmp_path / "noisy.json", knee_determined=False)
+    code, out, _ = run(capsys, "simulate", "--profile", str(noisy), "--rate", "100",
+                       "--requests", "200")  # fmt: skip
+    assert code == 0
+    assert (
+        f"warning: {noisy}: batchkit profile found these timings too noisy to pick a knee "
+        "(anywhere from 1 to 16)"
+    ) in out
+    settled = _profile_json(tmp_path / "settled.json", knee_determined=True)
+    code, out, _ = run(capsys, "simulate", "--profile", str(settled), "--rate", "100",
+                       "--requests", "200")  # fmt: skip
+    assert code == 0 and "warning" not in out
 
 
 def test_profile_command(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
