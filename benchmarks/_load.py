@@ -1,6 +1,7 @@
 """Open-loop load for the benchmarks: seeded Poisson arrival times, and a driver that
 starts one request at each of them on the running event loop without waiting for any
-answer (callers that do not slow down when the server does, as on a real service).
+answer (callers that do not slow down when the server does, as on a real service);
+`issue_from_threads` does the same with blocking callers on threads.
 
 ```python
 arrivals = poisson_arrivals(random.Random(7), rate=500.0, start=0.0, end=2.0)
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
+import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
@@ -66,3 +69,47 @@ async def issue(
         running.add(task)
         task.add_done_callback(running.discard)
     return running
+
+
+def issue_from_threads(
+    arrivals: Sequence[float], request: Callable[[int, float], None], threads: int
+) -> None:
+    """Make ``request(i, t0 + arrivals[i])`` at each arrival from ``threads`` blocking
+    caller threads, in ``time.perf_counter()`` time; return when every one returned.
+
+    Thread ``k`` makes arrivals ``k``, ``k + threads``, ...: a caller still blocked
+    when its next arrival comes makes it late (give enough threads that the mean gap
+    of one thread's arrivals, ``threads`` / rate, is well above the latency).
+
+    Args:
+        arrivals: Arrival times in seconds after the start, increasing.
+        request: Makes one blocking request; given its index and its scheduled
+            ``perf_counter`` time (it can measure how late it was).
+        threads: How many caller threads.
+
+    Raises:
+        BaseException: The first error a request raised (after all threads ended).
+    """
+    errors: list[BaseException] = []
+    ready = threading.Barrier(threads + 1)
+    t0: list[float] = []
+
+    def caller(k: int) -> None:
+        ready.wait()
+        try:
+            for i in range(k, len(arrivals), threads):
+                scheduled = t0[0] + arrivals[i]
+                time.sleep(max(scheduled - time.perf_counter(), 0.0))
+                request(i, scheduled)
+        except BaseException as exc:  # noqa: BLE001 - reported after the others end
+            errors.append(exc)
+
+    pool = [threading.Thread(target=caller, args=(k,), daemon=True) for k in range(threads)]
+    for thread in pool:
+        thread.start()
+    t0.append(time.perf_counter() + 0.005)
+    ready.wait()
+    for thread in pool:
+        thread.join()
+    if errors:
+        raise errors[0]

@@ -108,22 +108,14 @@ class BatchedFunction(Generic[R]):
         self._bound_by_instance: weakref.WeakKeyDictionary[Any, BatchedFunction[R]] = (
             weakref.WeakKeyDictionary()
         )
-        # Created now (cheap: no thread starts before the first call), so that
-        # `f.acall` is the callers' own `async def acall` (same signature) even when
-        # a caller keeps the bound method: one coroutine per call instead of two.
-        if self.is_async:
-            loop_driver = LoopDriver(fn, options, self.__qualname__)
-            self._driver: Driver = loop_driver
-            self._core = loop_driver.core
-            # Its usual callers are admitted without the lock (see callers.bind_acall).
-            self._acall = callers.bind_acall(self._core, loop_driver.lane)
-        else:
-            self._driver = ThreadDriver(fn, options, self.__qualname__)
-            self._core = self._driver.core
-            self._acall = callers.bind_acall(self._core, None)
+        # Created now (cheap: no thread starts before the first call).
+        self._driver: Driver = (
+            LoopDriver(fn, options, self.__qualname__)
+            if self.is_async
+            else ThreadDriver(fn, options, self.__qualname__)
+        )
+        self._core = self._driver.core
         self._warned_on_loop = False
-        if not self.streams:
-            self.acall = self._acall  # type: ignore[method-assign,assignment]
 
     @property
     def runtime(self) -> Driver:
@@ -194,7 +186,7 @@ class BatchedFunction(Generic[R]):
         if self.streams:
             raise self._streams_error()
         if self.is_async:
-            return self._acall(item, priority=priority, timeout=timeout)
+            return callers.acall(self._core, item, priority, timeout)
         if not self._warned_on_loop and asyncio._get_running_loop() is not None:
             self._warn_blocking_on_loop()
         return callers.call(self._core, item, priority, timeout)
@@ -255,7 +247,7 @@ class BatchedFunction(Generic[R]):
         """
         if self.streams:
             raise self._streams_error()
-        return await self._acall(item, priority=priority, timeout=timeout)
+        return await callers.acall(self._core, item, priority, timeout)
 
     # -- streams ----------------------------------------------------------------
     def stream(

@@ -13,14 +13,13 @@ import asyncio
 import contextlib
 import math
 import numbers
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from typing import Any, NoReturn
 
 from batchkit.errors import RequestTimeout
 from batchkit.serve.channels import LoopChannel, Message, ThreadChannel
 from batchkit.serve.core import ServingCore
-from batchkit.serve.lane import ArrivalLane
-from batchkit.serve.request import Request, new_request
+from batchkit.serve.request import Request
 
 
 def checked_timeout(timeout: object) -> float | None:
@@ -79,8 +78,7 @@ def call(core: ServingCore, item: Any, priority: int, timeout: float | None) -> 
         TypeError: `timeout` is not a number (nothing was queued).
         ValueError: `timeout` is NaN or negative (nothing was queued).
     """
-    if timeout is not None:
-        timeout = checked_timeout(timeout)
+    timeout = checked_timeout(timeout)
     req = core.make_request(item, priority, None)
     left = timeout
     if core.admission is None:
@@ -164,51 +162,34 @@ def _withdraw_and_raise(
 
 
 # -- from asyncio --------------------------------------------------------------------
-AsyncCall = Callable[..., Awaitable[Any]]
-"""A driver's `acall(item, *, priority=0, timeout=None)`."""
-
-
-def bind_acall(core: ServingCore, lane: ArrivalLane | None) -> AsyncCall:
-    """A driver's `acall`: the coroutine function asyncio callers call, bound to the
-    driver's core and arrival lane (the one coroutine per call).
+async def acall(core: ServingCore, item: Any, priority: int, timeout: float | None) -> Any:
+    """One item from asyncio: await its result, honouring `timeout` and cancellation.
 
     Args:
         core: The function's serving core.
-        lane: The arrival lane the event loop driver opens to its loop's callers
-            (see `batchkit.serve.lane`), or None: every call is admitted under the
-            lock.
+        item: The item.
+        priority: Lower values are served first.
+        timeout: Seconds the item may wait before it starts; None for no bound.
+
+    Returns:
+        The item's result.
+
+    Raises:
+        RequestTimeout: It did not start within `timeout` (it was withdrawn).
+        asyncio.CancelledError: The caller was cancelled (the item was withdrawn, if
+            it had not started).
+        TypeError: `timeout` is not a number (nothing was queued).
+        ValueError: `timeout` is NaN or negative (nothing was queued).
     """
-
-    async def acall(item: Any, *, priority: int = 0, timeout: float | None = None) -> Any:
-        """One item from asyncio: await its result, honouring `timeout` and
-        cancellation (see `BatchedFunction.acall` for the arguments and errors)."""
-        if timeout is not None:
-            timeout = checked_timeout(timeout)
-        loop = asyncio.get_running_loop()
-        if lane is not None and loop is lane.loop and type(priority) is int and not priority:
-            # The usual call, on the lane's own loop: admitted without the lock (taken
-            # here rather than in a method of the lane: one call less per request).
-            req = new_request(item, 0.0, None, 0, loop, None, core.clock())
-            lane.arrivals.append(req)
-            if not lane.poll_due:  # (usually due: a burst of callers shares one pass)
-                lane.wake()
-        else:
-            req = core.make_request(item, priority, loop)
-            if core.admission is None:
-                core.submit(req)  # at once: the timeout is all still left
-            else:
-                started = _started(core, timeout)
-                await core.admission.asubmit(req, timeout)  # may wait for room
-                timeout = _left(core, timeout, started)
-        if timeout is None:  # no timer to arm or cancel: await the outcome itself
-            try:
-                return await req.future  # type: ignore[misc]
-            except asyncio.CancelledError:
-                _withdraw_cancelled(core, req)
-                raise
-        return await await_request(core, req, timeout)
-
-    return acall
+    timeout = checked_timeout(timeout)
+    req = core.make_request(item, priority, asyncio.get_running_loop())
+    if core.admission is None:
+        core.submit(req)  # at once: the timeout is all still left
+    else:
+        started = _started(core, timeout)
+        await core.admission.asubmit(req, timeout)  # may wait for room
+        timeout = _left(core, timeout, started)
+    return await await_request(core, req, timeout)
 
 
 async def amap(

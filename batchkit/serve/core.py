@@ -7,10 +7,9 @@ listeners and the counters. A driver (`batchkit.serve.threads` or
 `batchkit.serve.event_loop`) runs the batches it forms (`batchkit.serve.execute` and
 `batchkit.serve.streaming`: how a batch runs) and reports back here. The core knows
 nothing of threads or event loops: a driver gives it its callbacks, `wake`,
-`check_loop`, `settings_changed` and `forked`, and (the event loop driver) the
-arrival lane its own callers append to without the lock (`batchkit.serve.lane`).
-A driver asks the core for the next batch (`next_batch_locked`), never the
-scheduler itself.
+`check_loop`, `settings_changed` and `forked`. Every request is submitted under the
+lock, whichever caller makes it (`submit`). A driver asks the core for the next
+batch (`next_batch_locked`), never the scheduler itself.
 """
 
 from __future__ import annotations
@@ -29,7 +28,6 @@ from batchkit.serve.caps import SizeCaps
 from batchkit.serve.channels import Channel
 from batchkit.serve.events import BatchEvent, DropEvent, DropReason, Listener, notify
 from batchkit.serve.execute import BatchRun
-from batchkit.serve.lane import ArrivalLane
 from batchkit.serve.options import (
     Options,
     Settings,
@@ -99,8 +97,6 @@ class ServingCore:
         forked: Under the lock, in a child process just forked (see `_before_fork`).
         check_loop: Under the lock, before an enqueue: refuse (raise) a caller's
             loop the driver cannot serve.
-        lane: Where the default lane's requests arrive (the event loop driver opens
-            it to its loop's callers); a lane of its own when None.
     """
 
     def __init__(
@@ -112,7 +108,6 @@ class ServingCore:
         settings_changed: Callable[[], None] = _nothing,
         forked: Callable[[], None] = _nothing,
         check_loop: LoopCheck | None = None,
-        lane: ArrivalLane | None = None,
     ) -> None:
         self.options = options
         self.name = name
@@ -124,14 +119,12 @@ class ServingCore:
             self.admission = BlockingAdmission(
                 self.lock, self._admit_if_room_locked, self._gave_up_waiting_locked, self.clock
             )
-        self.lane = ArrivalLane() if lane is None else lane
         self.caps = SizeCaps()  # taught here (after each batch), read by the scheduler
         self.sched = Scheduler(
             options.policy,
             max_queue_size=options.max_queue_size,
             max_concurrent_batches=options.max_concurrent_batches,
             max_latency_s=options.max_latency_s,
-            lane=self.lane,
             caps=self.caps,
             on_room=None if self.admission is None else self._room_freed_locked,
         )
@@ -140,7 +133,6 @@ class ServingCore:
         self.group = options.policy.group  # the policy's group, if any
         # One bucket, no key or group to compute.
         self.keyless = options.policy.key is None and self.group is None
-        self.bulk_arrivals = self._takes_bulk_arrivals()  # (read at every admission)
         # Under a latency target a pass is due while every slot is busy too: it tells
         # the waiting requests that became hopeless (see Scheduler.decide).
         self.sheds_while_busy = self.sched.target is not None
@@ -155,14 +147,6 @@ class ServingCore:
         _cores.add(self)
 
     # -- admission -----------------------------------------------------------
-    def _takes_bulk_arrivals(self) -> bool:
-        """Whether default-priority requests skip `Scheduler.add`: appended to the
-        arrival lane and placed in bulk at the next scheduling step. Only for a keyless
-        policy, and not with a bounded queue or a latency target, which must refuse at
-        once (`QueueFull`, `Overloaded`)."""
-        sched = self.sched
-        return self.keyless and sched.max_queue_size is None and sched.target is None
-
     def make_request(
         self,
         item: Any,
@@ -196,8 +180,8 @@ class ServingCore:
         return new_request(item, key, bucket, priority, loop, channel, 0.0, group)
 
     def submit(self, req: Request) -> None:
-        """Enqueue a request (under the lock; re-entrant: a blocked admission calls it
-        holding the lock already).
+        """Enqueue a request, under the lock, from a thread or an event loop alike
+        (re-entrant: a blocked admission calls it holding the lock already).
 
         Args:
             req: A request from `make_request`.
@@ -205,29 +189,21 @@ class ServingCore:
         Raises:
             BatcherClosed: The function is closed; nothing was enqueued.
             QueueFull: `max_queue_size` requests wait; nothing was enqueued.
+            Overloaded: It is predicted to miss `max_latency_ms`; nothing was enqueued.
         """
-        # acquire/release, not `with`: on Python 3.11 a `with` looks up and binds the
-        # lock's __enter__ and __exit__ at every call (measured in docs/performance.md,
-        # "What the hot path keeps"). The one place that does so: every call passes here.
-        self.lock.acquire()
-        try:
+        with self.lock:
             if self.closed:
                 raise BatcherClosed(f"{self.name} is closed")
             if self.check_loop is not None:
                 self.check_loop(req.loop)
             req.enqueued_at = self.clock()
-            if self.bulk_arrivals and req.priority == 0:
-                self.lane.arrivals.append(req)
-            else:
-                self._shed_too_late_locked(req.enqueued_at)
-                try:
-                    self.sched.add(req)
-                except QueueFull as refused:
-                    self.dropped(_refusal_reason(refused), 1)
-                    raise
+            self._shed_too_late_locked(req.enqueued_at)
+            try:
+                self.sched.add(req)
+            except QueueFull as refused:
+                self.dropped(_refusal_reason(refused), 1)
+                raise
             self.wake()
-        finally:
-            self.lock.release()
 
     def submit_many(self, reqs: Sequence[Request]) -> None:
         """Enqueue several requests atomically: all of them, or none.
@@ -423,7 +399,7 @@ class ServingCore:
             return batch.requests
         done = []
         for i, req in enumerate(batch.requests):
-            if req.state != RUNNING:
+            if req.state is not RUNNING:
                 continue  # already answered (a close that timed out)
             req.state = DONE
             error = run.errors.get(i)
@@ -513,7 +489,7 @@ class ServingCore:
     def _answer_running_locked(self, batch: FormedBatch, error: BaseException) -> list[Request]:
         """Fail `batch`'s still-running requests with `error` (counted); its end must
         not answer them again. Returns them, to deliver."""
-        answered = [r for r in batch.requests if r.state == RUNNING]
+        answered = [r for r in batch.requests if r.state is RUNNING]
         for req in answered:
             req.state, req.error = DONE, error
         self.sched.stats.failed += len(answered)
@@ -574,7 +550,6 @@ class ServingCore:
                 self._room_freed_locked()
             if max_latency_ms is not None:
                 self.sched.set_max_latency(max_latency_ms / 1e3)
-            self.bulk_arrivals = self._takes_bulk_arrivals()
             self.sheds_while_busy = self.sched.target is not None
             self.settings_changed()
             self.wake()
@@ -610,7 +585,9 @@ class ServingCore:
             latency=now - batch.dispatched_at,
             # Requests a timed-out close already answered with BatcherClosed failed too.
             failed=sum(
-                1 for i, req in enumerate(batch.requests) if i in run.errors or req.state != RUNNING
+                1
+                for i, req in enumerate(batch.requests)
+                if i in run.errors or req.state is not RUNNING
             ),
             tokens=float(sum(keys)),
             padded_tokens=float(batch.padded_size * max(keys, default=0.0)),
@@ -645,10 +622,7 @@ class ServingCore:
     def stats(self) -> Stats:
         """A snapshot of the counters."""
         with self.lock:
-            # Arrivals are counted, not placed: an event loop's callers append to them
-            # without the lock, so only the scheduling thread may move them.
             return self.sched.stats.snapshot(
-                unplaced=len(self.lane.arrivals),
                 queue_depth=self.sched.num_waiting,
                 in_flight=self.sched.in_flight,
                 caps={"default" if b is None else str(b): cap for b, cap in self.caps.items()},

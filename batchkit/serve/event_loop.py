@@ -18,7 +18,6 @@ from batchkit.errors import BatcherClosed
 from batchkit.loops import on_loop_thread, schedule_on_loop
 from batchkit.serve.core import ServingCore
 from batchkit.serve.execute import BatchRun, Outcome, run_steps
-from batchkit.serve.lane import ArrivalLane
 from batchkit.serve.options import Options
 from batchkit.serve.request import deliver
 from batchkit.serve.scheduler import FormedBatch
@@ -70,10 +69,6 @@ class LoopDriver:
 
     def __init__(self, fn: Callable[[Any], Awaitable[Any]], options: Options, name: str) -> None:
         self.fn = fn
-        # Open while it serves a loop whose callers need no lock (see batchkit.serve.lane);
-        # its poll_due: a pump is scheduled, or every slot is busy (the batch that ends
-        # next polls), so arrivals need not schedule one.
-        self.lane = ArrivalLane(wake=self.wake)
         self.core = ServingCore(
             options,
             name,
@@ -81,9 +76,11 @@ class LoopDriver:
             check_loop=self._check_loop_locked,
             settings_changed=self._settings_changed_locked,
             forked=self._forked_locked,
-            lane=self.lane,
         )
         self.loop: asyncio.AbstractEventLoop | None = None  # the loop it serves
+        # A pump is scheduled, or every slot is busy (the batch that ends next pumps):
+        # an arrival need not schedule one, and a burst of callers shares one pass.
+        self._pump_due = False
         self._timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._drained: asyncio.Event | None = None
@@ -94,8 +91,7 @@ class LoopDriver:
 
         Leftovers of a closed previous loop are answered with `BatcherClosed` first.
         It moves only when the previous loop is closed, or stopped with nothing left:
-        no caller can then be admitting on it, which the arrival lane relies on (its
-        thread is the one running the loop it serves).
+        while a loop runs, its callers may call again at any moment.
 
         Args:
             loop: The caller's running loop.
@@ -113,8 +109,6 @@ class LoopDriver:
                 # Its batches will never finish: answer their callers, free their slots.
                 core.fail_all_locked(core.closed_error())
                 core.abandon_running_locked(core.closed_error())
-            # While the old loop runs, its callers are admitted without the lock (see
-            # the lane), so it is never left then, even when idle.
             if old is not None and not old.is_closed():
                 busy = "serves another event loop, which is still running"
                 if not old.is_running():
@@ -124,11 +118,7 @@ class LoopDriver:
                         f"{core.name} {busy}; an async batched function serves one loop at a time"
                     )
             self.loop = loop
-            if core.bulk_arrivals and not core.closed:
-                self.lane.open(loop)  # (bind runs on the thread running `loop`)
-            else:
-                self.lane.shut()
-            self.lane.poll_due = False
+            self._pump_due = False
             self._timer = None
             self._drained = None
 
@@ -147,7 +137,7 @@ class LoopDriver:
         core.fail_all_locked(error)
         deliver(core.abandon_running_locked(error))
         self.loop = None
-        self.lane.forget_thread()
+        self._pump_due = False
         self._timer = None
         self._tasks = set()
         self._drained = None
@@ -159,21 +149,17 @@ class LoopDriver:
             self.bind(loop)
 
     def _settings_changed_locked(self) -> None:
-        if not self.core.bulk_arrivals:
-            # A bounded queue or a latency target: every caller takes the checked path.
-            self.lane.shut()
-        self.lane.poll_due = False  # the slots may have changed: the next wake polls
+        self._pump_due = False  # the slots may have changed: the next wake pumps
 
     # -- scheduling passes --------------------------------------------------------
     def wake(self) -> None:
-        """Something changed: schedule a pump unless one is due. Called under the lock,
-        or without it by the open lane's own callers (only that thread changes the
-        scheduler then). With every slot busy the pump finds nothing to start, and
-        sets `poll_due` until a slot frees."""
-        if self.lane.poll_due or self.loop is None:
+        """Under the lock: something changed; schedule a pump unless one is due. With
+        every slot busy the pump finds nothing to start, and sets `_pump_due` until a
+        slot frees."""
+        if self._pump_due or self.loop is None:
             return
         schedule_on_loop(self.loop, self._pump, self.loop)
-        self.lane.poll_due = True  # (only once the pump is surely scheduled)
+        self._pump_due = True  # (only once the pump is surely scheduled)
 
     def _pump(self, loop: asyncio.AbstractEventLoop) -> None:
         """Start every batch that is ready; arm the timer for the next max-wait expiry.
@@ -201,7 +187,7 @@ class LoopDriver:
                     # under a latency target an arrival polls while busy unless a timer
                     # will (it arms one for when its request could become hopeless).
                     # (Set even if polling raised: a stuck flag would silence arrivals.)
-                    self.lane.poll_due = busy and (wake_at is not None or not core.sheds_while_busy)
+                    self._pump_due = busy and (wake_at is not None or not core.sheds_while_busy)
                 if self._timer is not None:
                     self._timer.cancel()
                     self._timer = None
@@ -245,7 +231,7 @@ class LoopDriver:
         error.__cause__ = exc
         with self.core.lock:
             abandoned = self.core.abandon_locked(batch, error)
-            self.lane.poll_due = False
+            self._pump_due = False
             self.wake()
         deliver(abandoned)
 
@@ -350,7 +336,6 @@ class LoopDriver:
                 raise RuntimeError(f"{core.name}: aclose() must run on the loop it serves")
             self.bind(loop)  # a closed previous loop's leftovers are answered here
             core.close_locked()
-            self.lane.shut()  # later callers take the checked path: BatcherClosed
             if self._drained is None:  # shared by concurrent aclose() calls
                 self._drained = asyncio.Event()
             drained = self._drained
@@ -381,7 +366,6 @@ class LoopDriver:
         if loop is None or loop.is_closed() or not loop.is_running():
             with core.lock:  # no loop will ever run what is left: answer it now
                 core.close_locked()
-                self.lane.shut()
                 core.fail_all_locked(core.closed_error())
             return
         if on_loop_thread(loop):

@@ -4,24 +4,32 @@
 from __future__ import annotations
 
 import asyncio
+import enum
 import threading
 from collections import defaultdict
 from collections.abc import Hashable, Sequence
-from typing import Any, Final
+from typing import Any
 
 from batchkit.loops import call_on_loop
 from batchkit.serve.channels import Channel
 
-# A request's life: WAITING -> RUNNING -> DONE, or WAITING -> DROPPED (timed out,
-# cancelled or failed by close before it ran). Module constants, read with one cached
-# global lookup: an IntEnum member read goes through the enum metaclass's __getattr__
-# hook on Python 3.11 and a plain class attribute is not cached either (a few hundred
-# and about a hundred machine instructions), and the serving path reads a state once
-# per request at each step (see docs/performance.md).
-WAITING: Final = 0
-RUNNING: Final = 1
-DONE: Final = 2
-DROPPED: Final = 3
+
+class RequestState(enum.Enum):
+    """Where a request is in its life: `WAITING` -> `RUNNING` -> `DONE`, or
+    `WAITING` -> `DROPPED` (timed out, cancelled, shed or failed by a close before it
+    ran)."""
+
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    DONE = enum.auto()
+    DROPPED = enum.auto()
+
+
+# The states under their own names, as `signal.SIGINT` is `signal.Signals.SIGINT`.
+WAITING = RequestState.WAITING
+RUNNING = RequestState.RUNNING
+DONE = RequestState.DONE
+DROPPED = RequestState.DROPPED
 
 
 class Request:
@@ -73,7 +81,7 @@ class Request:
     # different buckets at equal priority (bulk arrivals of one bucket keep 0).
     seq: int
     enqueued_at: float  # when it was admitted, on the core's clock
-    state: int  # WAITING, RUNNING, DONE or DROPPED
+    state: RequestState
     value: Any
     error: BaseException | None
     future: asyncio.Future[Any] | None  # an asyncio caller's

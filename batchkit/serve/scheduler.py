@@ -5,8 +5,6 @@ caller, so its behaviour is tested deterministically with a fake clock.
 
 from __future__ import annotations
 
-import itertools
-from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
@@ -16,7 +14,6 @@ from batchkit.errors import Overloaded, QueueFull
 from batchkit.serve.buckets import Bucket, by_bucket
 from batchkit.serve.caps import SizeCaps
 from batchkit.serve.dispatch import DispatchReason, DispatchRule, rules_for
-from batchkit.serve.lane import ArrivalLane
 from batchkit.serve.request import DROPPED, WAITING, Request
 from batchkit.serve.stats import StatsRecorder
 from batchkit.serve.targets import LatencyTarget
@@ -53,8 +50,7 @@ class Scheduler:
     key), FIFO per priority. `decide` forms the next batch; `finish` frees its slot.
     Each batch is cut to its bucket's size cap learned after out-of-memory (`caps`).
 
-    Not thread-safe: the serving core calls it under its lock. Only its arrival
-    lane's `arrivals` is appended to without it (see `batchkit.serve.lane`).
+    Not thread-safe: the serving core calls it under its lock.
 
     `decide(now)` says what a pass decided: the batch that leaves, when to look
     again, and the waiting requests it dropped (their error set) for the caller to
@@ -74,9 +70,6 @@ class Scheduler:
             requests that can no longer be in time (`decide` returns them), sends a
             batch off early rather than let its oldest member be late, and forms no
             batch so large that its most urgent member would be late.
-        lane: Where the default lane's requests arrive in bulk (see
-            `batchkit.serve.lane.ArrivalLane`); a lane of its own
-            (never opened to lock-free callers) when None.
         caps: The buckets' batch-size caps learned after out-of-memory (see
             `batchkit.serve.caps.SizeCaps`; the serving core teaches them); caps of
             its own, never taught, when None.
@@ -91,7 +84,6 @@ class Scheduler:
         max_queue_size: int | None = None,
         max_concurrent_batches: int = 1,
         max_latency_s: float | None = None,
-        lane: ArrivalLane | None = None,
         caps: SizeCaps | None = None,
         on_room: Callable[[], None] | None = None,
     ) -> None:
@@ -103,11 +95,7 @@ class Scheduler:
         self._queue_limit = float("inf") if max_queue_size is None else max_queue_size
         self.max_concurrent_batches = max_concurrent_batches
         self.buckets: dict[Hashable, Bucket] = {}
-        # Admitted requests not yet placed: only those of a keyless policy's default lane
-        # (key 0.0, bucket None, priority 0) arrive there, while the queue is unbounded;
-        # the next scheduling step places them all (see ingest()).
-        self.lane = ArrivalLane() if lane is None else lane
-        self._placed = 0  # waiting requests already in a bucket
+        self._placed = 0  # waiting requests (each in its bucket)
         self.in_flight = 0
         self._closing = False
         # The dispatch rules, and with a policy `group` (a bucket is then (group, the
@@ -143,7 +131,6 @@ class Scheduler:
         Args:
             seconds: The target, from admission to result.
         """
-        self.ingest()
         waiting = [req for bucket in self.buckets.values() for req in bucket.candidates(None)]
         if self.target is None:
             self.target = LatencyTarget(seconds, self.policy)
@@ -172,20 +159,9 @@ class Scheduler:
 
     # -- requests in and out ----------------------------------------------
     @property
-    def arrivals(self) -> deque[Request]:
-        """Admitted requests of the default lane not yet placed in their bucket (its
-        lane's): append a keyless policy's default-priority request here to admit it
-        in bulk; the next step places them (see `ingest`)."""
-        return self.lane.arrivals
-
-    @arrivals.setter
-    def arrivals(self, queue: deque[Request]) -> None:
-        self.lane.arrivals = queue
-
-    @property
     def num_waiting(self) -> int:
-        """Requests waiting to run (placed in a bucket or not yet)."""
-        return self._placed + len(self.lane.arrivals)
+        """Requests waiting to run."""
+        return self._placed
 
     def add(self, req: Request) -> None:
         """Enqueue a request (it gets the next arrival number, `seq`).
@@ -199,8 +175,6 @@ class Scheduler:
             Overloaded: Under a latency target, it is predicted to be answered too
                 late; it is not enqueued (and counted as overloaded).
         """
-        if self.lane.arrivals:
-            self.ingest()  # keep arrival order: earlier arrivals get earlier seqs
         if self._placed >= self._queue_limit:
             self.stats.rejected += 1
             raise QueueFull(
@@ -221,8 +195,6 @@ class Scheduler:
             Overloaded: Under a latency target, the last of them is predicted to be
                 answered too late (counted as overloaded).
         """
-        if self.lane.arrivals:
-            self.ingest()
         limit = self.max_queue_size
         if limit is not None and self._placed + len(reqs) > limit:
             self.stats.rejected += len(reqs)
@@ -281,26 +253,6 @@ class Scheduler:
         if self.on_room is not None:
             self.on_room()
 
-    def ingest(self) -> None:
-        """Place the requests of the arrival lane in their bucket, all in one step.
-
-        They are all in the default lane of a keyless policy (bucket None, priority
-        0), whose one bucket makes `seq` moot: it only orders the heads of different
-        buckets. They are counted as requests here.
-        """
-        if not self.lane.arrivals:
-            return
-        bucket = self.buckets.get(None) or self._new_bucket(None)
-        queue = bucket.queues.setdefault(0, deque())
-        count = self.lane.move_into(queue)
-        self.stats.requests += count
-        bucket.live += count
-        self._placed += count
-        if self.target is not None:
-            # Only a target set live meets arrivals: those admitted just before it.
-            for req in itertools.islice(reversed(queue), count):
-                self.target.set_deadline(req)
-
     def _place(self, req: Request) -> None:
         """Append `req` to its bucket (created if needed)."""
         bucket = self.buckets.get(req.bucket) or self._new_bucket(req.bucket)
@@ -323,14 +275,12 @@ class Scheduler:
         """
         if req.state != WAITING:
             return False
-        self.ingest()
         self.buckets[req.bucket].drop_waiting([req])
         self._left_waiting([req])
         return True
 
     def drop_all(self) -> list[Request]:
         """Withdraw every waiting request (used when a close times out)."""
-        self.ingest()
         dropped = []
         for bucket in self.buckets.values():
             for req in bucket.candidates(None):
@@ -382,9 +332,7 @@ class Scheduler:
             # request becomes hopeless, to tell it then (not when a long batch ends).
             drop_at = None if self.target is None else self._next_drop_at()
             return None, drop_at, dropped
-        if self.lane.arrivals:
-            self.ingest()
-        elif self._placed == 0:
+        if self._placed == 0:
             return None, None, dropped
         if self.grouped:
             self._forget_empty_groups()

@@ -141,12 +141,12 @@ def test_stats_count_a_caller_admitted_before_its_scheduling_pass_once() -> None
     assert stats.requests == stats.items_run == 2
 
 
-def test_a_caller_admitted_as_another_loop_takes_over_is_answered_on_its_own_loop() -> None:
-    """A race forced step by step: loop A is stopped, not closed;
-    thread T2 checks that the idle batcher may move to loop B, and in that window A is
-    run again and its caller is admitted on the lock-free path. B then serves A's item;
-    A's caller must still get its result, resolved on A's loop (thread-safely: A runs
-    in debug mode, where a foreign thread's call_soon raises), and nothing is lost."""
+def test_a_caller_arriving_while_another_loop_takes_over_is_served_or_refused() -> None:
+    """A race forced step by step: loop A is stopped, not closed; thread T2 checks,
+    under the lock, that the idle batcher may move to loop B, and in that window A is
+    run again and its caller submits. It waits for the lock, so it sees the move done:
+    it is refused (B still runs) or, if B has closed meanwhile, served on A. Either
+    way nothing is lost and B's caller gets its result."""
     from batchkit.serve.scheduler import Scheduler
 
     @batchkit.batched(max_batch_size=4, max_wait_ms=1)
@@ -156,19 +156,38 @@ def test_a_caller_admitted_as_another_loop_takes_over_is_answered_on_its_own_loo
     loop_a = asyncio.new_event_loop()
     loop_a.set_debug(True)
     assert loop_a.run_until_complete(ident(0)) == 0  # bound to A; A now stopped, idle
-    in_window, admitted = threading.Event(), threading.Event()
+    in_window, a_waits = threading.Event(), threading.Event()
     taker: list[threading.Thread] = []
+    core = ident.runtime.core
+    lock = core.lock
 
     class PausingScheduler(Scheduler):
         @property
         def drained(self) -> bool:  # type: ignore[override]
             value: bool = Scheduler.drained.fget(self)  # type: ignore[attr-defined]
             if taker and threading.current_thread() is taker[0] and not in_window.is_set():
-                in_window.set()  # T2 has read "drained": hold it here while A admits
-                admitted.wait(5)
+                in_window.set()  # T2 has read "drained": hold it here while A submits
+                assert a_waits.wait(5)
             return value
 
-    ident.runtime.core.sched.__class__ = PausingScheduler
+    class SignallingLock:
+        """The core's lock; tells when loop A's thread asks for it."""
+
+        def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+            if in_window.is_set() and threading.current_thread() is threading.main_thread():
+                a_waits.set()  # (T2 holds the lock: A's caller now waits for it)
+            return lock.acquire(blocking, timeout)
+
+        def release(self) -> None:
+            lock.release()
+
+        __enter__ = acquire
+
+        def __exit__(self, *exc: object) -> None:
+            lock.release()
+
+    core.lock = SignallingLock()  # type: ignore[assignment]
+    core.sched.__class__ = PausingScheduler
     b_result: list[object] = []
 
     def take_over() -> None:
@@ -187,19 +206,23 @@ def test_a_caller_admitted_as_another_loop_takes_over_is_answered_on_its_own_loo
         assert in_window.wait(5)
 
         async def call_on_a() -> object:
-            call = asyncio.ensure_future(ident(10))
-            await asyncio.sleep(0)  # admitted on the lock-free path, before T2 moves on
-            admitted.set()
-            return await asyncio.wait_for(call, 5)
+            try:
+                return await asyncio.wait_for(ident(10), 5)
+            except RuntimeError as refused:
+                return refused
 
-        assert loop_a.run_until_complete(call_on_a()) == 10
+        a_result = loop_a.run_until_complete(call_on_a())
     finally:
-        admitted.set()
+        a_waits.set()
         thread.join(10)
         loop_a.close()
-    assert b_result == [1]
+    assert a_waits.is_set() and b_result == [1]
     stats = ident.stats()
-    assert stats.requests == stats.items_run == 3
+    if isinstance(a_result, RuntimeError):
+        assert "another event loop" in str(a_result)
+        assert stats.requests == stats.items_run == 2
+    else:
+        assert a_result == 10 and stats.requests == stats.items_run == 3
 
 
 def test_batch_tasks_are_created_outside_the_batcher_lock() -> None:

@@ -263,7 +263,7 @@ prefix_policies = st.sampled_from(
     prefix_policies,
     st.lists(
         st.tuples(
-            st.sampled_from(["add", "add", "add", "arrive", "drop", "poll", "finish"]),
+            st.sampled_from(["add", "add", "add", "drop", "poll", "finish"]),
             st.integers(0, 9),  # length, or which request to drop
             st.integers(0, 2),  # priority
         ),
@@ -275,13 +275,11 @@ def test_batches_are_the_service_order_heads_with_drops(
 ) -> None:
     """Against a reference model: every batch is the head of its bucket's waiting
     requests in (priority, arrival) order, whatever was dropped in between; dropped
-    requests never run; everything else runs exactly once. With a keyless policy,
-    default-priority requests also come through ``arrivals`` (the runtimes' bulk path)
-    interleaved with ``add``."""
+    requests never run; everything else runs exactly once."""
     sched = Scheduler(policy, max_concurrent_batches=2)
     now, running, added, served = 0.0, [], [], []
     waiting: list[Request] = []  # the model: requests not yet taken or dropped
-    order: dict[int, int] = {}  # the model's own arrival numbers (bulk arrivals keep seq 0)
+    order: dict[int, int] = {}  # the model's own arrival numbers
 
     def run_ready() -> None:
         while (batch := poll(sched, now)[0]) is not None:
@@ -297,16 +295,8 @@ def test_batches_are_the_service_order_heads_with_drops(
 
     for op, n, priority in ops:
         now += 0.0005
-        if op == "arrive" and policy.key is not None:
-            op = "add"  # only a keyless policy's requests may arrive in bulk
         if op == "add":
             waiting.append(add(sched, "x" * n, now, priority))
-        elif op == "arrive":
-            req = new_request("x" * n, 0.0, None, 0)
-            req.enqueued_at = now
-            sched.arrivals.append(req)
-            waiting.append(req)
-        if op in ("add", "arrive"):
             added.append(waiting[-1])
             order[id(added[-1])] = len(added)
             assert sched.num_waiting == len(waiting)
@@ -331,38 +321,6 @@ def test_batches_are_the_service_order_heads_with_drops(
     assert sorted(map(id, served)) == sorted(id(r) for r in added if r.state != DROPPED)
     assert len(served) == len(set(map(id, served)))
     assert sched.stats.requests == len(added)
-
-
-def test_bulk_arrivals_count_keep_order_and_can_be_dropped_before_placement() -> None:
-    """Requests appended to ``arrivals`` are waiting at once: counted, droppable before
-    the next scheduling step places them, and served after earlier ``add``s."""
-    sched = Scheduler(DynamicBatcher(3, max_wait_ms=5), max_concurrent_batches=1)
-
-    def arrive(item: str, now: float) -> Request:
-        req = new_request(item, 0.0, None, 0)
-        req.enqueued_at = now
-        sched.arrivals.append(req)
-        return req
-
-    only = arrive("z", 0.0)  # dropped before any bucket exists
-    assert sched.num_waiting == 1 and sched.drop(only) and sched.drained
-    assert poll(sched, 0.0) == (None, None)
-    first = add(sched, "a", 0.0)
-    b, c, d = arrive("b", 0.1), arrive("c", 0.2), arrive("d", 0.3)
-    assert sched.num_waiting == 4 and not sched.drained
-    assert sched.drop(c)  # not yet placed: placed, then withdrawn
-    assert not sched.drop(c) and sched.num_waiting == 3
-    late = add(sched, "e", 0.4)  # an add places earlier arrivals first: order is kept
-    batch, _ = poll(sched, 0.5)
-    assert batch is not None and batch.requests == [first, b, d]
-    sched.finish(batch, 0.6)
-    arrive("f", 0.7)
-    batch, _ = poll(sched, 0.7)
-    assert batch is not None and [r.item for r in batch.requests] == ["e", "f"]
-    assert batch.requests[0] is late
-    assert sched.stats.requests == 7 and sched.num_waiting == 0
-    arrive("g", 0.8)
-    assert [r.item for r in sched.drop_all()] == ["g"] and sched.num_waiting == 0
 
 
 def test_a_batch_that_is_not_the_queue_front_leaves_the_others_waiting() -> None:

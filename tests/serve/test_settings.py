@@ -182,7 +182,7 @@ def test_a_queue_bound_set_live_refuses_past_it_on_an_event_loop() -> None:
         return xs
 
     async def main() -> None:
-        first = asyncio.ensure_future(f.acall(0))  # the lock-free lane, unbounded
+        first = asyncio.ensure_future(f.acall(0))  # admitted while unbounded
         await asyncio.sleep(0.01)
         f.configure(max_queue_size=2)
         queued = [asyncio.ensure_future(f.acall(i)) for i in (1, 2)]
