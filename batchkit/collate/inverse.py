@@ -243,7 +243,7 @@ class FeatureBatch(dict[str, Any], Layout):
     """The dict [`PadCollator`][batchkit.collate.PadCollator] and
     [`VarlenCollator`][batchkit.collate.VarlenCollator] return: a plain ``dict`` of
     batched arrays (``model(**batch)`` works) that also knows where each item went,
-    so [`split`][batchkit.collate.FeatureBatch.split] gives each item its part of
+    so [`split`][batchkit.Padded.split] gives each item its part of
     the model's outputs.
 
     Per-token leaves are ``[B, L, ...]`` for `PadCollator` (its padded keys' width)
@@ -255,6 +255,10 @@ class FeatureBatch(dict[str, Any], Layout):
     A copy made by ``type(batch)(mapping)`` (as some libraries rebuild mappings)
     carries no layout and refuses `split`;
     [`to_device`][batchkit.collate.to_device] keeps it.
+
+    Args:
+        *args: As ``dict``'s (the collators build it and set its layout).
+        **kwargs: As ``dict``'s.
     """
 
     __slots__ = ("_inverse",)
@@ -264,7 +268,7 @@ class FeatureBatch(dict[str, Any], Layout):
         self._inverse: Inverse | None = None
 
     def inverse(self) -> Inverse:
-        """Where each item went (see [`split`][batchkit.collate.FeatureBatch.split]).
+        """Where each item went (see [`split`][batchkit.Padded.split]).
 
         Raises:
             ValueError: This mapping was rebuilt from another and lost its layout.

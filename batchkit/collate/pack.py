@@ -128,7 +128,7 @@ class Packed(Layout):
         return placed_steps(outputs, self.pieces)
 
     def inverse(self) -> Inverse:
-        """Where each item went (see [`split`][batchkit.Packed.split]): a per-token leaf
+        """Where each item went (see `split`): a per-token leaf
         is ``[R, max_length, ...]``, a by-row leaf ``[N, ...]`` (one row per input item,
         as a model that pools each segment returns it)."""
         return Inverse(

@@ -152,7 +152,7 @@ class Padded(Layout):
         return real_steps(outputs, self._host_lengths, self.side)
 
     def inverse(self) -> Inverse:
-        """Where each item went (see [`split`][batchkit.Padded.split]): a per-token leaf
+        """Where each item went (see `split`): a per-token leaf
         is ``[B, L, ...]``, a by-row leaf ``[B, ...]``."""
         return Inverse(
             who="Padded.split",

@@ -137,7 +137,7 @@ class Varlen(Layout):
         return segments(outputs, self._offsets)
 
     def inverse(self) -> Inverse:
-        """Where each item went (see [`split`][batchkit.Varlen.split]): a per-token leaf
+        """Where each item went (see `split`): a per-token leaf
         is ``[T, ...]``, a by-row leaf ``[N, ...]``."""
         return Inverse(
             who="Varlen.split",
