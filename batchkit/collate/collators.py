@@ -8,6 +8,8 @@ alone, and build a batch of JAX, CuPy or torch arrays on those arrays' device.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from functools import partial
 from typing import Any, Literal
 
 import numpy as np
@@ -26,6 +28,7 @@ from batchkit._backend import (
     to_kind,
     to_numpy,
 )
+from batchkit.collate.inverse import FeatureBatch, Inverse
 from batchkit.collate.pad import check_side, pad_ragged, real_token_mask
 from batchkit.collate.ragged import Ragged, to_ragged
 from batchkit.collate.stack import stack
@@ -40,6 +43,17 @@ DEFAULT_PAD_VALUES: dict[str, Any] = {
     "position_ids": 0,
 }
 """Pad values used for keys that ``pad_values`` does not name (HF's conventions)."""
+
+
+def _flat_row_segments(
+    outputs: Any, offsets: tuple[int, ...], kept: tuple[int | None, ...]
+) -> list[Any]:
+    """Each item's steps of a ``[1, T, ...]`` output; none for an item left out."""
+    return [
+        outputs[0, 0:0, ...] if k is None else outputs[0, offsets[k] : offsets[k + 1], ...]
+        for k in kept
+    ]
+
 
 _LABEL_ALIASES = ("label", "label_ids")  # renamed to "labels", as HF's collators do
 
@@ -188,7 +202,7 @@ class PadCollator:
         self.return_tensors = return_tensors
         self.pin_memory = pin_memory
 
-    def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    def __call__(self, features: Sequence[Mapping[str, Any]]) -> FeatureBatch:
         """Collate a list of feature dicts into one dict of batched arrays.
 
         Args:
@@ -196,8 +210,9 @@ class PadCollator:
                 masks, labels as lists, arrays or tensors).
 
         Returns:
-            One batched value per key (``label``/``label_ids`` renamed ``labels``),
-            plus an ``attention_mask`` when the features carry none and a key was padded.
+            A [`FeatureBatch`][batchkit.collate.FeatureBatch] (a ``dict``): one batched
+            value per key (``label``/``label_ids`` renamed ``labels``), plus an
+            ``attention_mask`` when the features carry none and a key was padded.
 
         Raises:
             TypeError: ``features`` is not a list of dicts.
@@ -209,7 +224,14 @@ class PadCollator:
         kind, device = _features_kind(features[0], self._requested)
         reference = self._reference_key(keys, features[0])
         reference_lengths = [_seq_length(f[reference]) for f in features] if reference else []
-        batch: dict[str, Any] = {}
+        batch = FeatureBatch()
+        batch._inverse = Inverse(
+            who="FeatureBatch.split",
+            token_axes=None,  # until a key is padded
+            num_rows=len(features),
+            rows=tuple(range(len(features))),
+            cut_tokens=list,
+        )
         mask_source: Ragged | None = None  # the reference, once padded to ``width``
         width = 0
         for key in keys:
@@ -240,6 +262,7 @@ class PadCollator:
             batch[out_key] = padded.data
             if key == reference:
                 mask_source, width = ragged, padded.max_length
+                batch._inverse = replace(padded.inverse(), who="FeatureBatch.split")
         if mask_source is not None and "attention_mask" not in batch:
             mask = real_token_mask(mask_source.lengths, width, self.padding_side)
             batch["attention_mask"] = from_host(
@@ -375,7 +398,7 @@ class VarlenCollator:
         self.return_sample_index = return_sample_index
         self.pin_memory = pin_memory
 
-    def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    def __call__(self, features: Sequence[Mapping[str, Any]]) -> FeatureBatch:
         """Collate a list of feature dicts (each with ``input_ids``) into one flat row.
 
         Args:
@@ -384,8 +407,9 @@ class VarlenCollator:
                 other keys (carried, see the class docstring).
 
         Returns:
-            The keys listed in the class docstring, ``[1, T]`` rows and ``[N+1]``
-            cumulative lengths over the ``N`` non-empty sequences, and the carried keys.
+            A [`FeatureBatch`][batchkit.collate.FeatureBatch] (a ``dict``) of the keys
+            listed in the class docstring, ``[1, T]`` rows and ``[N+1]`` cumulative
+            lengths over the ``N`` non-empty sequences, and the carried keys.
 
         Raises:
             ValueError: The batch is empty or its items' keys differ, a feature lacks
@@ -447,7 +471,19 @@ class VarlenCollator:
             if key in ("input_ids", "labels", "attention_mask") or key in batch:
                 continue
             batch[key] = _carried(kept_features, key, tokens, who, kind, device, pin)
-        return batch
+        out = FeatureBatch(batch)
+        slot: list[int | None] = [None] * len(features)
+        for k, i in enumerate(kept):
+            slot[i] = k
+        offsets = tuple(tokens.offsets().tolist())
+        out._inverse = Inverse(
+            who="FeatureBatch.split",
+            token_axes=(1, offsets[-1]),
+            num_rows=len(kept),
+            rows=tuple(slot),
+            cut_tokens=partial(_flat_row_segments, offsets=offsets, kept=tuple(slot)),
+        )
+        return out
 
 
 def _host_rows(

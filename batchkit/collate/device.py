@@ -17,6 +17,7 @@ from typing import Any, TypeVar, cast
 import numpy as np
 
 from batchkit._backend import _compat, check_pin_memory, is_array, is_tensor, require_torch
+from batchkit.collate.inverse import FeatureBatch
 
 BatchT = TypeVar("BatchT")
 
@@ -154,6 +155,8 @@ def map_leaves(x: Any, leaf: Callable[[Any, str], Any], path: str = "") -> Any:
         return dataclasses.replace(x, **changes)
     if isinstance(x, Mapping):
         mapped = {k: map_leaves(v, leaf, f"{path}[{k!r}]") for k, v in x.items()}
+        if isinstance(x, FeatureBatch):
+            return x.with_values(mapped)  # (keeps where each item went)
         return mapped if type(x) is dict else type(x)(mapped)  # type: ignore[call-arg]
     if isinstance(x, (list, tuple)):
         items = [map_leaves(v, leaf, f"{path}[{i}]") for i, v in enumerate(x)]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Literal, NamedTuple
 
 import numpy as np
@@ -35,6 +36,7 @@ from batchkit._backend import (
     namespace,
 )
 from batchkit.collate.device import pinned_batch
+from batchkit.collate.inverse import Inverse, Layout
 from batchkit.collate.pad import check_max_length, is_positive_int
 from batchkit.collate.ragged import to_ragged
 from batchkit.collate.varlen import fixed_segments, positions_restarting
@@ -51,7 +53,7 @@ class Placement(NamedTuple):
 
 
 @dataclass(frozen=True, slots=True)
-class Packed:
+class Packed(Layout):
     """Items bin-packed into ``R`` rows of ``max_length``.
 
     [`pack`][batchkit.collate.pack.pack] returns it; it is not constructed directly.
@@ -123,11 +125,34 @@ class Packed:
             ValueError: ``outputs`` does not start with ``[R, max_length]``.
         """
         check_leading_axes(outputs, (self.num_rows, self.max_length), "unpack")
-        result = []
-        for parts in self.pieces:
-            slices = [outputs[p.row, p.start : p.start + p.length, ...] for p in parts]
-            result.append(slices[0] if len(slices) == 1 else concat(slices))
-        return result
+        return placed_steps(outputs, self.pieces)
+
+    def inverse(self) -> Inverse:
+        """Where each item went (see `split`): a per-token leaf
+        is ``[R, max_length, ...]``, a by-row leaf ``[N, ...]`` (one row per input item,
+        as a model that pools each segment returns it)."""
+        return Inverse(
+            who="Packed.split",
+            token_axes=(self.num_rows, self.max_length),
+            num_rows=len(self.pieces),
+            rows=tuple(range(len(self.pieces))),
+            cut_tokens=partial(placed_steps, pieces=self.pieces),
+        )
+
+
+def placed_steps(outputs: Any, pieces: tuple[tuple[Placement, ...], ...]) -> list[Any]:
+    """Each item's steps of an ``[R, max_length, ...]`` output: a view for an item in
+    one piece, its pieces concatenated for a split one.
+
+    Args:
+        outputs: The output, already checked to start with ``[R, max_length]``.
+        pieces: Per item, the placement of each of its pieces.
+    """
+    result = []
+    for parts in pieces:
+        slices = [outputs[p.row, p.start : p.start + p.length, ...] for p in parts]
+        result.append(slices[0] if len(slices) == 1 else concat(slices))
+    return result
 
 
 def _pieces_of(lengths: np.ndarray, max_length: int) -> list[tuple[int, int, int]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Literal
 
 import numpy as np
@@ -21,6 +22,7 @@ from batchkit._backend import (
     scatter_rows,
 )
 from batchkit.collate.device import pinned_batch
+from batchkit.collate.inverse import Inverse, Layout
 from batchkit.collate.ragged import Ragged, to_ragged
 
 Side = Literal["left", "right"]
@@ -94,7 +96,7 @@ def real_token_mask(lengths: np.ndarray, width: int, side: str) -> np.ndarray:
 
 
 @dataclass(frozen=True, slots=True)
-class Padded:
+class Padded(Layout):
     """A padded batch, as [`pad`][batchkit.collate.pad.pad] returns it (not constructed directly).
 
     ``data``, ``mask`` and ``lengths`` are in the same backend (and on the same device);
@@ -147,10 +149,32 @@ class Padded:
             ValueError: ``outputs`` does not start with ``[B, L]`` (both shapes named).
         """
         check_leading_axes(outputs, (self.batch_size, self.max_length), "unpad")
-        width = self.max_length
-        if self.side == "right":
-            return [outputs[i, :n, ...] for i, n in enumerate(self._host_lengths)]
-        return [outputs[i, width - n :, ...] for i, n in enumerate(self._host_lengths)]
+        return real_steps(outputs, self._host_lengths, self.side)
+
+    def inverse(self) -> Inverse:
+        """Where each item went (see `split`): a per-token leaf
+        is ``[B, L, ...]``, a by-row leaf ``[B, ...]``."""
+        return Inverse(
+            who="Padded.split",
+            token_axes=(self.batch_size, self.max_length),
+            num_rows=self.batch_size,
+            rows=tuple(range(self.batch_size)),
+            cut_tokens=partial(real_steps, lengths=self._host_lengths, side=self.side),
+        )
+
+
+def real_steps(outputs: Any, lengths: tuple[int, ...], side: Side) -> list[Any]:
+    """Each row's real steps of a ``[B, L, ...]`` output (views), honouring the side.
+
+    Args:
+        outputs: The output, already checked to start with ``[B, L]``.
+        lengths: Each row's number of real steps.
+        side: Where the padding is.
+    """
+    if side == "right":
+        return [outputs[i, :n, ...] for i, n in enumerate(lengths)]
+    width = int(outputs.shape[1])
+    return [outputs[i, width - n :, ...] for i, n in enumerate(lengths)]
 
 
 def pad_ragged(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -20,6 +21,7 @@ from batchkit._backend import (
     to_kind,
 )
 from batchkit.collate.device import pinned_batch
+from batchkit.collate.inverse import Inverse, Layout
 from batchkit.collate.pad import is_positive_int, round_up
 from batchkit.collate.ragged import Ragged, to_ragged
 
@@ -62,7 +64,7 @@ def fixed_segments(cu: np.ndarray, num_segments: int | None, who: str) -> np.nda
 
 
 @dataclass(frozen=True, slots=True)
-class Varlen:
+class Varlen(Layout):
     """Items packed end to end for varlen attention kernels.
 
     [`pack_varlen`][batchkit.pack_varlen] returns it; it is not constructed directly.
@@ -132,8 +134,29 @@ class Varlen:
             ValueError: ``outputs``'s leading axis is not ``T``.
         """
         check_leading_axes(outputs, (self.total_length,), "unpack")
-        offs = self._offsets
-        return [outputs[offs[i] : offs[i + 1], ...] for i in range(self.num_items)]
+        return segments(outputs, self._offsets)
+
+    def inverse(self) -> Inverse:
+        """Where each item went (see `split`): a per-token leaf
+        is ``[T, ...]``, a by-row leaf ``[N, ...]``."""
+        return Inverse(
+            who="Varlen.split",
+            token_axes=(self.total_length,),
+            num_rows=self.num_items,
+            rows=tuple(range(self.num_items)),
+            cut_tokens=partial(segments, offsets=self._offsets),
+        )
+
+
+def segments(outputs: Any, offsets: tuple[int, ...]) -> list[Any]:
+    """Each item's rows ``outputs[offsets[i]:offsets[i + 1]]`` of a ``[T, ...]`` output
+    (views; rows past ``offsets[-1]``, a padding segment, left out).
+
+    Args:
+        outputs: The output, already checked to start with ``[T]``.
+        offsets: Host item boundaries, 0 first (``N + 1`` entries).
+    """
+    return [outputs[offsets[i] : offsets[i + 1], ...] for i in range(len(offsets) - 1)]
 
 
 _INT32_MAX = 2**31 - 1

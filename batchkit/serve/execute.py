@@ -34,6 +34,8 @@ from collections.abc import Set as AbstractSet
 from enum import Enum
 from typing import Any
 
+from batchkit._backend import is_array
+from batchkit.collate.inverse import Inverse, Layout, split_outputs
 from batchkit.collate.stack import unstack
 from batchkit.errors import BatchTimeout
 from batchkit.serve.options import OomRecovery, Options
@@ -119,60 +121,39 @@ class BatchRun:
         self.largest_ok = 0  # the largest call (padded size) the function completed
         self.first_output_at: float | None = None  # a stream's first chunk (clock time)
 
-    def succeeded(self, part: Part, output: Any, padded: int, name: str) -> None:
+    def succeeded(
+        self, part: Part, output: Any, padded: int, name: str, layout: Inverse | None = None
+    ) -> None:
         """Record a successful call: the function, called with `padded` items,
         returned `output`.
 
-        Its per-item results are `split(output)` when the options have a `split`, else
-        `output` itself; one per item of `part` first (the padding's results after
-        them are ignored); a result that is an exception instance is that item's
-        error. A mapping (`{"logits": t, "hidden": h}`, a Hugging Face `ModelOutput`)
-        whose values each lead with the batch dimension is split per item as
-        [`unstack`][batchkit.unstack] does: each result is a mapping of the same
-        keys. (Iterating a mapping would hand out its keys, and a set its members in
-        no order, as results.)
+        Its per-item results are `split(output)` when the options have a `split`,
+        else as `results_per_item` reads `output` (cut by the batch's `layout` when
+        `collate` built one); one per item of `part` first (the padding's results
+        after them are ignored); a result that is an exception instance is that
+        item's error.
 
         Args:
             part: The `[start, stop)` positions the call ran.
             output: What the function returned.
             padded: The size the function was called with.
             name: The function's name, for error messages.
+            layout: Where each item went in the function's argument, when `collate`
+                returned one of batchkit's layouts (see `layout_of`).
 
         Raises:
             TypeError: The results have no `len()`, are a set, or are a `str` or
                 `bytes` (one value, not a sequence of results).
             ValueError: There are not `padded` of them (by `len()` or by iterating
-                them), or a mapping's values disagree on the batch size.
+                them), a mapping's values disagree on the batch size, or the
+                layout cannot cut the output.
         """
-        results = self.split(output) if self.split is not None else output
-        if isinstance(results, (str, bytes, bytearray)):
-            # (Indexing one would hand each caller a character, or an int.)
-            raise TypeError(
-                f"{name} returned a {type(results).__name__}, one value for the whole "
-                f"batch: return a sequence of {padded} results, one per item"
-            )
-        if isinstance(results, Mapping):
-            try:
-                results = unstack(results)
-            except ValueError as exc:
-                raise ValueError(
-                    f"{name} returned a {type(results).__name__} whose values do not all "
-                    f"lead with the batch dimension, so it cannot be split per item: {exc}"
-                ) from None
-        elif isinstance(results, AbstractSet):
-            raise TypeError(
-                f"{name} returned a {type(results).__name__}, whose order is arbitrary: "
-                "return a list (or a tensor) of results in the order of the items"
-            )
-        try:
-            count = len(results)
-        except TypeError:
-            raise TypeError(
-                f"{name} returned {type(results).__name__}, expected a sequence of "
-                f"{padded} results (one per item)"
-            ) from None
-        if count != padded:
-            raise ValueError(f"{name} returned {count} results for a batch of {padded} items")
+        if self.split is not None:
+            results = self.split(output)
+            layout = None  # (the user's split has made the per-item results)
+        else:
+            results = output
+        results = results_per_item(results, layout, padded, name)
         start, stop = part
         chunk = list(itertools.islice(results, stop - start))
         if len(chunk) != stop - start:  # len() said otherwise: e.g. a table iterating columns
@@ -230,6 +211,76 @@ class BatchRun:
             _run_oom_hook(self.oom)
 
 
+def layout_of(argument: Any) -> Inverse | None:
+    """Where each item went in a collated `argument` (a `Padded`, `Varlen`, `Packed`
+    or a collator's `FeatureBatch`); None for anything else. Kept on the host: it
+    holds none of the batch's arrays."""
+    return argument.inverse() if isinstance(argument, Layout) else None
+
+
+def results_per_item(
+    output: Any, layout: Inverse | None, padded: int, name: str, verb: str = "returned"
+) -> Any:
+    """What a batch function returned (or a stream yielded), as a sequence of `padded`
+    per-item results.
+
+    With a `layout`, an array, tensor or mapping of them is cut by it
+    ([`Layout.split`][batchkit.Padded.split]: per-token leaves give each item its
+    own steps, the rest are taken by row). Without one, a mapping whose values each
+    lead with the batch dimension (`{"logits": t}`, a Hugging Face `ModelOutput`) is
+    split as [`unstack`][batchkit.unstack] does. Any other sequence (a list with one
+    entry per item, `batch.unpad(out)`) is taken as it is. (Iterating a mapping would
+    hand out its keys, and a set its members in no order, as results.)
+
+    Args:
+        output: What the function returned.
+        layout: Where each item went, or None.
+        padded: The number of items the function was called with.
+        name: The function's name, for error messages.
+        verb: How the output came, for error messages (``"yielded"`` for a stream).
+
+    Raises:
+        TypeError: The results have no `len()`, are a set, or are a `str` or `bytes`.
+        ValueError: There are not `padded` of them, or they cannot be split per item.
+    """
+    results = output
+    if isinstance(results, (str, bytes, bytearray)):
+        # (Indexing one would hand each caller a character, or an int.)
+        raise TypeError(
+            f"{name} {verb} a {type(results).__name__}, one value for the whole "
+            f"batch: return a sequence of {padded} results, one per item"
+        )
+    if layout is not None and (is_array(results) or isinstance(results, Mapping)):
+        try:
+            results = split_outputs(results, layout)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"{name}'s output cannot be split per item: {exc}") from None
+    elif isinstance(results, Mapping):
+        try:
+            results = unstack(results)
+        except ValueError as exc:
+            raise ValueError(
+                f"{name} {verb} a {type(results).__name__} whose values do not all "
+                f"lead with the batch dimension, so it cannot be split per item: {exc}"
+            ) from None
+    elif isinstance(results, AbstractSet):
+        raise TypeError(
+            f"{name} {verb} a {type(results).__name__}, whose order is arbitrary: "
+            "return a list (or a tensor) of results in the order of the items"
+        )
+    try:
+        count = len(results)
+    except TypeError:
+        raise TypeError(
+            f"{name} {verb} {type(results).__name__}, expected a sequence of "
+            f"{padded} results (one per item)"
+        ) from None
+    if count != padded:
+        what = "entries" if verb == "yielded" else "results"
+        raise ValueError(f"{name} {verb} {count} {what} for a batch of {padded} items")
+    return results
+
+
 def _run_oom_hook(oom: OomRecovery) -> None:
     if oom.on_oom is not None:  # (a failing hook must not cost the callers their retry)
         run_hook(oom.on_oom, what=f"on_oom hook {oom.on_oom!r}")
@@ -274,6 +325,7 @@ def run_steps(
             run.failed(part, exc, Stage.COLLATE, name)
             continue
         del items
+        layout = layout_of(argument)
         run.calls += 1
         ok, result = yield argument
         del argument
@@ -281,7 +333,7 @@ def run_steps(
             run.failed(part, result, Stage.CALL, name)
             continue
         try:
-            run.succeeded(part, result, padded, name)
+            run.succeeded(part, result, padded, name, layout)
         except BaseException as exc:  # noqa: BLE001 - e.g. a bug in split()
             run.failed(part, exc, Stage.OUTPUT, name)
         del result

@@ -23,8 +23,9 @@ import logging
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
+from batchkit.collate.inverse import Inverse
 from batchkit.serve.channels import END, Channel
-from batchkit.serve.execute import BatchRun
+from batchkit.serve.execute import BatchRun, layout_of, results_per_item
 from batchkit.serve.options import Clock, Options
 from batchkit.serve.request import Request
 from batchkit.usercode import contained, run_hook
@@ -47,6 +48,7 @@ class StreamBatch:
         self.positions: list[int] = []  # batch positions of the items the generator sees
         self.padded = 0
         self.argument: Any = None
+        self.layout: Inverse | None = None  # where each item went, when collate made a layout
 
     @property
     def channels(self) -> list[Channel]:
@@ -83,7 +85,9 @@ class StreamBatch:
         items = [self.run.requests[i].item for i in positions]
         self.padded = options.policy.padded_size(len(items))
         items.extend([items[-1]] * (self.padded - len(items)))  # strict sizes pad up
-        return options.collate(items) if options.collate is not None else items
+        argument = options.collate(items) if options.collate is not None else items
+        self.layout = layout_of(argument)
+        return argument
 
     def _collates_alone(self, position: int, options: Options) -> bool:
         assert options.collate is not None
@@ -116,23 +120,15 @@ class StreamBatch:
 
         Args:
             entries: What the generator yielded: one entry per item (padding
-                included), each a chunk, `END` or an exception instance.
+                included), each a chunk, `END` or an exception instance; or, as a
+                plain function's output, an array or mapping that the batch's layout
+                (or its leading axis) splits per item (see `results_per_item`).
 
         Raises:
             TypeError: `entries` has no `len()`.
             ValueError: It does not hold one entry per item.
         """
-        try:
-            count = len(entries)
-        except TypeError:
-            raise TypeError(
-                f"{self.name} yielded {type(entries).__name__}, expected a sequence of "
-                f"{self.padded} entries (one per item)"
-            ) from None
-        if count != self.padded:
-            raise ValueError(
-                f"{self.name} yielded {count} entries for a batch of {self.padded} items"
-            )
+        entries = results_per_item(entries, self.layout, self.padded, self.name, "yielded")
         for position, entry in zip(self.positions, entries):
             channel = self.run.requests[position].channel
             assert channel is not None
