@@ -210,7 +210,10 @@ class Scheduler:
         self.stats.requests = req.seq = self.stats.requests + 1  # seq: arrival order
         if self.grouped:
             self.stats.record_group_request(req.group)
-        self._place(req)
+        bucket = self.buckets.get(req.bucket)
+        if bucket is None:
+            bucket = self.buckets[req.bucket] = Bucket(self.policy.max_tokens is not None)
+        bucket.append(req)
         self._placed += 1
         if self.target is not None:
             self.target.set_deadline(req, probe)
@@ -252,16 +255,6 @@ class Scheduler:
         self._placed -= len(reqs)
         if self.on_room is not None:
             self.on_room()
-
-    def _place(self, req: Request) -> None:
-        """Append `req` to its bucket (created if needed)."""
-        bucket = self.buckets.get(req.bucket) or self._new_bucket(req.bucket)
-        bucket.append(req)
-
-    def _new_bucket(self, name: Hashable) -> Bucket:
-        """Make the bucket `name` (it holds no request yet)."""
-        bucket = self.buckets[name] = Bucket(self.policy.max_tokens is not None)
-        return bucket
 
     def drop(self, req: Request) -> bool:
         """Withdraw a request that has not started.
@@ -324,13 +317,12 @@ class Scheduler:
             (or chose nothing), the candidates it was choosing among, with what it
             raised (counted as failed; `wake_at` is then `now`: look again).
         """
-        dropped: Sequence[Request] = ()
-        if self.target is not None:
-            dropped = self.shed_too_late(now)  # also while every slot is busy: early
+        target = self._predicting_target()
+        dropped: Sequence[Request] = () if target is None else self.shed_too_late(now)
         if self.in_flight >= self.max_concurrent_batches:
             # No batch can leave; under a target, look again when the next waiting
             # request becomes hopeless, to tell it then (not when a long batch ends).
-            drop_at = None if self.target is None else self._next_drop_at()
+            drop_at = None if target is None else target.next_drop_at(self.buckets)
             return None, drop_at, dropped
         if self._placed == 0:
             return None, None, dropped
@@ -378,7 +370,7 @@ class Scheduler:
             The dropped requests, their error (`Overloaded`) set, counted as shed, for
             the caller to answer; none without a target, or while its model learns.
         """
-        target = self._ready_target()
+        target = self._predicting_target()
         if target is None:
             return []
         slots = self._slots_free_at(now)
@@ -387,13 +379,9 @@ class Scheduler:
         self._shed(shed)
         return shed
 
-    def _next_drop_at(self) -> float | None:
-        """When the next waiting request becomes hopeless (`LatencyTarget.next_drop_at`)."""
-        target = self._ready_target()
-        return None if target is None else target.next_drop_at(self.buckets)
-
-    def _ready_target(self) -> LatencyTarget | None:
-        """The latency target, once its model is ready and requests wait."""
+    def _predicting_target(self) -> LatencyTarget | None:
+        """The latency target, once its model is ready and requests wait: only then
+        can a waiting request be too late."""
         if self.target is None or not self._placed or not self.target.ready:
             return None
         return self.target

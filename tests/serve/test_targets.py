@@ -684,7 +684,7 @@ def test_configure_sets_a_target_that_an_async_function_then_enforces() -> None:
     assert f.configure().max_latency_ms is None
 
     async def main() -> None:
-        assert await f.acall(1) == 1  # serving on the lock-free lane, no target
+        assert await f.acall(1) == 1  # serving, no target yet
         assert f.configure(max_latency_ms=105).max_latency_ms == pytest.approx(105)
         for n in SIZES:
             assert await f.amap(range(n)) == list(range(n))
