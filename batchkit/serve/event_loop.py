@@ -22,26 +22,34 @@ from batchkit.serve.options import Options
 from batchkit.serve.request import deliver
 from batchkit.serve.scheduler import FormedBatch
 from batchkit.serve.streaming import run_stream_async
+from batchkit.usercode import arun
 
 
 async def call_async_within(
-    fn: Callable[[Any], Awaitable[Any]], argument: Any, timeout: float, expired: BaseException
+    fn: Callable[[Any], Awaitable[Any]],
+    argument: Any,
+    timeout: float,
+    expired: BaseException,
+    name: str,
 ) -> Outcome:
-    """Await `fn(argument)`, cancelled after `timeout` seconds.
+    """Await `fn(argument)`, cancelled after `timeout` seconds; what it raises is
+    handled as `batchkit.usercode.arun` does.
 
     Args:
         fn: The async batch function.
         argument: The batch, as collated.
         timeout: Seconds the call may run.
         expired: The outcome's error when it ran past `timeout`.
+        name: The function's name, for errors.
 
     Returns:
-        `(True, output)`, or `(False, expired)` once it is cancelled.
+        `(True, output)`, `(False, the error its requests get)`, or `(False,
+        expired)` once it is cancelled.
 
     Raises:
-        BaseException: What the call raised.
+        asyncio.CancelledError: This task was cancelled (or the function raised it).
     """
-    call = asyncio.ensure_future(fn(argument))
+    call = asyncio.ensure_future(arun(fn, argument, name, "the batch function"))
     try:
         done, _ = await asyncio.wait({call}, timeout=timeout)
     except asyncio.CancelledError:
@@ -50,7 +58,7 @@ async def call_async_within(
     if not done:
         call.cancel()  # its batch is given up now; the call unwinds on its own
         return False, expired
-    return True, call.result()
+    return call.result()  # (a CancelledError it raised is taken as this task's: see arun)
 
 
 class LoopDriver:
@@ -294,15 +302,11 @@ class LoopDriver:
             while True:
                 argument = steps.send(outcome)  # type: ignore[arg-type]
                 outcome = None  # (released before the next call: see ThreadDriver._run)
-                try:
-                    if timeout is None:
-                        outcome = True, await fn(argument)
-                    else:
-                        outcome = await self._call_within(argument, timeout)
-                except asyncio.CancelledError:
-                    raise  # this task's: its batch is settled by _ended
-                except BaseException as exc:  # noqa: BLE001 - a failing batch must not kill the loop
-                    outcome = False, exc
+                # (A cancellation raised here is this task's: _ended settles its batch.)
+                if timeout is None:
+                    outcome = await arun(fn, argument, core.name, "the batch function")
+                else:
+                    outcome = await self._call_within(argument, timeout)
                 del argument
         except StopIteration as done:
             run: BatchRun = done.value
@@ -311,8 +315,9 @@ class LoopDriver:
     async def _call_within(self, argument: Any, timeout: float) -> Outcome:
         """One call of the function, cancelled past `timeout` (`batch_timeout`)."""
         core = self.core
-        outcome = await call_async_within(self.fn, argument, timeout, core.batch_timeout_error())
-        if not outcome[0]:  # it ran past the timeout (a call that raised raises here)
+        expired = core.batch_timeout_error()
+        outcome = await call_async_within(self.fn, argument, timeout, expired, core.name)
+        if not outcome[0] and outcome[1] is expired:  # it ran past the timeout
             with core.lock:
                 core.count_batch_timeout_locked()
         return outcome

@@ -16,13 +16,14 @@ from typing import Any
 
 from batchkit.errors import BatcherClosed
 from batchkit.serve.core import ServingCore
-from batchkit.serve.execute import BatchRun, Outcome, contained, run_steps
+from batchkit.serve.execute import BatchRun, Outcome, run_steps
 from batchkit.serve.options import Options
 from batchkit.serve.request import deliver
 from batchkit.serve.scheduler import FormedBatch
 from batchkit.serve.streaming import run_stream_sync
 from batchkit.serve.timer import Timer
 from batchkit.serve.watchdog import Watchdog
+from batchkit.usercode import run
 
 # The timer's key for the scheduling pass due while every worker runs a batch.
 _SHED_PASS = "shed while busy"
@@ -210,9 +211,9 @@ class ThreadDriver:
     def _run(self, batch: FormedBatch, worker: Worker) -> BatchRun:
         """Call the function as `run_steps` asks (parts too, if split); never raises.
 
-        The worker survives anything a call raises: a `SystemExit` or
-        `KeyboardInterrupt` reaches the callers as a `BatchInterrupted` (see
-        `contained`). A call is watched when there is a `batch_timeout`; a worker
+        The worker survives anything a call raises (see `batchkit.usercode`: a
+        `SystemExit` or `KeyboardInterrupt` reaches the callers as a
+        `BatchInterrupted`). A call is watched when there is a `batch_timeout`; a worker
         abandoned by the watchdog stops after its late call returns.
         """
         core, fn, watchdog = self.core, self.fn, self.watchdog
@@ -229,21 +230,17 @@ class ThreadDriver:
                 if watchdog is not None:
                     with self.cond:
                         watchdog.call_started_locked(worker)
-                try:
-                    outcome = True, fn(argument)
-                except BaseException as exc:  # noqa: BLE001 - the worker must survive anything
-                    outcome = False, contained(exc, core.name)
-                finally:
-                    if watchdog is not None:
-                        with self.cond:
-                            watchdog.call_ended_locked(worker)
+                outcome = run(fn, argument, core.name, "the batch function")  # never raises
+                if watchdog is not None:
+                    with self.cond:
+                        watchdog.call_ended_locked(worker)
                 del argument
                 if worker.abandoned:
                     steps.close()
                     return BatchRun(batch.requests, core.options)  # (dropped unread)
         except StopIteration as done:
-            run: BatchRun = done.value
-            return run
+            finished: BatchRun = done.value
+            return finished
 
     # -- shutdown ------------------------------------------------------------
     def close(self, timeout: float | None = None) -> None:
