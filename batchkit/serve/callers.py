@@ -16,6 +16,7 @@ import numbers
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from typing import Any, NoReturn
 
+from batchkit.batchers.checks import LONGEST_WAIT_S
 from batchkit.errors import RequestTimeout
 from batchkit.serve.channels import LoopChannel, Message, ThreadChannel
 from batchkit.serve.core import ServingCore
@@ -33,7 +34,8 @@ def checked_timeout(timeout: object) -> float | None:
 
     Raises:
         TypeError: `timeout` is not a real number (a `bool` or a string neither).
-        ValueError: It is NaN or negative.
+        ValueError: It is NaN or negative, or finite and longer than the platform's
+            timers take (`threading.TIMEOUT_MAX` seconds).
     """
     if timeout is None:
         return None
@@ -47,7 +49,15 @@ def checked_timeout(timeout: object) -> float | None:
             f"timeout must be a number of seconds >= 0 (None or math.inf for no bound), "
             f"got {timeout!r}"
         )
-    return None if seconds == math.inf else seconds
+    if seconds == math.inf:
+        return None
+    if seconds > LONGEST_WAIT_S:  # (a wait would raise OverflowError once it is queued)
+        raise ValueError(
+            f"timeout={timeout!r} is longer than this platform's timers take "
+            f"(threading.TIMEOUT_MAX: {LONGEST_WAIT_S:.4g} seconds); use None or "
+            "math.inf for no bound"
+        )
+    return seconds
 
 
 def _started(core: ServingCore, timeout: float | None) -> float:

@@ -623,6 +623,7 @@ BAD_TIMEOUTS = [
     (float("nan"), ValueError),
     (-1.0, ValueError),
     (-math.inf, ValueError),
+    (1e300, ValueError),  # longer than threading.TIMEOUT_MAX: a wait would overflow
     ("1", TypeError),
     (True, TypeError),
     ([1], TypeError),
