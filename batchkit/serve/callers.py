@@ -20,7 +20,7 @@ from batchkit.batchers.checks import LONGEST_WAIT_S
 from batchkit.errors import RequestTimeout
 from batchkit.serve.channels import LoopChannel, Message, ThreadChannel
 from batchkit.serve.core import ServingCore
-from batchkit.serve.request import Request
+from batchkit.serve.request import Request, own_error
 
 
 def checked_timeout(timeout: object) -> float | None:
@@ -269,13 +269,14 @@ def _expire(core: ServingCore, req: Request, timeout: float) -> None:
 
 
 # -- streams ----------------------------------------------------------------------------
-def _unpack(message: Message) -> Any:
-    """A chunk's value; raise StopIteration at the end, or the stream's error."""
+def _unpack(message: Message, *, copy_error: bool = False) -> Any:
+    """A chunk's value; raise StopIteration at the end, or the stream's error (with
+    `copy_error`, a thread reader's own copy of it: see `own_error`)."""
     kind, value = message
     if kind == "chunk":
         return value
     if value is not None:
-        raise value
+        raise own_error(value) if copy_error else value
     raise StopIteration
 
 
@@ -325,7 +326,8 @@ class ThreadStream(Iterator[Any]):
             assert message is not None  # (no bound: it waits for one)
         self._timeout = None  # the batch has started: no bound on later chunks
         try:
-            return _unpack(message)
+            # (The batch's other streams end with the same error.)
+            return _unpack(message, copy_error=True)
         except BaseException:
             self._open = False
             raise

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -112,8 +113,6 @@ def test_oom_caps_are_per_bucket() -> None:
     items = ["ab"] * 8 + ["abcdefg"] * 8
     assert f.map(items) == items
     assert f.stats().effective_max_batch_size == {"1": 2}  # the long bucket only
-
-
 
 
 def test_isolate_errors_fails_only_the_poison_items_with_bounded_calls() -> None:
@@ -389,3 +388,83 @@ def test_a_forked_child_serves_with_fresh_workers() -> None:
         timeout=30,  # a hang in the child fails here
     )
     assert done.returncode == 0, done.stderr
+
+
+# -- each thread caller of a failed batch raises its own exception ---------------------
+class Unbuildable(Exception):
+    """An exception its own constructor cannot rebuild from `args`."""
+
+    def __init__(self, message: str, *, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["call", "stream"])
+def test_thread_callers_of_a_failed_batch_each_raise_their_own_exception(streaming) -> None:
+    cause = KeyError("the cause")
+    running = threading.Event()
+    release = threading.Event()
+
+    def failing(xs):
+        if xs == ["first"]:  # holds the worker while "a" and "b" queue behind it
+            running.set()
+            release.wait(30)
+            return xs
+        try:
+            raise cause
+        except KeyError as exc:
+            error = ValueError("the batch failed")
+            error.add_note("a note")
+            raise error from exc
+
+    def failing_stream(xs):
+        yield failing(xs)
+
+    f = batchkit.batched(max_batch_size=2, max_wait_ms=60_000)(
+        failing_stream if streaming else failing
+    )
+    errors: dict[str, BaseException] = {}
+
+    def caller_a() -> None:
+        try:
+            next(iter(f.stream("a"))) if streaming else f("a")
+        except ValueError as exc:
+            errors["a"] = exc
+
+    def caller_b() -> None:
+        try:
+            next(iter(f.stream("b"))) if streaming else f("b")
+        except ValueError as exc:
+            errors["b"] = exc
+
+    first = threading.Thread(target=lambda: list(f.stream("first")) if streaming else f("first"))
+    first.start()
+    assert running.wait(30)
+    threads = [threading.Thread(target=caller_a), threading.Thread(target=caller_b)]
+    for t in threads:
+        t.start()
+    wait_until(lambda: f.stats().queue_depth == 2)  # one batch of both, once released
+    release.set()
+    for t in [first, *threads]:
+        t.join(30)
+    f.close()
+    a, b = errors["a"], errors["b"]
+    assert a is not b
+    for mine, other in ((a, "caller_b"), (b, "caller_a")):
+        frames = [frame.name for frame in traceback.extract_tb(mine.__traceback__)]
+        assert "failing" in frames and other not in frames, frames
+        assert mine.__cause__ is cause and mine.__notes__ == ["a note"]
+        assert str(mine) == "the batch failed"
+
+
+def test_an_error_that_cannot_be_copied_is_raised_as_it_is() -> None:
+    error = Unbuildable("no copy", code=7)
+
+    @batchkit.batched(max_batch_size=2, max_wait_ms=1)
+    def failing(xs):
+        raise error
+
+    with pytest.raises(Unbuildable) as raised:
+        failing("a")
+    assert raised.value is error and raised.value.code == 7
+    failing.close()
