@@ -10,6 +10,7 @@ expiry is a single `call_later` timer. Batches run as tasks, at most
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -23,6 +24,12 @@ from batchkit.serve.request import deliver
 from batchkit.serve.scheduler import FormedBatch
 from batchkit.serve.streaming import run_stream_async
 from batchkit.usercode import arun
+
+# The driver whose batch the current task runs (the function's own code, and tasks it
+# starts, inherit it): a call or a close from inside the function is told apart.
+_RUNNING_BATCH_OF: contextvars.ContextVar[LoopDriver | None] = contextvars.ContextVar(
+    "batchkit_running_batch_of", default=None
+)
 
 
 async def call_async_within(
@@ -151,6 +158,15 @@ class LoopDriver:
         self._drained = None
 
     def _check_loop_locked(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        """Before an enqueue: refuse a thread caller, and a call from inside the
+        function when its batch holds the only slot (it would wait for itself); move
+        to the caller's loop if `bind` allows."""
+        if _RUNNING_BATCH_OF.get() is self and self.core.max_concurrent_batches == 1:
+            raise RuntimeError(
+                f"{self.core.name} was called from inside its own batch function with "
+                "max_concurrent_batches=1: the call would wait for the batch it is made "
+                "from, forever (call the model directly, or allow more batches at once)"
+            )
         if loop is not self.loop:
             if loop is None:
                 raise RuntimeError(f"{self.core.name} is async: call it from an event loop")
@@ -247,6 +263,7 @@ class LoopDriver:
         self, holding: list[FormedBatch | None], loop: asyncio.AbstractEventLoop
     ) -> None:
         """Run batches back to back in this task while one is ready as the last ends."""
+        _RUNNING_BATCH_OF.set(self)  # (this task's own context)
         batch = holding[0]
         while batch is not None:
             run = await self._execute(batch)
@@ -330,6 +347,10 @@ class LoopDriver:
             timeout: Seconds to wait; then whatever is unanswered fails with
                 `BatcherClosed`. None waits for everything.
 
+        Awaited from inside the function (in a task running one of its batches), it
+        returns at once: what is queued and running, the calling batch too, is
+        served after it returns.
+
         Raises:
             RuntimeError: Called on another loop than the one it serves (while that
                 one is open).
@@ -341,6 +362,9 @@ class LoopDriver:
                 raise RuntimeError(f"{core.name}: aclose() must run on the loop it serves")
             self.bind(loop)  # a closed previous loop's leftovers are answered here
             core.close_locked()
+            if _RUNNING_BATCH_OF.get() is self:
+                self.wake()  # what waits leaves now; the batch ends as this returns
+                return  # waiting here would wait for this very call
             if self._drained is None:  # shared by concurrent aclose() calls
                 self._drained = asyncio.Event()
             drained = self._drained

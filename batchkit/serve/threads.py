@@ -65,8 +65,12 @@ class ThreadDriver:
             wake=self._wake_locked,
             settings_changed=self._settings_changed_locked,
             forked=self._forked_locked,
+            check_loop=self._refuse_own_worker_locked,
         )
         self.cond = threading.Condition(core.lock)
+        # Set on this driver's worker threads: a call or a close from inside the
+        # function is told apart from one of another thread.
+        self._on_worker = threading.local()
         self.workers: list[Worker] = []  # live workers (not stuck in a timed-out call)
         self.idle_workers = 0
         # Calls back while every worker runs a batch: the watchdog's deadlines, and a
@@ -76,6 +80,17 @@ class ThreadDriver:
         timeout = options.batch_timeout
         if timeout is not None and not options.streaming:
             self.watchdog = Watchdog(self.timer, timeout, self._expired)
+
+    def _refuse_own_worker_locked(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        """Before an enqueue: a call from inside the function, on its only worker,
+        would wait for the batch it is part of: refuse it (any caller, thread or
+        asyncio, on that thread)."""
+        if getattr(self._on_worker, "serving", False) and self.core.max_concurrent_batches == 1:
+            raise RuntimeError(
+                f"{self.core.name} was called from inside its own batch function with "
+                "max_concurrent_batches=1: the call would wait for the batch it is made "
+                "from, forever (call the model directly, or allow more batches at once)"
+            )
 
     def _wake_locked(self) -> None:
         if not self.workers:
@@ -132,6 +147,7 @@ class ThreadDriver:
         """One worker: take a batch, run and settle it, repeat; sleep when there is none."""
         core, cond, clock = self.core, self.cond, self.core.clock
         batch: FormedBatch | None = None
+        self._on_worker.serving = True
         with cond:
             while True:
                 if batch is None:
@@ -140,6 +156,8 @@ class ThreadDriver:
                         self._shed_while_busy()
                 if batch is None:
                     if core.closed and core.num_waiting == 0:
+                        if core.drained:  # (a close from inside the function left it)
+                            self.timer.stop_locked()
                         cond.notify_all()  # wake close() and the other workers
                         return
                     self.idle_workers += 1
@@ -246,16 +264,21 @@ class ThreadDriver:
     def close(self, timeout: float | None = None) -> None:
         """Stop accepting, serve what is queued and running; after `timeout`, fail the rest.
 
-        Waits for the worker threads to exit when everything was served.
+        Waits for the worker threads to exit when everything was served. Called from
+        inside the function (on one of its workers), it returns at once: what is
+        queued and running, the calling batch too, is served after it returns.
 
         Args:
             timeout: Seconds to wait; then whatever is unanswered fails with
-                `BatcherClosed`. None waits for everything.
+                `BatcherClosed`. None waits for everything. (Unused from inside the
+                function.)
         """
         core = self.core
         with self.cond:
             core.close_locked()
             self.cond.notify_all()
+            if getattr(self._on_worker, "serving", False):
+                return  # waiting here would wait for this very call
             finished = self.cond.wait_for(lambda: core.drained, timeout)
             if not finished:
                 core.fail_all_locked(core.closed_error())
