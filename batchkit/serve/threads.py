@@ -10,6 +10,7 @@ future resolved on their own loop, so the event loop is never blocked.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -24,6 +25,8 @@ from batchkit.serve.streaming import run_stream_sync
 from batchkit.serve.timer import Timer
 from batchkit.serve.watchdog import Watchdog
 from batchkit.usercode import run
+
+log = logging.getLogger("batchkit")
 
 # The timer's key for the scheduling pass due while every worker runs a batch.
 _SHED_PASS = "shed while busy"
@@ -110,14 +113,32 @@ class ThreadDriver:
             self.timer.set_locked(_SHED_PASS, at, self._shed_while_busy)
 
     def _start_workers_locked(self) -> None:
-        """Start workers up to one per concurrent batch (none while unhealthy)."""
+        """Start workers up to one per concurrent batch (none while unhealthy).
+
+        A thread that cannot start (`can't start new thread`) is not counted: with no
+        worker at all, what waits fails with `BatcherClosed` (caused by the error),
+        and the next call tries again."""
         while self.core.healthy and len(self.workers) < self.core.max_concurrent_batches:
             worker = Worker()
             name = f"batchkit-{self.core.name}-{len(self.workers)}"
             worker.thread = threading.Thread(target=self._work, args=(worker,), name=name)
             worker.thread.daemon = True
+            try:
+                worker.thread.start()  # (it waits for the lock held here)
+            except RuntimeError as exc:
+                self._no_worker_started_locked(exc)
+                return
             self.workers.append(worker)
-            worker.thread.start()
+
+    def _no_worker_started_locked(self, exc: RuntimeError) -> None:
+        """A worker thread could not start: the running workers serve on; with none,
+        nobody would ever serve what waits, so it fails now."""
+        if self.workers:
+            log.warning("batchkit: %s serves on fewer workers: %r", self.core.name, exc)
+            return
+        error = BatcherClosed(f"{self.core.name}: could not start a worker thread: {exc!r}")
+        error.__cause__ = exc
+        self.core.fail_all_locked(error)
 
     def _settings_changed_locked(self) -> None:
         if self.workers:  # (none yet: the first call starts them)

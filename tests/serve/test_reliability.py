@@ -18,7 +18,14 @@ import numpy as np
 import pytest
 
 import batchkit
-from batchkit import BatcherClosed, BucketedBatcher, DynamicBatcher, RequestTimeout, StaticBatcher
+from batchkit import (
+    BatcherClosed,
+    BatchTimeout,
+    BucketedBatcher,
+    DynamicBatcher,
+    RequestTimeout,
+    StaticBatcher,
+)
 from tests.serve._wait import wait_until
 
 
@@ -468,3 +475,80 @@ def test_an_error_that_cannot_be_copied_is_raised_as_it_is() -> None:
         failing("a")
     assert raised.value is error and raised.value.code == 7
     failing.close()
+
+
+# -- a thread that cannot start --------------------------------------------------------
+def within(seconds: float, call):
+    """`call()` on a daemon thread; fail the test if it has not returned in `seconds`
+    (a hang then fails fast, and the thread does not keep the test run alive)."""
+    outcome: list = []
+
+    def run() -> None:
+        try:
+            outcome.append((True, call()))
+        except BaseException as exc:  # noqa: BLE001 - handed to the test's thread
+            outcome.append((False, exc))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert outcome, f"{call} did not return within {seconds}s"
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value
+
+
+def refuse_threads(monkeypatch, named: str) -> None:
+    """Make `Thread.start` raise as an exhausted process does, for threads whose name
+    contains `named`."""
+    real_start = threading.Thread.start
+
+    def start(self: threading.Thread) -> None:
+        if named in self.name:
+            raise RuntimeError("can't start new thread")
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+
+
+def test_a_worker_that_cannot_start_fails_its_requests_and_a_later_call_starts_one(
+    monkeypatch,
+) -> None:
+    f = batchkit.batched(max_batch_size=4, max_wait_ms=1)(lambda xs: [x * 2 for x in xs])
+    refuse_threads(monkeypatch, "batchkit-")
+    with pytest.raises(BatcherClosed, match="could not start a worker thread") as info:
+        within(10, lambda: f(1))
+    assert isinstance(info.value.__cause__, RuntimeError)
+    with pytest.raises(BatcherClosed):
+        within(10, lambda: f.map([2, 3]))
+    with pytest.raises(BatcherClosed):
+        within(10, lambda: asyncio.run(f.acall(4)))
+    assert f.stats().queue_depth == 0  # nothing stays queued
+    monkeypatch.undo()
+    assert within(10, lambda: f(5)) == 10  # this call starts a worker
+    assert within(10, lambda: asyncio.run(f.acall(6))) == 12
+    f.close()
+
+
+def test_a_timer_thread_that_cannot_start_is_tried_again_and_serving_goes_on(
+    monkeypatch, caplog
+) -> None:
+    release = threading.Event()
+
+    def model(xs):
+        if -1 in xs:
+            release.wait(30)
+        return [x * 2 for x in xs]
+
+    f = batchkit.batched(max_batch_size=1, max_wait_ms=0, batch_timeout=0.2)(model)
+    refuse_threads(monkeypatch, "-timer")
+    with caplog.at_level("ERROR", logger="batchkit"):
+        assert within(10, lambda: f(1)) == 2  # served, unwatched
+    assert "the timer thread could not start" in caplog.text
+    monkeypatch.undo()
+    with pytest.raises(BatchTimeout):  # the next call starts the timer: it is watched
+        within(10, lambda: f(-1))
+    release.set()
+    assert within(10, lambda: f(3)) == 6
+    f.close()
