@@ -378,6 +378,17 @@ class LoopDriver:
             with core.lock:
                 core.fail_all_locked(core.closed_error())
 
+    def close_nowait(self) -> None:
+        """Stop accepting and return at once: what is queued and running is served on
+        its loop; with no loop running it, it fails with `BatcherClosed` now."""
+        loop, core = self.loop, self.core
+        with core.lock:
+            core.close_locked()
+            if loop is None or loop.is_closed() or not loop.is_running():
+                core.fail_all_locked(core.closed_error())
+            else:
+                self.wake()  # a pass on the loop sends what waits
+
     def close(self, timeout: float | None = None) -> None:
         """Close from a thread. From inside the loop, use `await aclose()` instead.
 

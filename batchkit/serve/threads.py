@@ -311,6 +311,15 @@ class ThreadDriver:
                     worker.thread.join()
         self.timer.join()
 
+    def close_nowait(self) -> None:
+        """Stop accepting and return at once: what is queued and running is served,
+        then the workers exit (and the timer, once nothing runs)."""
+        with self.cond:
+            self.core.close_locked()
+            if not self.workers:  # none started: nothing to serve, nobody to stop it
+                self.timer.stop_locked()
+            self.cond.notify_all()
+
     async def aclose(self, timeout: float | None = None) -> None:
         """`close` without blocking the event loop (it runs in the loop's executor).
 
