@@ -24,6 +24,7 @@ from batchkit.batchers.cost import PADDED, BatchCost, CostLike, as_batch_cost
 from batchkit.batchers.groups import GroupFn, check_group_options, checked_group, pools
 from batchkit.batchers.sampler import BatchSampler, check_non_negative_int, check_rank
 from batchkit.batchers.stream import stream_batches
+from batchkit.usercode import contained
 
 T = TypeVar("T")
 
@@ -219,7 +220,7 @@ class Batcher:
         Args:
             items: the input items.
         """
-        return _each_item(self.key_of, items, "key")
+        return _each_item(self.key_of, items, "key", type(self).__name__)
 
     def group_of(self, item: Any) -> Hashable:
         """The item's group: `group(item)`, or None when the policy has no `group`.
@@ -243,7 +244,7 @@ class Batcher:
         Args:
             items: the input items.
         """
-        return _each_item(self.group_of, items, "group")
+        return _each_item(self.group_of, items, "group", type(self).__name__)
 
     def bucket_of(self, key: float) -> Hashable:
         """Which bucket an item belongs to; a batch never mixes buckets.
@@ -580,9 +581,11 @@ class Batcher:
         return f"{type(self).__name__}({opts})"
 
 
-def _each_item(fn: Callable[[Any], R], items: Sequence[Any], what: str) -> list[R]:
+def _each_item(fn: Callable[[Any], R], items: Sequence[Any], what: str, name: str) -> list[R]:
     """`fn` of every item; a TypeError or ValueError is raised again naming the item's
-    position (`items[3]: ...`), any other exception keeps its type and gets a note."""
+    position (`items[3]: ...`), a `SystemExit` or `KeyboardInterrupt` as a
+    `BatchInterrupted` naming `name` (see `batchkit.usercode.contained`), any other
+    exception keeps its type and gets a note."""
     out: list[R] = []
     append = out.append
     i = 0
@@ -591,8 +594,10 @@ def _each_item(fn: Callable[[Any], R], items: Sequence[Any], what: str) -> list[
             append(fn(item))
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"items[{i}]: {exc}") from exc
-    except Exception as exc:
-        if hasattr(exc, "add_note"):  # Python 3.11+: keep the user's exception type
+    except BaseException as exc:
+        # A SystemExit from `key` must not end the caller's loop: see batchkit.usercode.
+        error = contained(exc, name, f"the {what} of items[{i}]")
+        if error is exc and hasattr(exc, "add_note"):  # 3.11+: keep the user's type
             exc.add_note(f"(while computing the {what} of items[{i}])")
-        raise
+        raise error  # noqa: B904 - a new error has its cause set
     return out

@@ -62,6 +62,11 @@ class Driver(Protocol):
         """
         ...
 
+    def close_nowait(self) -> None:
+        """Stop accepting and return at once: what is queued and running is served,
+        then the workers exit (run when the function is dropped)."""
+        ...
+
 
 class BatchedFunction(Generic[R]):
     """A batch function wrapped so that callers pass one item and get one result.
@@ -116,6 +121,10 @@ class BatchedFunction(Generic[R]):
         )
         self._core = self._driver.core
         self._warned_on_loop = False
+        # Dropped (a function made at run time, an instance's method with its
+        # instance), it closes: its workers exit, and the function they hold is
+        # freed. Nothing the driver holds refers back to this wrapper.
+        weakref.finalize(self, self._driver.close_nowait).atexit = False
 
     @property
     def runtime(self) -> Driver:

@@ -16,10 +16,11 @@ import numbers
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from typing import Any, NoReturn
 
+from batchkit.batchers.checks import LONGEST_WAIT_S
 from batchkit.errors import RequestTimeout
 from batchkit.serve.channels import LoopChannel, Message, ThreadChannel
 from batchkit.serve.core import ServingCore
-from batchkit.serve.request import Request
+from batchkit.serve.request import Request, own_error
 
 
 def checked_timeout(timeout: object) -> float | None:
@@ -33,7 +34,8 @@ def checked_timeout(timeout: object) -> float | None:
 
     Raises:
         TypeError: `timeout` is not a real number (a `bool` or a string neither).
-        ValueError: It is NaN or negative.
+        ValueError: It is NaN or negative, or finite and longer than the platform's
+            timers take (`threading.TIMEOUT_MAX` seconds).
     """
     if timeout is None:
         return None
@@ -47,7 +49,15 @@ def checked_timeout(timeout: object) -> float | None:
             f"timeout must be a number of seconds >= 0 (None or math.inf for no bound), "
             f"got {timeout!r}"
         )
-    return None if seconds == math.inf else seconds
+    if seconds == math.inf:
+        return None
+    if seconds > LONGEST_WAIT_S:  # (a wait would raise OverflowError once it is queued)
+        raise ValueError(
+            f"timeout={timeout!r} is longer than this platform's timers take "
+            f"(threading.TIMEOUT_MAX: {LONGEST_WAIT_S:.4g} seconds); use None or "
+            "math.inf for no bound"
+        )
+    return seconds
 
 
 def _started(core: ServingCore, timeout: float | None) -> float:
@@ -259,13 +269,14 @@ def _expire(core: ServingCore, req: Request, timeout: float) -> None:
 
 
 # -- streams ----------------------------------------------------------------------------
-def _unpack(message: Message) -> Any:
-    """A chunk's value; raise StopIteration at the end, or the stream's error."""
+def _unpack(message: Message, *, copy_error: bool = False) -> Any:
+    """A chunk's value; raise StopIteration at the end, or the stream's error (with
+    `copy_error`, a thread reader's own copy of it: see `own_error`)."""
     kind, value = message
     if kind == "chunk":
         return value
     if value is not None:
-        raise value
+        raise own_error(value) if copy_error else value
     raise StopIteration
 
 
@@ -315,7 +326,8 @@ class ThreadStream(Iterator[Any]):
             assert message is not None  # (no bound: it waits for one)
         self._timeout = None  # the batch has started: no bound on later chunks
         try:
-            return _unpack(message)
+            # (The batch's other streams end with the same error.)
+            return _unpack(message, copy_error=True)
         except BaseException:
             self._open = False
             raise

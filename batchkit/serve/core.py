@@ -39,6 +39,7 @@ from batchkit.serve.options import (
 from batchkit.serve.request import DONE, RUNNING, Request, deliver, new_request, resolve_on_loop
 from batchkit.serve.scheduler import FormedBatch, Scheduler, group_bucket
 from batchkit.serve.stats import Stats
+from batchkit.usercode import contained
 
 LoopCheck = Callable[["asyncio.AbstractEventLoop | None"], None]
 
@@ -166,16 +167,26 @@ class ServingCore:
 
         Raises:
             TypeError: `priority` is not an `int`.
+            BatchInterrupted: `key` or `group` raised `SystemExit` or
+                `KeyboardInterrupt` (its `__cause__`); anything else they raise is
+                raised as it is.
         """
         if type(priority) is not int:  # bool and other look-alikes are refused too
             raise TypeError(f"priority must be an int, got {type(priority).__name__}")
         if self.keyless:
             return new_request(item, 0.0, None, priority, loop, channel)
         policy = self.options.policy
-        key = policy.key_of(item)
-        if self.group is None:
-            return new_request(item, key, policy.bucket_of(key), priority, loop, channel)
-        group = policy.group_of(item)
+        # Raised in the caller's frame: a SystemExit from `key` would stop an asyncio
+        # caller's loop, so it is contained as any user code's is.
+        source = "key"
+        try:
+            key = policy.key_of(item)
+            if self.group is None:
+                return new_request(item, key, policy.bucket_of(key), priority, loop, channel)
+            source = "group"
+            group = policy.group_of(item)
+        except BaseException as exc:
+            raise contained(exc, self.name, source)  # noqa: B904 - its cause is set if new
         bucket = group_bucket(policy, key, group)
         return new_request(item, key, bucket, priority, loop, channel, 0.0, group)
 

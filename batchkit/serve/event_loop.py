@@ -10,6 +10,7 @@ expiry is a single `call_later` timer. Batches run as tasks, at most
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -22,26 +23,40 @@ from batchkit.serve.options import Options
 from batchkit.serve.request import deliver
 from batchkit.serve.scheduler import FormedBatch
 from batchkit.serve.streaming import run_stream_async
+from batchkit.usercode import arun
+
+# The driver whose batch the current task runs (the function's own code, and tasks it
+# starts, inherit it): a call or a close from inside the function is told apart.
+_RUNNING_BATCH_OF: contextvars.ContextVar[LoopDriver | None] = contextvars.ContextVar(
+    "batchkit_running_batch_of", default=None
+)
 
 
 async def call_async_within(
-    fn: Callable[[Any], Awaitable[Any]], argument: Any, timeout: float, expired: BaseException
+    fn: Callable[[Any], Awaitable[Any]],
+    argument: Any,
+    timeout: float,
+    expired: BaseException,
+    name: str,
 ) -> Outcome:
-    """Await `fn(argument)`, cancelled after `timeout` seconds.
+    """Await `fn(argument)`, cancelled after `timeout` seconds; what it raises is
+    handled as `batchkit.usercode.arun` does.
 
     Args:
         fn: The async batch function.
         argument: The batch, as collated.
         timeout: Seconds the call may run.
         expired: The outcome's error when it ran past `timeout`.
+        name: The function's name, for errors.
 
     Returns:
-        `(True, output)`, or `(False, expired)` once it is cancelled.
+        `(True, output)`, `(False, the error its requests get)`, or `(False,
+        expired)` once it is cancelled.
 
     Raises:
-        BaseException: What the call raised.
+        asyncio.CancelledError: This task was cancelled (or the function raised it).
     """
-    call = asyncio.ensure_future(fn(argument))
+    call = asyncio.ensure_future(arun(fn, argument, name, "the batch function"))
     try:
         done, _ = await asyncio.wait({call}, timeout=timeout)
     except asyncio.CancelledError:
@@ -50,7 +65,7 @@ async def call_async_within(
     if not done:
         call.cancel()  # its batch is given up now; the call unwinds on its own
         return False, expired
-    return True, call.result()
+    return call.result()  # (a CancelledError it raised is taken as this task's: see arun)
 
 
 class LoopDriver:
@@ -143,6 +158,15 @@ class LoopDriver:
         self._drained = None
 
     def _check_loop_locked(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        """Before an enqueue: refuse a thread caller, and a call from inside the
+        function when its batch holds the only slot (it would wait for itself); move
+        to the caller's loop if `bind` allows."""
+        if _RUNNING_BATCH_OF.get() is self and self.core.max_concurrent_batches == 1:
+            raise RuntimeError(
+                f"{self.core.name} was called from inside its own batch function with "
+                "max_concurrent_batches=1: the call would wait for the batch it is made "
+                "from, forever (call the model directly, or allow more batches at once)"
+            )
         if loop is not self.loop:
             if loop is None:
                 raise RuntimeError(f"{self.core.name} is async: call it from an event loop")
@@ -239,6 +263,7 @@ class LoopDriver:
         self, holding: list[FormedBatch | None], loop: asyncio.AbstractEventLoop
     ) -> None:
         """Run batches back to back in this task while one is ready as the last ends."""
+        _RUNNING_BATCH_OF.set(self)  # (this task's own context)
         batch = holding[0]
         while batch is not None:
             run = await self._execute(batch)
@@ -294,15 +319,11 @@ class LoopDriver:
             while True:
                 argument = steps.send(outcome)  # type: ignore[arg-type]
                 outcome = None  # (released before the next call: see ThreadDriver._run)
-                try:
-                    if timeout is None:
-                        outcome = True, await fn(argument)
-                    else:
-                        outcome = await self._call_within(argument, timeout)
-                except asyncio.CancelledError:
-                    raise  # this task's: its batch is settled by _ended
-                except BaseException as exc:  # noqa: BLE001 - a failing batch must not kill the loop
-                    outcome = False, exc
+                # (A cancellation raised here is this task's: _ended settles its batch.)
+                if timeout is None:
+                    outcome = await arun(fn, argument, core.name, "the batch function")
+                else:
+                    outcome = await self._call_within(argument, timeout)
                 del argument
         except StopIteration as done:
             run: BatchRun = done.value
@@ -311,8 +332,9 @@ class LoopDriver:
     async def _call_within(self, argument: Any, timeout: float) -> Outcome:
         """One call of the function, cancelled past `timeout` (`batch_timeout`)."""
         core = self.core
-        outcome = await call_async_within(self.fn, argument, timeout, core.batch_timeout_error())
-        if not outcome[0]:  # it ran past the timeout (a call that raised raises here)
+        expired = core.batch_timeout_error()
+        outcome = await call_async_within(self.fn, argument, timeout, expired, core.name)
+        if not outcome[0] and outcome[1] is expired:  # it ran past the timeout
             with core.lock:
                 core.count_batch_timeout_locked()
         return outcome
@@ -325,6 +347,10 @@ class LoopDriver:
             timeout: Seconds to wait; then whatever is unanswered fails with
                 `BatcherClosed`. None waits for everything.
 
+        Awaited from inside the function (in a task running one of its batches), it
+        returns at once: what is queued and running, the calling batch too, is
+        served after it returns.
+
         Raises:
             RuntimeError: Called on another loop than the one it serves (while that
                 one is open).
@@ -336,6 +362,9 @@ class LoopDriver:
                 raise RuntimeError(f"{core.name}: aclose() must run on the loop it serves")
             self.bind(loop)  # a closed previous loop's leftovers are answered here
             core.close_locked()
+            if _RUNNING_BATCH_OF.get() is self:
+                self.wake()  # what waits leaves now; the batch ends as this returns
+                return  # waiting here would wait for this very call
             if self._drained is None:  # shared by concurrent aclose() calls
                 self._drained = asyncio.Event()
             drained = self._drained
@@ -348,6 +377,17 @@ class LoopDriver:
         except asyncio.TimeoutError:
             with core.lock:
                 core.fail_all_locked(core.closed_error())
+
+    def close_nowait(self) -> None:
+        """Stop accepting and return at once: what is queued and running is served on
+        its loop; with no loop running it, it fails with `BatcherClosed` now."""
+        loop, core = self.loop, self.core
+        with core.lock:
+            core.close_locked()
+            if loop is None or loop.is_closed() or not loop.is_running():
+                core.fail_all_locked(core.closed_error())
+            else:
+                self.wake()  # a pass on the loop sends what waits
 
     def close(self, timeout: float | None = None) -> None:
         """Close from a thread. From inside the loop, use `await aclose()` instead.

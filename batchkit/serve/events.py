@@ -6,11 +6,11 @@ and non-blocking.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
+from operator import methodcaller
 from typing import Literal, Protocol
 
-log = logging.getLogger("batchkit")
+from batchkit.usercode import run_hook
 
 DropReason = Literal["rejected", "timeout", "cancelled", "closed", "overloaded"]
 
@@ -77,8 +77,8 @@ class Listener(Protocol):
     object with these two methods.
 
     Both are called on the worker thread (or event loop) right after the fact, under
-    the function's lock: keep them fast and non-blocking. An exception they raise is
-    logged, never passed on.
+    the function's lock: keep them fast and non-blocking. Whatever they raise (a
+    `SystemExit` too) is logged, never passed on.
     """
 
     def on_batch(self, event: BatchEvent) -> None:
@@ -97,15 +97,14 @@ class Listener(Protocol):
 
 
 def notify(listeners: list[Listener], method: str, event: BatchEvent | DropEvent) -> None:
-    """Call every listener; a failing listener is logged, never allowed to break a batch.
+    """Call every listener; whatever one raises (a `SystemExit` too) is logged, never
+    allowed to break a batch or end the worker (see `batchkit.usercode.run_hook`).
 
     Args:
         listeners: The listeners to call, in order.
         method: `"on_batch"` or `"on_drop"`.
         event: The event passed to each.
     """
+    call = methodcaller(method, event)  # (a listener without the method is logged too)
     for listener in listeners:
-        try:
-            getattr(listener, method)(event)
-        except Exception:  # noqa: BLE001 - observers must not take serving down
-            log.exception("batchkit listener %r failed on %s", listener, method)
+        run_hook(call, listener, what=f"listener {listener!r} on {method}")

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import enum
 import threading
 from collections import defaultdict
@@ -148,10 +149,40 @@ class Request:
         return False
 
     def outcome(self) -> Any:
-        """The result, or raise the request's own error."""
+        """The result, or raise the request's own error (a copy of its batch's: see
+        `own_error`)."""
         if self.error is not None:
-            raise self.error
+            raise own_error(self.error)
         return self.value
+
+
+def own_error(error: BaseException) -> BaseException:
+    """A copy of `error` for one thread caller to raise, or `error` itself when it
+    cannot be rebuilt.
+
+    The callers of one failed batch share its error. Raised as it is by each, its
+    traceback would collect every caller's frames (and keep their locals alive); a
+    copy starts from the batch's traceback alone. It keeps the type, `args`,
+    attributes, notes, `__cause__`, `__context__` and `__suppress_context__`.
+    (An asyncio caller needs none: a future re-raises with the traceback it was set
+    with.)
+
+    Args:
+        error: The error a request failed with.
+    """
+    try:
+        mine = copy.copy(error)
+    except Exception:  # noqa: BLE001 - an exception its own constructor cannot rebuild
+        return error
+    if type(mine) is not type(error) or mine is error:
+        return error
+    mine.__cause__ = error.__cause__
+    mine.__context__ = error.__context__
+    mine.__suppress_context__ = error.__suppress_context__
+    notes = getattr(error, "__notes__", None)
+    if isinstance(notes, list):  # (a note one caller adds is not the others')
+        mine.__dict__["__notes__"] = list(notes)
+    return mine.with_traceback(error.__traceback__)
 
 
 new_request = Request

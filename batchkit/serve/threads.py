@@ -10,19 +10,23 @@ future resolved on their own loop, so the event loop is never blocked.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import Callable
 from typing import Any
 
 from batchkit.errors import BatcherClosed
 from batchkit.serve.core import ServingCore
-from batchkit.serve.execute import BatchRun, Outcome, contained, run_steps
+from batchkit.serve.execute import BatchRun, Outcome, run_steps
 from batchkit.serve.options import Options
 from batchkit.serve.request import deliver
 from batchkit.serve.scheduler import FormedBatch
 from batchkit.serve.streaming import run_stream_sync
 from batchkit.serve.timer import Timer
 from batchkit.serve.watchdog import Watchdog
+from batchkit.usercode import run
+
+log = logging.getLogger("batchkit")
 
 # The timer's key for the scheduling pass due while every worker runs a batch.
 _SHED_PASS = "shed while busy"
@@ -64,8 +68,12 @@ class ThreadDriver:
             wake=self._wake_locked,
             settings_changed=self._settings_changed_locked,
             forked=self._forked_locked,
+            check_loop=self._refuse_own_worker_locked,
         )
         self.cond = threading.Condition(core.lock)
+        # Set on this driver's worker threads: a call or a close from inside the
+        # function is told apart from one of another thread.
+        self._on_worker = threading.local()
         self.workers: list[Worker] = []  # live workers (not stuck in a timed-out call)
         self.idle_workers = 0
         # Calls back while every worker runs a batch: the watchdog's deadlines, and a
@@ -75,6 +83,17 @@ class ThreadDriver:
         timeout = options.batch_timeout
         if timeout is not None and not options.streaming:
             self.watchdog = Watchdog(self.timer, timeout, self._expired)
+
+    def _refuse_own_worker_locked(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        """Before an enqueue: a call from inside the function, on its only worker,
+        would wait for the batch it is part of: refuse it (any caller, thread or
+        asyncio, on that thread)."""
+        if getattr(self._on_worker, "serving", False) and self.core.max_concurrent_batches == 1:
+            raise RuntimeError(
+                f"{self.core.name} was called from inside its own batch function with "
+                "max_concurrent_batches=1: the call would wait for the batch it is made "
+                "from, forever (call the model directly, or allow more batches at once)"
+            )
 
     def _wake_locked(self) -> None:
         if not self.workers:
@@ -94,14 +113,32 @@ class ThreadDriver:
             self.timer.set_locked(_SHED_PASS, at, self._shed_while_busy)
 
     def _start_workers_locked(self) -> None:
-        """Start workers up to one per concurrent batch (none while unhealthy)."""
+        """Start workers up to one per concurrent batch (none while unhealthy).
+
+        A thread that cannot start (`can't start new thread`) is not counted: with no
+        worker at all, what waits fails with `BatcherClosed` (caused by the error),
+        and the next call tries again."""
         while self.core.healthy and len(self.workers) < self.core.max_concurrent_batches:
             worker = Worker()
             name = f"batchkit-{self.core.name}-{len(self.workers)}"
             worker.thread = threading.Thread(target=self._work, args=(worker,), name=name)
             worker.thread.daemon = True
+            try:
+                worker.thread.start()  # (it waits for the lock held here)
+            except RuntimeError as exc:
+                self._no_worker_started_locked(exc)
+                return
             self.workers.append(worker)
-            worker.thread.start()
+
+    def _no_worker_started_locked(self, exc: RuntimeError) -> None:
+        """A worker thread could not start: the running workers serve on; with none,
+        nobody would ever serve what waits, so it fails now."""
+        if self.workers:
+            log.warning("batchkit: %s serves on fewer workers: %r", self.core.name, exc)
+            return
+        error = BatcherClosed(f"{self.core.name}: could not start a worker thread: {exc!r}")
+        error.__cause__ = exc
+        self.core.fail_all_locked(error)
 
     def _settings_changed_locked(self) -> None:
         if self.workers:  # (none yet: the first call starts them)
@@ -131,6 +168,7 @@ class ThreadDriver:
         """One worker: take a batch, run and settle it, repeat; sleep when there is none."""
         core, cond, clock = self.core, self.cond, self.core.clock
         batch: FormedBatch | None = None
+        self._on_worker.serving = True
         with cond:
             while True:
                 if batch is None:
@@ -139,6 +177,8 @@ class ThreadDriver:
                         self._shed_while_busy()
                 if batch is None:
                     if core.closed and core.num_waiting == 0:
+                        if core.drained:  # (a close from inside the function left it)
+                            self.timer.stop_locked()
                         cond.notify_all()  # wake close() and the other workers
                         return
                     self.idle_workers += 1
@@ -210,9 +250,9 @@ class ThreadDriver:
     def _run(self, batch: FormedBatch, worker: Worker) -> BatchRun:
         """Call the function as `run_steps` asks (parts too, if split); never raises.
 
-        The worker survives anything a call raises: a `SystemExit` or
-        `KeyboardInterrupt` reaches the callers as a `BatchInterrupted` (see
-        `contained`). A call is watched when there is a `batch_timeout`; a worker
+        The worker survives anything a call raises (see `batchkit.usercode`: a
+        `SystemExit` or `KeyboardInterrupt` reaches the callers as a
+        `BatchInterrupted`). A call is watched when there is a `batch_timeout`; a worker
         abandoned by the watchdog stops after its late call returns.
         """
         core, fn, watchdog = self.core, self.fn, self.watchdog
@@ -229,36 +269,37 @@ class ThreadDriver:
                 if watchdog is not None:
                     with self.cond:
                         watchdog.call_started_locked(worker)
-                try:
-                    outcome = True, fn(argument)
-                except BaseException as exc:  # noqa: BLE001 - the worker must survive anything
-                    outcome = False, contained(exc, core.name)
-                finally:
-                    if watchdog is not None:
-                        with self.cond:
-                            watchdog.call_ended_locked(worker)
+                outcome = run(fn, argument, core.name, "the batch function")  # never raises
+                if watchdog is not None:
+                    with self.cond:
+                        watchdog.call_ended_locked(worker)
                 del argument
                 if worker.abandoned:
                     steps.close()
                     return BatchRun(batch.requests, core.options)  # (dropped unread)
         except StopIteration as done:
-            run: BatchRun = done.value
-            return run
+            finished: BatchRun = done.value
+            return finished
 
     # -- shutdown ------------------------------------------------------------
     def close(self, timeout: float | None = None) -> None:
         """Stop accepting, serve what is queued and running; after `timeout`, fail the rest.
 
-        Waits for the worker threads to exit when everything was served.
+        Waits for the worker threads to exit when everything was served. Called from
+        inside the function (on one of its workers), it returns at once: what is
+        queued and running, the calling batch too, is served after it returns.
 
         Args:
             timeout: Seconds to wait; then whatever is unanswered fails with
-                `BatcherClosed`. None waits for everything.
+                `BatcherClosed`. None waits for everything. (Unused from inside the
+                function.)
         """
         core = self.core
         with self.cond:
             core.close_locked()
             self.cond.notify_all()
+            if getattr(self._on_worker, "serving", False):
+                return  # waiting here would wait for this very call
             finished = self.cond.wait_for(lambda: core.drained, timeout)
             if not finished:
                 core.fail_all_locked(core.closed_error())
@@ -269,6 +310,15 @@ class ThreadDriver:
                 if worker.thread is not None and worker.thread is not threading.current_thread():
                     worker.thread.join()
         self.timer.join()
+
+    def close_nowait(self) -> None:
+        """Stop accepting and return at once: what is queued and running is served,
+        then the workers exit (and the timer, once nothing runs)."""
+        with self.cond:
+            self.core.close_locked()
+            if not self.workers:  # none started: nothing to serve, nobody to stop it
+                self.timer.stop_locked()
+            self.cond.notify_all()
 
     async def aclose(self, timeout: float | None = None) -> None:
         """`close` without blocking the event loop (it runs in the loop's executor).

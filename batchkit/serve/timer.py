@@ -11,10 +11,13 @@ starts with the first time set, sleeps until the earliest one, and exits on
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Hashable
 
 from batchkit.serve.options import Clock
+
+log = logging.getLogger("batchkit")
 
 
 class Timer:
@@ -43,16 +46,23 @@ class Timer:
             key: What the callback is for (a worker's call, a pass of the driver).
             at: When, on the clock.
             callback: Called under the lock, on the timer's thread. Nothing is
-                set once the timer is stopped.
+                set once the timer is stopped. When the thread cannot start
+                (`can't start new thread`) it is logged, and nothing is called back
+                until a later `set_locked` starts it (a batch runs unwatched meanwhile).
         """
         if self._stopped:
             return  # (closed: nothing is called any more)
         self._due[key] = (at, callback)
         if self._thread is None:
-            self._thread = threading.Thread(
+            thread = threading.Thread(
                 target=self._run, name=f"batchkit-{self._name}-timer", daemon=True
             )
-            self._thread.start()
+            try:
+                thread.start()
+            except RuntimeError:  # can't start new thread: nothing is called back yet
+                log.exception("batchkit: %s: the timer thread could not start", self._name)
+                return  # (what is set stays due: the next set_locked tries again)
+            self._thread = thread
         self.cond.notify()
 
     def cancel_locked(self, key: Hashable) -> None:

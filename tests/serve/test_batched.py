@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import math
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -160,7 +163,8 @@ def test_function_error_fails_exactly_its_batch() -> None:
         gate.set()
         with pytest.raises(RuntimeError) as info:
             futs["bad"].result(5)
-        assert info.value is boom  # the function's own exception, not a wrapper
+        # The function's own exception (each caller raises its own copy), not a wrapper.
+        assert type(info.value) is RuntimeError and info.value.args == ("boom",)
         with pytest.raises(RuntimeError):
             futs["a"].result(5)
         assert futs["b"].result(5) == "B1" and futs["c"].result(5) == "C1"
@@ -623,6 +627,7 @@ BAD_TIMEOUTS = [
     (float("nan"), ValueError),
     (-1.0, ValueError),
     (-math.inf, ValueError),
+    (1e300, ValueError),  # longer than threading.TIMEOUT_MAX: a wait would overflow
     ("1", TypeError),
     (True, TypeError),
     ([1], TypeError),
@@ -753,3 +758,51 @@ def test_a_batched_function_not_at_module_level_refuses_to_pickle_saying_what_to
     local = batchkit.batched(max_batch_size=4)(model)  # model's own name is not it
     with pytest.raises(pickle.PicklingError, match="module-level name.*Define it with @batched"):
         pickle.dumps(local)
+
+
+# -- a dropped function closes ----------------------------------------------------------
+DROPPED = """
+import asyncio, gc, threading, time, weakref
+import batchkit
+
+def made_at_run_time(is_async):
+    held = bytearray(10)  # what the closure keeps alive
+
+    if is_async:
+        async def model(xs):
+            return [len(held) + x for x in xs]
+    else:
+        def model(xs):
+            return [len(held) + x for x in xs]
+
+    f = batchkit.batched(max_batch_size=2, max_wait_ms=1)(model)
+    if is_async:
+        assert asyncio.run(f.acall(1)) == 11
+    else:
+        assert f(1) == 11
+    return weakref.ref(f), weakref.ref(model)
+
+for is_async in (False, True):
+    f, model = made_at_run_time(is_async)
+    gc.collect()
+    assert f() is None  # the wrapper is collected...
+    deadline = time.monotonic() + 10
+    # ...then its workers exit, and the function they held (with its closure) is freed.
+    while model() is not None or any(t.name.startswith("batchkit-") for t in threading.enumerate()):
+        assert time.monotonic() < deadline, model() and gc.get_referrers(model())
+        time.sleep(0.01)
+        gc.collect()
+print("served")
+"""
+
+
+def test_a_dropped_function_stops_its_workers_and_frees_its_closure() -> None:
+    # In a child: the test run's own functions and threads must not count.
+    root = Path(__file__).resolve().parents[2]
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", DROPPED], cwd=root, capture_output=True, text=True, timeout=60
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("the child hung")
+    assert done.returncode == 0 and done.stdout.strip() == "served", done.stderr[-3000:]

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -17,7 +18,14 @@ import numpy as np
 import pytest
 
 import batchkit
-from batchkit import BatcherClosed, BucketedBatcher, DynamicBatcher, RequestTimeout, StaticBatcher
+from batchkit import (
+    BatcherClosed,
+    BatchTimeout,
+    BucketedBatcher,
+    DynamicBatcher,
+    RequestTimeout,
+    StaticBatcher,
+)
 from tests.serve._wait import wait_until
 
 
@@ -112,8 +120,6 @@ def test_oom_caps_are_per_bucket() -> None:
     items = ["ab"] * 8 + ["abcdefg"] * 8
     assert f.map(items) == items
     assert f.stats().effective_max_batch_size == {"1": 2}  # the long bucket only
-
-
 
 
 def test_isolate_errors_fails_only_the_poison_items_with_bounded_calls() -> None:
@@ -389,3 +395,160 @@ def test_a_forked_child_serves_with_fresh_workers() -> None:
         timeout=30,  # a hang in the child fails here
     )
     assert done.returncode == 0, done.stderr
+
+
+# -- each thread caller of a failed batch raises its own exception ---------------------
+class Unbuildable(Exception):
+    """An exception its own constructor cannot rebuild from `args`."""
+
+    def __init__(self, message: str, *, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["call", "stream"])
+def test_thread_callers_of_a_failed_batch_each_raise_their_own_exception(streaming) -> None:
+    cause = KeyError("the cause")
+    running = threading.Event()
+    release = threading.Event()
+
+    def failing(xs):
+        if xs == ["first"]:  # holds the worker while "a" and "b" queue behind it
+            running.set()
+            release.wait(30)
+            return xs
+        try:
+            raise cause
+        except KeyError as exc:
+            error = ValueError("the batch failed")
+            error.add_note("a note")
+            raise error from exc
+
+    def failing_stream(xs):
+        yield failing(xs)
+
+    f = batchkit.batched(max_batch_size=2, max_wait_ms=60_000)(
+        failing_stream if streaming else failing
+    )
+    errors: dict[str, BaseException] = {}
+
+    def caller_a() -> None:
+        try:
+            next(iter(f.stream("a"))) if streaming else f("a")
+        except ValueError as exc:
+            errors["a"] = exc
+
+    def caller_b() -> None:
+        try:
+            next(iter(f.stream("b"))) if streaming else f("b")
+        except ValueError as exc:
+            errors["b"] = exc
+
+    first = threading.Thread(target=lambda: list(f.stream("first")) if streaming else f("first"))
+    first.start()
+    assert running.wait(30)
+    threads = [threading.Thread(target=caller_a), threading.Thread(target=caller_b)]
+    for t in threads:
+        t.start()
+    wait_until(lambda: f.stats().queue_depth == 2)  # one batch of both, once released
+    release.set()
+    for t in [first, *threads]:
+        t.join(30)
+    f.close()
+    a, b = errors["a"], errors["b"]
+    assert a is not b
+    for mine, other in ((a, "caller_b"), (b, "caller_a")):
+        frames = [frame.name for frame in traceback.extract_tb(mine.__traceback__)]
+        assert "failing" in frames and other not in frames, frames
+        assert mine.__cause__ is cause and mine.__notes__ == ["a note"]
+        assert str(mine) == "the batch failed"
+
+
+def test_an_error_that_cannot_be_copied_is_raised_as_it_is() -> None:
+    error = Unbuildable("no copy", code=7)
+
+    @batchkit.batched(max_batch_size=2, max_wait_ms=1)
+    def failing(xs):
+        raise error
+
+    with pytest.raises(Unbuildable) as raised:
+        failing("a")
+    assert raised.value is error and raised.value.code == 7
+    failing.close()
+
+
+# -- a thread that cannot start --------------------------------------------------------
+def within(seconds: float, call):
+    """`call()` on a daemon thread; fail the test if it has not returned in `seconds`
+    (a hang then fails fast, and the thread does not keep the test run alive)."""
+    outcome: list = []
+
+    def run() -> None:
+        try:
+            outcome.append((True, call()))
+        except BaseException as exc:  # noqa: BLE001 - handed to the test's thread
+            outcome.append((False, exc))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert outcome, f"{call} did not return within {seconds}s"
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value
+
+
+def refuse_threads(monkeypatch, named: str) -> None:
+    """Make `Thread.start` raise as an exhausted process does, for threads whose name
+    contains `named`."""
+    real_start = threading.Thread.start
+
+    def start(self: threading.Thread) -> None:
+        if named in self.name:
+            raise RuntimeError("can't start new thread")
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+
+
+def test_a_worker_that_cannot_start_fails_its_requests_and_a_later_call_starts_one(
+    monkeypatch,
+) -> None:
+    f = batchkit.batched(max_batch_size=4, max_wait_ms=1)(lambda xs: [x * 2 for x in xs])
+    refuse_threads(monkeypatch, "batchkit-")
+    with pytest.raises(BatcherClosed, match="could not start a worker thread") as info:
+        within(10, lambda: f(1))
+    assert isinstance(info.value.__cause__, RuntimeError)
+    with pytest.raises(BatcherClosed):
+        within(10, lambda: f.map([2, 3]))
+    with pytest.raises(BatcherClosed):
+        within(10, lambda: asyncio.run(f.acall(4)))
+    assert f.stats().queue_depth == 0  # nothing stays queued
+    monkeypatch.undo()
+    assert within(10, lambda: f(5)) == 10  # this call starts a worker
+    assert within(10, lambda: asyncio.run(f.acall(6))) == 12
+    f.close()
+
+
+def test_a_timer_thread_that_cannot_start_is_tried_again_and_serving_goes_on(
+    monkeypatch, caplog
+) -> None:
+    release = threading.Event()
+
+    def model(xs):
+        if -1 in xs:
+            release.wait(30)
+        return [x * 2 for x in xs]
+
+    f = batchkit.batched(max_batch_size=1, max_wait_ms=0, batch_timeout=0.2)(model)
+    refuse_threads(monkeypatch, "-timer")
+    with caplog.at_level("ERROR", logger="batchkit"):
+        assert within(10, lambda: f(1)) == 2  # served, unwatched
+    assert "the timer thread could not start" in caplog.text
+    monkeypatch.undo()
+    with pytest.raises(BatchTimeout):  # the next call starts the timer: it is watched
+        within(10, lambda: f(-1))
+    release.set()
+    assert within(10, lambda: f(3)) == 6
+    f.close()

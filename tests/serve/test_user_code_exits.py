@@ -1,7 +1,8 @@
 """A `SystemExit` or `KeyboardInterrupt` from the user's own code around a batch
 (`collate`, `split`, an async batch function, a streaming `collate`, closing a
-streaming generator, the `on_oom` hook) reaches the callers it concerns as a
-`BatchInterrupted` caused by it; their event loop goes on, and so does the worker.
+streaming generator, the `on_oom` hook, a listener, `key` and `group`) reaches the
+callers it concerns as a `BatchInterrupted` caused by it; their event loop goes on,
+and so does the worker.
 
 Each case runs in a child process with a timeout: passed on as it is, the exit would
 stop the callers' loop (or the test run itself, for a `KeyboardInterrupt`), and a
@@ -140,6 +141,67 @@ for RAISED in EXITS:
 print("served")
 """
 
+KEY = """
+RAISED = None
+
+def pick(x):
+    if x == "bad":
+        raise RAISED
+    return len(x)
+
+policy = batchkit.DynamicBatcher(max_batch_size=4, max_wait_ms=1, **{WHERE: pick})
+f = batchkit.batched(batcher=policy)(lambda xs: [x.upper() for x in xs])
+
+@batchkit.batched(batcher=policy)
+async def af(xs):
+    return [x.upper() for x in xs]
+
+async def main(g):
+    error = await first_of(g.acall("bad"))  # raised in the caller's task: its loop goes on
+    interrupted(error, RAISED)
+    assert await g.acall("good") == "GOOD"
+
+for RAISED in EXITS:
+    asyncio.run(main(f))
+    asyncio.run(main(af))
+    try:
+        f("bad")
+    except BatchInterrupted as error:
+        interrupted(error, RAISED)
+    assert f("fine") == "FINE"
+    try:  # offline too: the caller's own loop over the batches
+        list(policy.batches(["ok", "bad"]))
+    except BatchInterrupted as error:
+        interrupted(error, RAISED)
+print("served")
+"""
+
+LISTENER = """
+class Exiting:
+    def on_batch(self, event):
+        raise RAISED
+
+    def on_drop(self, event):
+        raise RAISED
+
+f = batchkit.batched(max_batch_size=4, max_wait_ms=1)(lambda xs: [x * 2 for x in xs])
+
+@batchkit.batched(max_batch_size=4, max_wait_ms=1)
+async def af(xs):
+    return [x * 2 for x in xs]
+
+async def main(g):
+    assert await g.acall(1) == 2  # the listener's exit is logged...
+    assert await g.acall(2) == 4  # ...and the worker (or the loop) serves on
+
+for RAISED in EXITS:
+    for g in (f, af):
+        g.add_listener(Exiting())
+        asyncio.run(main(g))
+    assert f(3) == 6 and f(4) == 8
+print("served")
+"""
+
 
 def run_child(body: str, **names: object) -> None:
     settings = "".join(f"{name} = {value!r}\n" for name, value in names.items())
@@ -179,3 +241,12 @@ def test_an_exit_while_closing_a_left_stream_generator_does_not_kill_the_worker(
 
 def test_an_exit_from_the_on_oom_hook_is_logged_and_the_split_retry_runs() -> None:
     run_child(OOM)
+
+
+@pytest.mark.parametrize("where", ["key", "group"])
+def test_an_exit_from_key_or_group_reaches_its_caller_as_interrupted(where: str) -> None:
+    run_child(KEY, WHERE=where)
+
+
+def test_an_exit_from_a_listener_is_logged_and_serving_goes_on() -> None:
+    run_child(LISTENER)
