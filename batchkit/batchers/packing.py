@@ -187,7 +187,15 @@ class PackingBatcher(Batcher):
         order = sorted(range(len(keys)), key=lambda i: -keys[i])  # stable: ties in order
         batches: list[list[int]] = []
         open_: list[int] = []  # batches that may still take an item
+        zeros: list[int] | None = None  # the open batch of zero keys, without a size limit
         for i in order:
+            if keys[i] == 0 and not self.size_limited:
+                # As the sums' path: they cost nothing, so they go among themselves, at
+                # most max_tokens to a batch (as many as the online scheduler takes).
+                if zeros is None or len(zeros) >= self.max_batch_size:
+                    batches.append(zeros := [])
+                zeros.append(i)
+                continue
             best, best_cost = -1, -1.0
             for b in open_:
                 members = batches[b]

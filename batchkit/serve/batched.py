@@ -16,7 +16,6 @@ from collections.abc import AsyncIterator, Callable, Hashable, Iterable, Iterato
 from typing import Any, Generic, Literal, Protocol, TypeVar, overload
 
 from batchkit.batchers.base import Batcher
-from batchkit.batchers.dynamic import DynamicBatcher
 from batchkit.serve import callers
 from batchkit.serve.core import ServingCore
 from batchkit.serve.event_loop import LoopDriver
@@ -29,6 +28,7 @@ from batchkit.serve.options import (
     SettingsChange,
     check_serving_options,
     oom_recovery,
+    policy_of,
 )
 from batchkit.serve.stats import Stats
 from batchkit.serve.threads import ThreadDriver
@@ -734,22 +734,7 @@ def batched(
             `max_groups_per_batch` that is not a whole number >= 1 or is given
             without `group`.
     """
-    if batcher is not None and (max_batch_size is not None or max_wait_ms is not None):
-        raise ValueError("pass max_batch_size/max_wait_ms to the batcher, not to @batched")
-    if batcher is not None and (group is not None or max_groups_per_batch is not None):
-        raise ValueError(
-            "pass group/max_groups_per_batch to the batcher (every policy takes them), "
-            "not to @batched"
-        )
-    if batcher is None:
-        batcher = DynamicBatcher(
-            32 if max_batch_size is None else max_batch_size,
-            5.0 if max_wait_ms is None else max_wait_ms,
-            group=group,
-            max_groups_per_batch=max_groups_per_batch,
-        )
-    elif not isinstance(batcher, Batcher):
-        raise TypeError(f"batcher must be a batchkit Batcher, got {type(batcher).__name__}")
+    batcher = policy_of(batcher, max_batch_size, max_wait_ms, group, max_groups_per_batch)
     check_serving_options(
         max_queue_size,
         max_concurrent_batches,

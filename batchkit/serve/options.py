@@ -15,12 +15,13 @@ import copy
 import math
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from batchkit.batchers.base import Batcher
 from batchkit.batchers.checks import check_flag, duration, is_real_number, positive_count, wait_ms
+from batchkit.batchers.dynamic import DynamicBatcher
 
 Clock = Callable[[], float]
 
@@ -150,6 +151,39 @@ def oom_recovery(
         if not (isinstance(t, type) and issubclass(t, BaseException)):
             raise TypeError(f"oom_errors must hold exception types, got {t!r}")
     return OomRecovery(enabled=len(oom_errors) > 0, extra_types=tuple(oom_errors), on_oom=hook)
+
+
+def policy_of(
+    batcher: Batcher | None,
+    max_batch_size: int | None,
+    max_wait_ms: float | None,
+    group: Callable[[Any], Hashable] | None,
+    max_groups_per_batch: int | None,
+) -> Batcher:
+    """`@batched`'s policy: `batcher`, or the default `DynamicBatcher` of the sizes,
+    wait and group given to the decorator (which then go nowhere else).
+
+    Raises:
+        ValueError: `batcher` and any of the others, which belong to the batcher.
+        TypeError: `batcher` is not a batchkit `Batcher`.
+    """
+    if batcher is None:
+        return DynamicBatcher(
+            32 if max_batch_size is None else max_batch_size,
+            5.0 if max_wait_ms is None else max_wait_ms,
+            group=group,
+            max_groups_per_batch=max_groups_per_batch,
+        )
+    if max_batch_size is not None or max_wait_ms is not None:
+        raise ValueError("pass max_batch_size/max_wait_ms to the batcher, not to @batched")
+    if group is not None or max_groups_per_batch is not None:
+        raise ValueError(
+            "pass group/max_groups_per_batch to the batcher (every policy takes them), "
+            "not to @batched"
+        )
+    if not isinstance(batcher, Batcher):
+        raise TypeError(f"batcher must be a batchkit Batcher, got {type(batcher).__name__}")
+    return batcher
 
 
 def check_serving_options(

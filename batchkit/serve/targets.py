@@ -547,12 +547,7 @@ class LatencyTarget:
                 the requests expected to join it before it leaves (see
                 `_joined_seconds`). None replays what waits alone.
         """
-        queues = self._waiting(buckets, reqs[0].priority if reqs else math.inf)
-        fresh_from = {}  # where the new requests begin, at the back of their queues
-        for name, new in by_bucket(reqs).items():
-            queue = queues.setdefault(name, [])
-            fresh_from[name] = len(queue)
-            queue.extend(new)
+        queues, fresh_from = self._queues(buckets, reqs)
         at = dict.fromkeys(queues, 0)  # each queue's front
         slots = sorted(slots_free_at)
         finish, cut = -math.inf, False
@@ -593,6 +588,20 @@ class LatencyTarget:
             if i == len(queue):
                 del queues[name]
         return Plan(finish, dropped, cut)
+
+    @classmethod
+    def _queues(
+        cls, buckets: Mapping[Hashable, Bucket], reqs: Sequence[Request]
+    ) -> tuple[dict[Hashable, list[Request]], dict[Hashable, int]]:
+        """What a replay serves: each bucket's waiting requests served before `reqs`,
+        then `reqs` at the back of theirs; and where they begin in each queue."""
+        queues = cls._waiting(buckets, reqs[0].priority if reqs else math.inf)
+        fresh_from = {}
+        for name, new in by_bucket(reqs).items():
+            queue = queues.setdefault(name, [])
+            fresh_from[name] = len(queue)
+            queue.extend(new)
+        return queues, fresh_from
 
     @staticmethod
     def _waiting(

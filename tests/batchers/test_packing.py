@@ -56,6 +56,15 @@ def test_another_cost_or_a_size_limit_is_kept_too(
     _check_packed(PackingBatcher(max_tokens=budget * budget, cost=squares), lengths)
 
 
+@pytest.mark.parametrize("cost", ["padded", squares])
+def test_zero_length_items_go_at_most_max_tokens_to_a_batch_under_any_cost(cost: object) -> None:
+    # Without a size limit, zero-cost items share batches of at most max_tokens items,
+    # as with the default "sum" cost (a batch of 3 empty items once left max_tokens=2).
+    policy = PackingBatcher(max_tokens=2, cost=cost)  # type: ignore[arg-type]
+    batches = list(policy.batches(_items([0, 0, 0, 5, 1])))
+    assert [b.indices for b in batches] == [[3], [4], [0, 1], [2]]
+
+
 def test_best_fit_takes_the_tightest_batch() -> None:
     # 5 -> A (room 3); 4 -> B (room 4); 3 -> A, tightest (room 0); 3 -> B (room 1);
     # 2, 2 -> C; 1 -> B, the tightest with room
