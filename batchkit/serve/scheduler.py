@@ -5,6 +5,8 @@ caller, so its behaviour is tested deterministically with a fake clock.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
@@ -95,6 +97,11 @@ class Scheduler:
         self._queue_limit = float("inf") if max_queue_size is None else max_queue_size
         self.max_concurrent_batches = max_concurrent_batches
         self.buckets: dict[Hashable, Bucket] = {}
+        # With groups, each bucket's head as it was when pushed, (priority, seq, tie,
+        # name), oldest first: when every bucket is ready, the oldest head goes, found
+        # without asking every bucket (see `_oldest_head`).
+        self._heads: list[tuple[int, int, int, Hashable]] = []
+        self._pushes = itertools.count()
         self._placed = 0  # waiting requests (each in its bucket)
         self.in_flight = 0
         self._closing = False
@@ -214,6 +221,8 @@ class Scheduler:
         if bucket is None:
             bucket = self.buckets[req.bucket] = Bucket(self.policy.max_tokens is not None)
         bucket.append(req)
+        if self.grouped and bucket.head() is req:
+            heapq.heappush(self._heads, (req.priority, req.seq, next(self._pushes), req.bucket))
         self._placed += 1
         if self.target is not None:
             self.target.set_deadline(req, probe)
@@ -253,6 +262,17 @@ class Scheduler:
         """These waiting requests left the queue (taken, dropped or failed; their
         bucket already knows): count them out, and tell who waits for room."""
         self._placed -= len(reqs)
+        for name in {req.bucket: None for req in reqs} if self.grouped else ():
+            bucket = self.buckets.get(name)
+            if bucket is None:
+                continue
+            head = bucket.head() if bucket.live else None
+            if head is not None:  # (its head may have left: `_oldest_head` finds it)
+                heapq.heappush(self._heads, (head.priority, head.seq, next(self._pushes), name))
+            else:
+                # Groups come and go (one per caller, say): a bucket left empty is
+                # forgotten, or memory would grow with the groups ever seen.
+                del self.buckets[name]
         if self.on_room is not None:
             self.on_room()
 
@@ -326,8 +346,18 @@ class Scheduler:
             return None, drop_at, dropped
         if self._placed == 0:
             return None, None, dropped
-        if self.grouped:
-            self._forget_empty_groups()
+        every_bucket_ready = self._closing or (
+            self.policy.dispatch_when_idle and not self.in_flight
+        )
+        if self.grouped and every_bucket_ready:
+            # The oldest head goes, for the first rule that fires: with a bucket per
+            # group, asking every bucket would make each pass cost as many groups.
+            name, bucket = self._oldest_head()
+            limit = self._limit(name) if self.caps.active else self.policy.max_batch_size
+            for rule in self._rules:  # (idle or closing fires, if nothing before it)
+                due = rule.due(bucket, limit, self.in_flight, now)
+                if due is not None and now >= due:
+                    return self._take(name, bucket, rule.reason, now, dropped)
         best: tuple[int, int] | None = None  # (priority, seq) of the head served first
         chosen: tuple[Hashable, Bucket, DispatchReason] | None = None
         wake_at: float | None = None
@@ -446,13 +476,22 @@ class Scheduler:
         self.running[id(batch)] = batch
         return batch, None, dropped
 
-    def _forget_empty_groups(self) -> None:
-        """Drop the buckets with nothing waiting: with a policy `group`, each group has
-        buckets of its own, and groups come and go (one per caller, say), so keeping
-        every bucket ever seen would make every pass walk them all."""
-        empty = [name for name, bucket in self.buckets.items() if bucket.live == 0]
-        for name in empty:
-            del self.buckets[name]
+    def _oldest_head(self) -> tuple[Hashable, Bucket]:
+        """The bucket whose head (best priority, then earliest arrival) goes first.
+
+        A bucket's head is pushed when it arrives first, and again whenever requests
+        leave the bucket; an entry whose request is no longer its bucket's head is
+        stale, dropped when it comes up. Call while requests wait.
+        """
+        heads = self._heads
+        while True:
+            priority, seq, _, name = heads[0]
+            bucket = self.buckets.get(name)
+            head = None if bucket is None or not bucket.live else bucket.head()
+            if head is not None and head.priority == priority and head.seq == seq:
+                assert bucket is not None
+                return name, bucket
+            heapq.heappop(heads)
 
     def _other_groups_candidates(self, name: GroupedBucket, have: int) -> list[Request]:
         """Under `max_groups_per_batch` > 1: the waiting requests of the next oldest

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass, field
@@ -12,6 +13,8 @@ from typing import TYPE_CHECKING
 from batchkit.percentiles import SAMPLE_WINDOW, Percentiles
 from batchkit.serve.dispatch.rule import DispatchReason
 from batchkit.serve.targets import LearnedLatency
+
+GROUPS_KEPT = 1024  # groups `Stats.groups` keeps, the most recently used
 
 if TYPE_CHECKING:
     from batchkit.serve.request import Request
@@ -97,7 +100,8 @@ class Stats:
             could no longer be answered within `max_latency_ms`.
         groups: With `group` (see `@batched`), per group: its requests,
             batches and queue waits ([`GroupStats`][batchkit.serve.GroupStats]);
-            empty without `group`.
+            empty without `group`. At most the 1024 most recently used groups are
+            kept (a `RuntimeWarning` the first time one is forgotten).
         latency_model: Under `max_latency_ms`, the learned batch-time model; None
             without a target, or until enough batches have run.
     """
@@ -247,6 +251,7 @@ class StatsRecorder:
     overloaded: int = 0
     shed: int = 0
     groups: dict[Hashable, _GroupCounts] = field(default_factory=dict)
+    groups_forgotten: int = 0  # groups dropped from `groups`, least recently used first
 
     def record_group_request(self, group: Hashable) -> None:
         """A request of `group` was admitted (grouped functions only).
@@ -254,10 +259,27 @@ class StatsRecorder:
         Args:
             group: Its group.
         """
-        counts = self.groups.get(group)
+        self._group_counts(group).requests += 1
+
+    def _group_counts(self, group: Hashable) -> _GroupCounts:
+        """`group`'s counts, now the most recently used; past `GROUPS_KEPT` groups the
+        least recently used one is forgotten (warned about once)."""
+        counts = self.groups.pop(group, None)
         if counts is None:
-            counts = self.groups[group] = _GroupCounts()
-        counts.requests += 1
+            counts = _GroupCounts()
+            if len(self.groups) >= GROUPS_KEPT:
+                del self.groups[next(iter(self.groups))]
+                if not self.groups_forgotten:
+                    warnings.warn(
+                        f"more than {GROUPS_KEPT} groups: stats().groups keeps the "
+                        f"{GROUPS_KEPT} most recently used (and so do the per-group metrics); "
+                        "a group per caller or per item is better left out of group=",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
+                self.groups_forgotten += 1
+        self.groups[group] = counts
+        return counts
 
     def record_batch(
         self, requests: list[Request], reason: DispatchReason, padded: int, now: float
@@ -284,7 +306,7 @@ class StatsRecorder:
     def _record_groups(self, requests: list[Request], now: float) -> None:
         seen: set[Hashable] = set()
         for req in requests:
-            counts = self.groups[req.group]
+            counts = self._group_counts(req.group)
             counts.queue_wait.append(now - req.enqueued_at)
             if req.group not in seen:
                 seen.add(req.group)

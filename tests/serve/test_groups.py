@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 import batchkit
 from batchkit import DynamicBatcher
+from batchkit.serve.buckets import Bucket
 from batchkit.serve.request import Request, new_request
 from batchkit.serve.scheduler import Scheduler, group_bucket
 from tests.serve._passes import poll
@@ -119,6 +120,37 @@ def test_groups_that_come_and_go_leave_no_bucket_behind() -> None:
     batch, _ = poll(sched, now)
     assert batch is not None and batch.requests == [late]
     assert len(sched.buckets) <= 2
+
+
+@pytest.mark.filterwarnings("ignore:more than .* groups")
+@pytest.mark.parametrize("groups", [500, 4000])
+def test_many_groups_waiting_at_once_cost_each_pass_a_few_bucket_reads(
+    groups: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One request per group, all waiting at once, served one batch at a time. A pass
+    # that asked every waiting group's bucket made the whole run quadratic: 8,000
+    # groups took 36 s. Now each pass reads a few buckets, however many groups wait.
+    sched = Scheduler(DynamicBatcher(4, max_wait_ms=1000, group=by_task))
+    reqs = [add(sched, (g, 0), 0.0) for g in range(groups)]
+    reads = 0
+    head = Bucket.head
+
+    def counted(bucket: Bucket) -> Request | None:
+        nonlocal reads
+        reads += 1
+        return head(bucket)
+
+    monkeypatch.setattr(Bucket, "head", counted)
+    served = []
+    now = 0.0
+    while sched.num_waiting:
+        batch, _ = poll(sched, now)
+        assert batch is not None
+        served += batch.requests
+        now += 0.001
+        sched.finish(batch, now)
+    assert served == reqs  # the oldest group first, each alone
+    assert reads <= 4 * groups
 
 
 def test_group_stats_count_each_groups_requests_batches_and_waits() -> None:
@@ -295,3 +327,17 @@ def test_asyncio_groups_with_cancellation_lose_and_duplicate_nothing(
         assert result == item[1]
         assert item in ran
     assert all(len(groups_of(b)) <= limit for b in batches)
+
+
+def test_group_stats_keep_the_most_recent_groups_and_warn_once() -> None:
+    from batchkit.serve.stats import GROUPS_KEPT
+
+    sched = Scheduler(DynamicBatcher(4, max_wait_ms=1000, group=by_task))
+    with pytest.warns(RuntimeWarning, match=f"more than {GROUPS_KEPT} groups") as warned:
+        for g in range(GROUPS_KEPT + 10):
+            add(sched, (g, 0), 0.0)
+    assert len(warned) == 1
+    groups = sched.stats.groups
+    assert len(groups) == GROUPS_KEPT and set(groups) == set(range(10, GROUPS_KEPT + 10))
+    batch, _ = poll(sched, 0.0)  # the oldest groups' requests, though forgotten: counted again
+    assert batch is not None and len(sched.stats.groups) == GROUPS_KEPT
