@@ -29,7 +29,9 @@ def test_loop_callers_meet_withdrawals_and_settings_from_other_threads() -> None
 
     def change_settings() -> None:  # takes the lock, as admissions from the loop do
         size = 4
-        while not done.is_set():
+        # (A pause between changes: Python's locks are not fair, and a thread retaking
+        # the lock at once could starve the loop's thread on a busy machine.)
+        while not done.wait(0.0005):
             double.configure(max_batch_size=size)
             double.stats()
             size = 12 - size
