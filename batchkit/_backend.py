@@ -114,13 +114,11 @@ def is_array(x: object) -> bool:
     Args:
         x: Any value.
     """
-    if isinstance(x, np.ndarray):
+    if isinstance(x, np.ndarray) or is_tensor(x):
         return True
-    # Plain types first: collators ask this of every value of every feature dict.
+    # Plain types before the namespace lookup: collators ask this of every value.
     if isinstance(x, (int, float, str, list, tuple, bytes, np.generic)) or x is None:
         return False
-    if is_tensor(x):
-        return True
     return hasattr(x, "__array_namespace__") or (
         "array_api_compat" in sys.modules and _compat().is_array_api_obj(x)
     )
