@@ -8,7 +8,7 @@ import weakref
 from collections.abc import Callable
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from batchkit.generate import ContinuousBatcher, SeqStatus, Sequence, StepBatch, StepScheduler
@@ -308,6 +308,7 @@ def test_an_urgent_request_admitted_into_a_later_row_is_listed_in_row_order() ->
     ),
     st.booleans(),
 )
+@example(requests=[(0, 12, 6, 0)], paged=True)
 def test_every_batch_lists_its_sequences_in_row_order(
     requests: list[tuple[int, int, int, int]], paged: bool
 ) -> None:
@@ -317,8 +318,14 @@ def test_every_batch_lists_its_sequences_in_row_order(
     alloc = BlockAllocator(8, 2, prefix_caching=True) if paged else None
     sched = make(max_num_seqs=3, budget=8, allocator=alloc, cap=4)
     model: Callable[[StepBatch], list[int | None]] = PagedToy(8, 2) if paged else SlottedToy()
+    # paged: every request must fit the pool alone (16 KV slots; the last token needs none)
     seqs = [
-        Sequence(i, [1 + (i + j) % 5 for j in range(length)], max_new_tokens=new, priority=p)
+        Sequence(
+            i,
+            [1 + (i + j) % 5 for j in range(length)],
+            max_new_tokens=min(new, 17 - length) if paged else new,
+            priority=p,
+        )
         for i, (_, length, new, p) in enumerate(requests)
     ]
     arrivals = sorted(zip((r[0] for r in requests), seqs), key=lambda a: a[0])
