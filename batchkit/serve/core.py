@@ -37,7 +37,7 @@ from batchkit.serve.options import (
     reconfigured,
 )
 from batchkit.serve.request import DONE, RUNNING, Request, deliver, new_request, resolve_on_loop
-from batchkit.serve.scheduler import FormedBatch, Scheduler, group_bucket
+from batchkit.serve.scheduler import Admission, FormedBatch, Scheduler, group_bucket
 from batchkit.serve.stats import Stats
 from batchkit.usercode import contained
 
@@ -208,13 +208,7 @@ class ServingCore:
             if self.check_loop is not None:
                 self.check_loop(req.loop)
             req.enqueued_at = self.clock()
-            self._shed_too_late_locked(req.enqueued_at)
-            try:
-                self.sched.add(req)
-            except QueueFull as refused:
-                self.dropped(_refusal_reason(refused), 1)
-                raise
-            self.wake()
+            self._admitted_locked(self.sched.add(req), 1)
 
     def submit_many(self, reqs: Sequence[Request]) -> None:
         """Enqueue several requests atomically: all of them, or none.
@@ -237,13 +231,16 @@ class ServingCore:
             now = self.clock()
             for req in reqs:
                 req.enqueued_at = now
-            self._shed_too_late_locked(now)
-            try:
-                self.sched.add_all(reqs)
-            except QueueFull as refused:
-                self.dropped(_refusal_reason(refused), len(reqs))
-                raise
-            self.wake()
+            self._admitted_locked(self.sched.add_all(reqs), len(reqs))
+
+    def _admitted_locked(self, admission: Admission, count: int) -> None:
+        """Answer what the admission dropped; raise its refusal, or wake the driver."""
+        if admission.dropped:
+            self._answer_dropped_locked(admission.dropped)
+        if admission.refused is not None:
+            self.dropped(_refusal_reason(admission.refused), count)
+            raise admission.refused
+        self.wake()
 
     def _admit_if_room_locked(self, req: Request) -> bool:
         limit = self.sched.max_queue_size
@@ -291,14 +288,6 @@ class ServingCore:
         if dropped:
             self._answer_dropped_locked(dropped)
         return wake_at
-
-    def _shed_too_late_locked(self, now: float) -> None:
-        """Before an admission: answer what waits and can no longer be in time (no
-        scheduling pass runs while every slot is busy, and the new request is then
-        planned without them)."""
-        shed = self.sched.shed_too_late(now)
-        if shed:
-            self._answer_dropped_locked(shed)
 
     def _answer_dropped_locked(self, dropped: Sequence[Request]) -> None:
         """Answer waiting requests the scheduler dropped (their error set): too late

@@ -22,6 +22,21 @@ from batchkit.serve.targets import LatencyTarget
 
 
 @dataclass(slots=True)
+class Admission:
+    """What `Scheduler.add` decided.
+
+    Attributes:
+        refused: Why the requests were not admitted (`QueueFull`, or its subclass
+            `Overloaded`); None when they wait now.
+        dropped: The waiting requests dropped as too late on the way (their error,
+            `Overloaded`, set), for the caller to answer.
+    """
+
+    refused: QueueFull | None
+    dropped: list[Request]
+
+
+@dataclass(slots=True)
 class FormedBatch:
     """Requests chosen to run together, and why they left.
 
@@ -170,48 +185,56 @@ class Scheduler:
         """Requests waiting to run."""
         return self._placed
 
-    def add(self, req: Request) -> None:
-        """Enqueue a request (it gets the next arrival number, `seq`).
+    def add(self, req: Request) -> Admission:
+        """Admit a request (it gets the next arrival number, `seq`), or refuse it.
+
+        The waiting requests that a latency target can no longer answer in time are
+        dropped first (see `_drop_too_late`), so the newcomer is planned without them.
 
         Args:
-            req: A waiting request, its key, bucket and priority set.
+            req: A waiting request, its key, bucket, priority and admission time set.
 
-        Raises:
-            QueueFull: `max_queue_size` requests already wait; the request is not
-                enqueued (and counted as rejected).
-            Overloaded: Under a latency target, it is predicted to be answered too
-                late; it is not enqueued (and counted as overloaded).
+        Returns:
+            What was decided: the refusal, if any (`QueueFull`: `max_queue_size`
+            requests already wait, counted as rejected; its subclass `Overloaded`:
+            under a latency target, predicted to be answered too late, counted as
+            overloaded), and the waiting requests dropped on the way, for the caller
+            to answer.
         """
-        if self._placed >= self._queue_limit:
-            self.stats.rejected += 1
-            raise QueueFull(
-                f"{self._placed} requests are waiting (max_queue_size={self.max_queue_size})"
-            )
-        probe = self.target is not None and self._check_latency([req])
-        self._enqueue(req, probe)
+        return self._admit([req], many=False)
 
-    def add_all(self, reqs: Sequence[Request]) -> None:
-        """Enqueue several requests of one caller (one priority): all of them, or none.
+    def add_all(self, reqs: Sequence[Request]) -> Admission:
+        """Admit several requests of one caller (one priority, one admission time): all
+        of them, or none (see `add`).
 
         Args:
             reqs: Waiting requests, their key, bucket, priority and admission time set.
 
-        Raises:
-            QueueFull: They do not all fit under `max_queue_size` (counted as
-                rejected).
-            Overloaded: Under a latency target, the last of them is predicted to be
-                answered too late (counted as overloaded).
+        Returns:
+            What was decided, as `add`'s: they are refused together when they do not
+            all fit under `max_queue_size`, or when the last of them is predicted to
+            be answered too late.
         """
-        limit = self.max_queue_size
-        if limit is not None and self._placed + len(reqs) > limit:
+        return self._admit(reqs, many=True)
+
+    def _admit(self, reqs: Sequence[Request], *, many: bool) -> Admission:
+        if not reqs:
+            return Admission(None, [])
+        dropped = self._drop_too_late(reqs[0].enqueued_at)
+        if self._placed + len(reqs) > self._queue_limit:
             self.stats.rejected += len(reqs)
-            raise QueueFull(
-                f"{len(reqs)} items do not fit: {self._placed} requests are "
-                f"waiting (max_queue_size={limit})"
-            )
-        probe = self.target is not None and bool(reqs) and self._check_latency(reqs)
+            what = f"{len(reqs)} items do not fit: " if many else ""
+            full = f"{self._placed} requests are waiting (max_queue_size={self.max_queue_size})"
+            return Admission(QueueFull(what + full), dropped)
+        probe = False
+        if self.target is not None:
+            try:
+                probe = self._check_latency(reqs)
+            except Overloaded as refused:
+                return Admission(refused, dropped)
         for req in reqs:
             self._enqueue(req, probe)
+        return Admission(None, dropped)
 
     def _enqueue(self, req: Request, probe: bool = False) -> None:
         self.stats.requests = req.seq = self.stats.requests + 1  # seq: arrival order
@@ -338,7 +361,7 @@ class Scheduler:
             raised (counted as failed; `wake_at` is then `now`: look again).
         """
         target = self._predicting_target()
-        dropped: Sequence[Request] = () if target is None else self.shed_too_late(now)
+        dropped: Sequence[Request] = () if target is None else self._drop_too_late(now)
         if self.in_flight >= self.max_concurrent_batches:
             # No batch can leave; under a target, look again when the next waiting
             # request becomes hopeless, to tell it then (not when a long batch ends).
@@ -387,19 +410,13 @@ class Scheduler:
             return None, wake_at, dropped
         return self._take(*chosen, now, dropped)
 
-    def shed_too_late(self, now: float) -> list[Request]:
+    def _drop_too_late(self, now: float) -> list[Request]:
         """Drop the waiting requests a latency target can no longer answer in time (see
-        `LatencyTarget.too_late`); `decide` does so first, and admission may call it
-        while every slot is busy (no pass runs then, and a request that became hopeless
-        behind a long batch would otherwise be told only when the batch ends).
-
-        Args:
-            now: The current time.
-
-        Returns:
-            The dropped requests, their error (`Overloaded`) set, counted as shed, for
-            the caller to answer; none without a target, or while its model learns.
-        """
+        `LatencyTarget.too_late`): each pass and each admission does so first (while
+        every slot is busy no batch leaves, and a request that became hopeless behind a
+        long batch would otherwise be told only when the batch ends). Returns them,
+        their error (`Overloaded`) set, counted as shed; none without a target, or
+        while its model learns."""
         target = self._predicting_target()
         if target is None:
             return []

@@ -18,7 +18,7 @@ from batchkit import DynamicBatcher
 from batchkit.serve.buckets import Bucket
 from batchkit.serve.request import Request, new_request
 from batchkit.serve.scheduler import Scheduler, group_bucket
-from tests.serve._passes import poll
+from tests.serve._passes import admit, poll
 
 
 def by_task(item: tuple[Hashable, int]) -> Hashable:
@@ -30,7 +30,7 @@ def add(sched: Scheduler, item: tuple[Hashable, int], now: float, priority: int 
     key = policy.key_of(item)
     group = policy.group_of(item)
     req = new_request(item, key, group_bucket(policy, key, group), priority, None, None, now, group)
-    sched.add(req)
+    admit(sched, req)
     return req
 
 

@@ -34,7 +34,7 @@ from batchkit.serve.events import DropEvent
 from batchkit.serve.request import DROPPED, WAITING, Request, new_request
 from batchkit.serve.scheduler import FormedBatch, Scheduler
 from batchkit.serve.stats import DispatchReason
-from tests.serve._passes import poll
+from tests.serve._passes import admit, poll
 from tests.serve._wait import wait_until
 
 TARGET = 0.105
@@ -50,7 +50,7 @@ def device(n: int) -> float:
 def add(sched: Scheduler, now: float, priority: int = 0) -> Request:
     req = new_request(len(sched.running), 0.0, None, priority)
     req.enqueued_at = now
-    sched.add(req)
+    admit(sched, req)
     return req
 
 
@@ -123,19 +123,19 @@ def test_a_request_that_would_make_an_earlier_one_late_goes_in_the_next_batch() 
     waiting = [add(sched, now) for _ in range(32)]  # two full batches: until 52 and 78 ms
     first = add(sched, now)  # the fourth batch's first, its deadline 102.9 ms
     waiting += [first] + [add(sched, now + 0.010) for _ in range(13)]  # until 102 ms
+    end = now + device(16)
+    sched.finish(running, end)
+    batch, _ = poll(sched, end)  # the second leaves at 26 ms, before the next arrival
     # In the fourth batch it would end it at 103 ms, past the first's deadline; in
     # the fifth, full, at 128 ms, before its own (132.9 ms): admitted, for the fifth.
     later = add(sched, now + 0.030)
     assert later.state == WAITING
     answered: dict[int, float] = {}
-    end = now + device(16)
-    sched.finish(running, end)
-    while sched.num_waiting:
-        batch, _ = poll(sched, end)
-        assert batch is not None
+    while batch is not None:
         end += device(len(batch.requests))
         sched.finish(batch, end)
         answered.update((id(req), end) for req in batch.requests)
+        batch, _ = poll(sched, end) if sched.num_waiting else (None, None)
     for req in [*waiting, later]:
         assert answered[id(req)] <= req.deadline + 1e-9
     assert answered[id(first)] == pytest.approx(now + 0.102)
@@ -162,7 +162,7 @@ def test_requests_of_other_buckets_count_as_batches_of_their_own() -> None:
         for _ in range(n):
             req = new_request(0, 30.0, policy.bucket_of(30.0), 0)
             req.enqueued_at = now
-            sched.add(req)
+            admit(sched, req)
         batch, _ = poll(sched, now)
         assert batch is not None and len(batch.requests) == n
         now += exact_device(policy, batch)
@@ -172,11 +172,11 @@ def test_requests_of_other_buckets_count_as_batches_of_their_own() -> None:
         for _ in range(3):
             req = new_request(0, key, policy.bucket_of(key), 0)
             req.enqueued_at = now
-            sched.add(req)
+            admit(sched, req)
     newcomer = new_request(0, 30.0, policy.bucket_of(30.0), 0)
     newcomer.enqueued_at = now
     with pytest.raises(Overloaded) as refused:
-        sched.add(newcomer)
+        admit(sched, newcomer)
     assert refused.value.predicted_s > 5 * 0.012  # five batches of a few items
     assert sched.num_waiting == 12
 
@@ -375,9 +375,9 @@ def run_traffic(
             req = make_request(i)
             req.enqueued_at = now
             i += 1
-            try:
-                sched.add(req)
-            except Overloaded:
+            admission = sched.add(req)
+            settle(admission.dropped, "shed")
+            if admission.refused is not None:
                 settle([req], "refused")
         while True:
             batch, wake_at, dropped = sched.decide(now)
@@ -905,7 +905,7 @@ def bucket_taught(policy: BucketedBatcher, target: float) -> tuple[Scheduler, fl
         for _ in range(n):
             req = new_request(0, key, policy.bucket_of(key), 0)
             req.enqueued_at = now
-            sched.add(req)
+            admit(sched, req)
             reqs.append(req)
         batch, _ = poll(sched, now)
         assert batch is not None and batch.requests == reqs
@@ -937,7 +937,7 @@ def test_the_buckets_turns_are_planned_as_the_scheduler_then_serves_them(
         req = new_request(0, float(key), policy.bucket_of(float(key)), 0)
         req.enqueued_at = at
         with contextlib.suppress(Overloaded):  # (a refused one does not wait)
-            sched.add(req)
+            admit(sched, req)
     new = new_request(0, float(newcomer), policy.bucket_of(float(newcomer)), 0)
     new.enqueued_at = now
     new.seq = sched.stats.requests + 1  # (the seq add() gives it)
@@ -1069,7 +1069,7 @@ def test_a_stall_drops_the_requests_the_buckets_turns_now_make_late_at_once() ->
 def add_keyed(sched: Scheduler, policy: BucketedBatcher, key: float, now: float) -> Request:
     req = new_request(0, key, policy.bucket_of(key), 0)
     req.enqueued_at = now
-    sched.add(req)
+    admit(sched, req)
     return req
 
 
