@@ -99,7 +99,7 @@ def call(core: ServingCore, item: Any, priority: int, timeout: float | None) -> 
         left = _left(core, timeout, started)
     if not req.wait(left):
         assert timeout is not None
-        if core.give_up(req, core.timeout_error(timeout), timed_out=True):
+        if core.give_up(req, core.answers.timeout_error(timeout), timed_out=True):
             raise req.error  # type: ignore[misc]
         req.wait(None)  # it started running: its result is on the way
     return req.outcome()
@@ -142,7 +142,7 @@ def call_many(
         if not req.wait(_left(core, timeout, started)):
             assert timeout is not None
             for late in reqs[i:]:
-                core.give_up(late, core.timeout_error(timeout), timed_out=True)
+                core.give_up(late, core.answers.timeout_error(timeout), timed_out=True)
             timeout = None
             req.wait(None)  # answered now: by the timeout, or by its running batch
     return [req.outcome() for req in reqs]
@@ -167,7 +167,7 @@ def _withdraw_and_raise(
     for req in reqs:
         core.give_up(req, error, timed_out=timed_out)
     if timed_out and timeout is not None:
-        raise core.timeout_error(timeout) from None
+        raise core.answers.timeout_error(timeout) from None
     raise error
 
 
@@ -265,7 +265,7 @@ def _withdraw_cancelled(core: ServingCore, req: Request) -> None:
 
 
 def _expire(core: ServingCore, req: Request, timeout: float) -> None:
-    core.give_up(req, core.timeout_error(timeout), timed_out=True)
+    core.give_up(req, core.answers.timeout_error(timeout), timed_out=True)
 
 
 # -- streams ----------------------------------------------------------------------------
@@ -318,7 +318,7 @@ class ThreadStream(Iterator[Any]):
         message = self._channel.get(left)
         if message is None:  # the timeout passed first
             assert self._timeout is not None
-            error = self._core.timeout_error(self._timeout)
+            error = self._core.answers.timeout_error(self._timeout)
             if self._core.give_up(self._req, error, timed_out=True):
                 self._open = False
                 raise error
@@ -400,7 +400,7 @@ class LoopStream(AsyncIterator[Any]):
             return await asyncio.wait_for(self._channel.get(), left)
         except asyncio.TimeoutError:
             assert self._timeout is not None
-            error = core.timeout_error(self._timeout)
+            error = core.answers.timeout_error(self._timeout)
             if core.give_up(self._req, error, timed_out=True):
                 self._open = False
                 raise error from None
