@@ -162,7 +162,7 @@ class Answers:
         Args:
             error: What every unanswered caller gets.
         """
-        failed = self.sched.drop_all()
+        failed = self.sched.waiting.withdraw_all()
         self.sched.stats.closed += len(failed)
         self.report_drop("closed", len(failed))
         for req in failed:

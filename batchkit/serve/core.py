@@ -259,7 +259,7 @@ class ServingCore:
             True if it was withdrawn; False if it already started (it runs on).
         """
         with self.lock:
-            if not self.sched.drop(req):
+            if not self.sched.waiting.withdraw(req):
                 return False
             if timed_out:
                 self.sched.stats.timeouts += 1

@@ -558,7 +558,7 @@ class LatencyTarget:
             if queues:  # the bucket whose front came first forms its batch
                 name = min(queues, key=lambda n: (queues[n][at[n]].priority, queues[n][at[n]].seq))
                 queue, i = queues[name], at[name]
-                i += self.overdue(queue[i : i + 4 * max_batch_size], start, max_batch_size)
+                i += self.late_at_front(queue[i : i + 4 * max_batch_size], start, max_batch_size)
                 dropped += queue[at[name] : i]
                 at[name] = i
             late = [r for r in dropped[dropped_before:] if r in reqs]
@@ -658,7 +658,7 @@ class LatencyTarget:
             size = min(size, max(1, int(budget // per_item)) if per_item > 0 else size)
         return self.batch_seconds(batch, size)
 
-    def overdue(self, front: Sequence[Request], start: float, max_batch_size: int) -> int:
+    def late_at_front(self, front: Sequence[Request], start: float, max_batch_size: int) -> int:
         """How many of a bucket's first waiting requests to drop so that a full batch
         leaving at `start` is in time: none unless a full batch waits behind them.
 

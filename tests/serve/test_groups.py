@@ -119,7 +119,7 @@ def test_groups_that_come_and_go_leave_no_bucket_behind() -> None:
     late = add(sched, ("late", 0), now)
     batch, _ = poll(sched, now)
     assert batch is not None and batch.requests == [late]
-    assert len(sched.buckets) <= 2
+    assert len(sched.waiting.buckets) <= 2
 
 
 @pytest.mark.filterwarnings("ignore:more than .* groups")

@@ -158,11 +158,11 @@ def test_drop_removes_waiting_only() -> None:
     sched = Scheduler(DynamicBatcher(4, max_wait_ms=0))
     a = add(sched, "a", 0.0)
     b = add(sched, "b", 0.0)
-    assert sched.drop(a)
-    assert not sched.drop(a)
+    assert sched.waiting.withdraw(a)
+    assert not sched.waiting.withdraw(a)
     batch, _ = poll(sched, 0.0)
     assert batch is not None and batch.requests == [b]
-    assert not sched.drop(b)  # running
+    assert not sched.waiting.withdraw(b)  # running
     assert a.state == DROPPED and b.state == RUNNING
 
 
@@ -302,7 +302,7 @@ def test_batches_are_the_service_order_heads_with_drops(
             assert sched.num_waiting == len(waiting)
         elif op == "drop" and added:
             req = added[n % len(added)]
-            assert sched.drop(req) == (req in waiting)
+            assert sched.waiting.withdraw(req) == (req in waiting)
             if req in waiting:
                 waiting.remove(req)
         elif op == "poll":

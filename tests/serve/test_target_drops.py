@@ -93,14 +93,14 @@ def test_the_oldest_are_dropped_when_a_full_batch_behind_them_would_be_in_time()
     # A full batch leaving at 0.080 ends at 0.106, past the old ones' deadline: cut
     # for them it would make every request behind later still, so they go instead.
     front = bucket.candidates(4 * MAX_BATCH)
-    assert front[: target.overdue(front, 0.080, MAX_BATCH)] == old
+    assert front[: target.late_at_front(front, 0.080, MAX_BATCH)] == old
 
 
 def test_nothing_is_dropped_from_the_front_with_no_full_batch_behind_it() -> None:
     target = taught_target()
     bucket = Bucket(track_max_key=False)
     reqs = waiting(target, bucket, 2, at=0.0) + waiting(target, bucket, 4, at=0.080)
-    assert target.overdue(bucket.candidates(4 * MAX_BATCH), 0.080, MAX_BATCH) == 0
+    assert target.late_at_front(bucket.candidates(4 * MAX_BATCH), 0.080, MAX_BATCH) == 0
     assert bucket.candidates(None) == reqs
 
 
