@@ -91,11 +91,11 @@ def call(core: ServingCore, item: Any, priority: int, timeout: float | None) -> 
     timeout = checked_timeout(timeout)
     req = core.make_request(item, priority, None)
     left = timeout
-    if core.admission is None:
+    if core.backpressure is None:
         core.submit(req)  # at once: the timeout is all still left
     else:
         started = _started(core, timeout)
-        core.admission.submit(req, timeout)  # may wait for room
+        core.backpressure.submit(req, timeout)  # may wait for room
         left = _left(core, timeout, started)
     if not req.wait(left):
         assert timeout is not None
@@ -130,10 +130,10 @@ def call_many(
     # Every item's timeout runs from this call, as if each were called alone now (a
     # blocked enqueue included): at the deadline, items not yet started are withdrawn.
     started = _started(core, timeout)
-    if core.admission is not None:
+    if core.backpressure is not None:
         for i, req in enumerate(reqs):
             try:
-                core.admission.submit(req, _left(core, timeout, started))
+                core.backpressure.submit(req, _left(core, timeout, started))
             except BaseException as exc:
                 _withdraw_and_raise(core, reqs[:i], exc, timeout)
     else:
@@ -193,11 +193,11 @@ async def acall(core: ServingCore, item: Any, priority: int, timeout: float | No
     """
     timeout = checked_timeout(timeout)
     req = core.make_request(item, priority, asyncio.get_running_loop())
-    if core.admission is None:
+    if core.backpressure is None:
         core.submit(req)  # at once: the timeout is all still left
     else:
         started = _started(core, timeout)
-        await core.admission.asubmit(req, timeout)  # may wait for room
+        await core.backpressure.asubmit(req, timeout)  # may wait for room
         timeout = _left(core, timeout, started)
     return await await_request(core, req, timeout)
 
@@ -211,10 +211,10 @@ async def amap(
     loop = asyncio.get_running_loop()
     reqs = [core.make_request(x, priority, loop) for x in items]
     started = _started(core, timeout)
-    if core.admission is not None:
+    if core.backpressure is not None:
         for i, req in enumerate(reqs):
             try:
-                await core.admission.asubmit(req, _left(core, timeout, started))
+                await core.backpressure.asubmit(req, _left(core, timeout, started))
             except BaseException as exc:
                 _withdraw_and_raise(core, reqs[:i], exc, timeout)
     else:
@@ -302,8 +302,8 @@ class ThreadStream(Iterator[Any]):
         self._timeout = timeout
         self._started = _started(core, timeout)
         self._open = False
-        if core.admission is not None:
-            core.admission.submit(self._req, timeout)
+        if core.backpressure is not None:
+            core.backpressure.submit(self._req, timeout)
         else:
             core.submit(self._req)
         self._open = True
@@ -362,7 +362,7 @@ class LoopStream(AsyncIterator[Any]):
         self._timeout = timeout
         self._started = _started(core, timeout)
         self._open = False
-        self._queued = core.admission is None
+        self._queued = core.backpressure is None
         if self._queued:
             core.submit(self._req)
         self._open = True
@@ -390,8 +390,8 @@ class LoopStream(AsyncIterator[Any]):
     async def _next_message(self) -> Message:
         core = self._core
         if not self._queued:
-            assert core.admission is not None
-            await core.admission.asubmit(self._req, self._timeout)
+            assert core.backpressure is not None
+            await core.backpressure.asubmit(self._req, self._timeout)
             self._queued = True
         left = _left(core, self._timeout, self._started)
         if left is None:
@@ -415,7 +415,7 @@ class LoopStream(AsyncIterator[Any]):
     def _leave(self) -> None:
         if self._open:
             self._open = False
-            if self._queued:  # (a blocked admission never queued it)
+            if self._queued:  # (a caller blocked on a full queue never queued it)
                 self._core.leave(self._req)
 
     def __del__(self) -> None:

@@ -23,8 +23,8 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from batchkit.errors import BatcherClosed, Overloaded, QueueFull, RequestTimeout
-from batchkit.serve.admission import BlockingAdmission
 from batchkit.serve.answers import Answers
+from batchkit.serve.backpressure import Backpressure
 from batchkit.serve.caps import SizeCaps
 from batchkit.serve.channels import Channel
 from batchkit.serve.events import DropReason
@@ -114,10 +114,10 @@ class ServingCore:
         self.driver = driver
         # Re-entrant: listeners run under it and may call f.stats() or remove themselves.
         self.lock = threading.RLock()
-        self.admission: BlockingAdmission | None = None  # when_full="block"
+        self.backpressure: Backpressure | None = None  # when_full="block"
         if options.when_full == "block":
-            self.admission = BlockingAdmission(
-                self.lock, self._admit_if_room_locked, self._gave_up_waiting_locked, self.clock
+            self.backpressure = Backpressure(
+                self.lock, self._enqueue_if_room_locked, self._gave_up_waiting_locked, self.clock
             )
         self.caps = SizeCaps()  # taught after each batch (answers), read by the scheduler
         self.sched = Scheduler(
@@ -126,7 +126,7 @@ class ServingCore:
             max_concurrent_batches=options.max_concurrent_batches,
             max_latency_s=options.max_latency_s,
             caps=self.caps,
-            on_room=None if self.admission is None else self._room_freed_locked,
+            on_room=None if self.backpressure is None else self._room_freed_locked,
         )
         self.answers = Answers(self.lock, self.sched, self.caps, options, name, self.clock)
         self.readings = Readings(self.lock, self.sched, self.caps)
@@ -182,7 +182,7 @@ class ServingCore:
 
     def submit(self, req: Request) -> None:
         """Enqueue a request, under the lock, from a thread or an event loop alike
-        (re-entrant: a blocked admission calls it holding the lock already).
+        (re-entrant: backpressure calls it holding the lock already).
 
         Args:
             req: A request from `make_request`.
@@ -230,7 +230,7 @@ class ServingCore:
             raise admission.refused
         self.driver.wake_locked()
 
-    def _admit_if_room_locked(self, req: Request) -> bool:
+    def _enqueue_if_room_locked(self, req: Request) -> bool:
         limit = self.sched.max_queue_size
         if not self.closed and limit is not None and self.sched.num_waiting >= limit:
             return False
@@ -239,8 +239,8 @@ class ServingCore:
 
     def _room_freed_locked(self) -> None:
         limit = self.sched.max_queue_size
-        if self.admission is not None:
-            self.admission.room_freed(None if limit is None else limit - self.sched.num_waiting)
+        if self.backpressure is not None:
+            self.backpressure.room_freed(None if limit is None else limit - self.sched.num_waiting)
 
     def _gave_up_waiting_locked(self, timeout: float) -> RequestTimeout:
         self.sched.stats.timeouts += 1
@@ -343,8 +343,8 @@ class ServingCore:
         """Under the lock: accept nothing more; serve what waits (batches leave at once)."""
         self.closed = True
         self.sched.close()
-        if self.admission is not None:
-            self.admission.waiters.wake_all()  # blocked callers see BatcherClosed
+        if self.backpressure is not None:
+            self.backpressure.waiters.wake_all()  # blocked callers see BatcherClosed
 
     def fail_all_locked(self, error: BaseException) -> None:
         """Under the lock: answer every waiting and running request with `error`, and
@@ -356,8 +356,8 @@ class ServingCore:
             error: What every unanswered caller gets.
         """
         self.answers.fail_all_locked(error)
-        if self.admission is not None:
-            self.admission.waiters.wake_all()
+        if self.backpressure is not None:
+            self.backpressure.waiters.wake_all()
 
     # -- live settings ------------------------------------------------------------
     def configure(self, changes: SettingsChange) -> Settings:

@@ -60,7 +60,7 @@ ANSWER_RESERVE = 0.02
 MAX_PROBE_INTERVAL_S = 1.0
 
 WINDOW = 8 * HALF_LIFE  # older batches weigh under 0.4% in the fit: not kept
-# A wake-up this long after a request's latest hopeful start finds it surely hopeless
+# A wake-up this long after a request's latest hopeful start finds it surely too late
 # (a start at exactly that time plus its batch's time may round to its deadline).
 _ROUNDING_S = 1e-6
 
@@ -554,7 +554,7 @@ class LatencyTarget:
         dropped: list[Request] = []
         while queues:
             start, dropped_before = slots[0], len(dropped)
-            self._drop_hopeless_fronts(queues, at, start, dropped)
+            self._drop_late_fronts(queues, at, start, dropped)
             if queues:  # the bucket whose front came first forms its batch
                 name = min(queues, key=lambda n: (queues[n][at[n]].priority, queues[n][at[n]].seq))
                 queue, i = queues[name], at[name]
@@ -615,7 +615,7 @@ class LatencyTarget:
                 queues[name] = queue
         return queues
 
-    def _drop_hopeless_fronts(
+    def _drop_late_fronts(
         self,
         queues: dict[Hashable, list[Request]],
         at: dict[Hashable, int],
@@ -697,18 +697,20 @@ class LatencyTarget:
             The dropped requests, their error set.
         """
         start = min(slots_free_at)
-        shed: list[Request] = []
+        late: list[Request] = []
         for bucket in buckets.values():
             if bucket.live:
-                shed += bucket.shed_fronts(lambda r: start + self.batch_seconds([r]) > r.deadline)
+                late += bucket.drop_late_fronts(
+                    lambda r: start + self.batch_seconds([r]) > r.deadline
+                )
         if self._slipped or self._running_late(running_ends, now):
             self._slipped = False
-            late = self.plan(buckets, (), slots_free_at, max_batch_size, None).dropped
-            for name, reqs in by_bucket(late).items():
+            planned = self.plan(buckets, (), slots_free_at, max_batch_size, None).dropped
+            for name, reqs in by_bucket(planned).items():
                 buckets[name].drop_waiting(reqs)
-            shed += late
-        self.set_errors(shed, start)
-        return shed
+            late += planned
+        self.set_errors(late, start)
+        return late
 
     def _running_late(self, running_ends: Sequence[float | None], now: float) -> bool:
         """Whether a running batch is past its predicted end (looked at again at most
@@ -721,7 +723,7 @@ class LatencyTarget:
         return False
 
     def next_drop_at(self, buckets: Mapping[Hashable, Bucket]) -> float | None:
-        """When the next waiting request becomes hopeless if no slot frees first: the
+        """When the next waiting request becomes too late if no slot frees first: the
         earliest, over the buckets' heads, of its deadline less its own batch's time.
         None when nothing waits with a deadline.
 

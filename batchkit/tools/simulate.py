@@ -6,7 +6,7 @@ forms "runs" for the latency model's time of its padded size and the cost of its
 keys (`a + b * size + c * cost`). Nothing sleeps, so 100k requests take a second or
 two, and the same seed gives the same numbers. With `keys` (each request's length)
 a token budget cuts the batches as online, by the policy's `cost`; with
-`max_latency_ms` the scheduler refuses and sheds what would be late, as online, and
+`max_latency_ms` the scheduler refuses and drops what would be late, as online, and
 the result counts them and the goodput.
 
 With `groups` (each request's group: drawn from a count or weights, or a trace's

@@ -104,7 +104,7 @@ def test_nothing_is_dropped_from_the_front_with_no_full_batch_behind_it() -> Non
     assert bucket.candidates(None) == reqs
 
 
-def test_the_next_drop_is_when_the_soonest_head_becomes_hopeless() -> None:
+def test_the_next_drop_is_when_the_soonest_head_becomes_too_late() -> None:
     target = taught_target()
     old, young = Bucket(track_max_key=False), Bucket(track_max_key=False)
     assert target.next_drop_at({None: old}) is None  # nothing waits

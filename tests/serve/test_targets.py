@@ -198,7 +198,7 @@ def test_decide_returns_the_requests_it_sheds_with_their_error() -> None:
     assert stuck is not None
     waiting = add(sched, now)
     batch, wake_at, dropped = sched.decide(now + 0.090)  # still in time
-    # Every slot busy: look again when it becomes hopeless (its deadline less its own
+    # Every slot busy: look again when it becomes too late (its deadline less its own
     # batch's time), to tell it then, not when the stuck batch ends.
     assert batch is None and not dropped
     assert wake_at == pytest.approx(now + PLANNED - device(1), abs=1e-5)
@@ -559,7 +559,7 @@ class StallingModel:
         self._release.set()
 
 
-def test_a_request_a_long_batch_makes_hopeless_is_told_at_the_next_arrival() -> None:
+def test_a_request_a_long_batch_makes_too_late_is_told_at_the_next_arrival() -> None:
     # No scheduling pass runs while every slot is busy; an arrival's admission sheds
     # what waits behind the running batch and can no longer be in time, so its caller
     # hears at once, not when the batch finally ends.
@@ -584,9 +584,9 @@ def test_a_request_a_long_batch_makes_hopeless_is_told_at_the_next_arrival() -> 
     assert model.f.stats().shed == 1
 
 
-def test_with_nobody_arriving_a_request_is_told_when_it_becomes_hopeless() -> None:
+def test_with_nobody_arriving_a_request_is_told_when_it_becomes_too_late() -> None:
     # While a batch runs long and nothing arrives, the event loop driver looks again
-    # when the waiting request could become hopeless (a timer on the loop, armed for
+    # when the waiting request could become too late (a timer on the loop, armed for
     # its deadline less its own batch's time), and tells it then.
     model = StallingModel()
 
@@ -595,7 +595,7 @@ def test_with_nobody_arriving_a_request_is_told_when_it_becomes_hopeless() -> No
         waiting = asyncio.ensure_future(model.f.acall(1))
         for _ in range(5):  # admitted, and a pass ran: its timer is due in about 92 ms
             await asyncio.sleep(0)
-        model.clock.advance(0.200)  # the batch still runs: the request is hopeless now
+        model.clock.advance(0.200)  # the batch still runs: the request is too late now
         await asyncio.wait({waiting}, timeout=1.0)  # the timer, not the batch, ends it
         assert waiting.done() and not running.done()
         with pytest.raises(Overloaded, match="dropped before it ran: waited 200.0 ms"):
@@ -608,10 +608,10 @@ def test_with_nobody_arriving_a_request_is_told_when_it_becomes_hopeless() -> No
     assert model.f.stats().shed == 1
 
 
-def test_with_nobody_arriving_a_sync_functions_caller_is_told_when_it_becomes_hopeless() -> None:
+def test_with_nobody_arriving_a_sync_functions_caller_is_told_when_it_becomes_too_late() -> None:
     # A sync function's one worker is inside the stalled batch, so no worker can look
     # again; the function's timer thread does, when the waiting request could become
-    # hopeless (armed at its admission), and tells it then.
+    # too late (armed at its admission), and tells it then.
     clock = FakeClock()
     stalled, release = threading.Event(), threading.Event()
 
@@ -630,7 +630,7 @@ def test_with_nobody_arriving_a_sync_functions_caller_is_told_when_it_becomes_ho
         assert stalled.wait(5.0)  # its batch runs, predicted to end in 11 ms
         waiting = pool.submit(f, 1)
         wait_until(lambda: f.stats().queue_depth == 1)  # admitted: in time so far
-        clock.advance(0.200)  # the batch still runs: the request is hopeless now
+        clock.advance(0.200)  # the batch still runs: the request is too late now
         with pytest.raises(Overloaded, match="dropped before it ran: waited 200.0 ms"):
             waiting.result(timeout=1.0)  # the timer, not the batch, ends it
         assert not running.done()

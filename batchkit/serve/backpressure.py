@@ -3,7 +3,7 @@ woken first-come-first-served as requests leave it.
 
 Thread callers wait on a lock, asyncio callers on a future of their own loop; a
 waiter that is woken retries its enqueue (and waits again if it lost a race). The
-serving core holds one `BlockingAdmission` and gives it the one thing it needs from
+serving core holds one `Backpressure` and gives it the one thing it needs from
 the core: a way to try an enqueue under the core's lock.
 """
 
@@ -19,7 +19,7 @@ from batchkit.errors import RequestTimeout
 from batchkit.serve.request import Request
 
 Waiter: TypeAlias = "threading.Lock | asyncio.Future[None]"  # a string: Lock is a factory
-TryAdmit = Callable[[Request], bool]
+TryEnqueue = Callable[[Request], bool]
 """Under the lock: enqueue the request and return True, or return False (no room); may
 raise (e.g. `BatcherClosed`)."""
 OnTimeout = Callable[[float], RequestTimeout]
@@ -99,12 +99,12 @@ def _resolve(fut: asyncio.Future[None]) -> None:
         fut.set_result(None)
 
 
-class BlockingAdmission:
+class Backpressure:
     """Callers wait for queue room (within their timeout) instead of getting `QueueFull`.
 
     Args:
         lock: The serving core's lock, taken around every enqueue attempt.
-        try_admit: Under the lock: enqueue a request and return True, or return
+        try_enqueue: Under the lock: enqueue a request and return True, or return
             False when there is no room.
         on_timeout: Under the lock: count a caller that gave up waiting, and make its
             error from its `timeout`.
@@ -114,14 +114,14 @@ class BlockingAdmission:
     def __init__(
         self,
         lock: threading.RLock,
-        try_admit: TryAdmit,
+        try_enqueue: TryEnqueue,
         on_timeout: OnTimeout,
         clock: Callable[[], float],
     ) -> None:
         self.lock = lock
         self.clock = clock  # deadlines are read on the batcher's clock (real waits)
         self.waiters = RoomWaiters()
-        self._try_admit = try_admit
+        self._try_enqueue = try_enqueue
         self._on_timeout = on_timeout
 
     def room_freed(self, free: int | None) -> None:
@@ -143,12 +143,12 @@ class BlockingAdmission:
 
         Raises:
             RequestTimeout: No room within `timeout` (made by `on_timeout`).
-            BatcherClosed: The function is closed (raised by `try_admit`).
+            BatcherClosed: The function is closed (raised by `try_enqueue`).
         """
         deadline = None if timeout is None else self.clock() + timeout
         while True:
             with self.lock:
-                if self._try_admit(req):
+                if self._try_enqueue(req):
                     return
                 waiter = self.waiters.add_thread()
             left = -1.0 if deadline is None else max(deadline - self.clock(), 0.0)
@@ -175,7 +175,7 @@ class BlockingAdmission:
         deadline = None if timeout is None else self.clock() + timeout
         while True:
             with self.lock:
-                if self._try_admit(req):
+                if self._try_enqueue(req):
                     return
                 fut = self.waiters.add_async(loop)
             left = None if deadline is None else max(deadline - self.clock(), 0.0)
