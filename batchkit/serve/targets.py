@@ -315,6 +315,82 @@ def _weighted_quantile(values: np.ndarray, weights: np.ndarray, q: float) -> flo
     return float(values[order][min(index, len(values) - 1)])
 
 
+class Probing:
+    """While admission refuses with nothing ahead (the model says even a lone request
+    would be late), one probe at a time is let in, at doubling intervals from the
+    target up to `MAX_PROBE_INTERVAL_S` (or the target, if longer), so that a device
+    that became fast again is noticed.
+
+    Args:
+        target_s: The latency target, in seconds (the first interval).
+    """
+
+    def __init__(self, target_s: float) -> None:
+        self.target_s = target_s
+        self.since: float | None = None  # refusing with nothing ahead since
+        self.probes = 0
+        self.pending = False  # a probe was let in, and no batch observed since
+        self._next_at = 0.0
+        self._interval = target_s
+
+    def refusing(self, now: float) -> bool:
+        """Admission refuses at `now` with nothing ahead: whether to let the request in
+        as a probe."""
+        self.since = self.since or now
+        if now < self._next_at:
+            return False
+        self.probes += 1
+        self.pending = True
+        self._next_at = now + self._interval
+        self._interval = min(2 * self._interval, max(MAX_PROBE_INTERVAL_S, self.target_s))
+        return True
+
+    def stop(self) -> None:
+        """Admission admits again, or the model was refuted: no longer refusing."""
+        self.since = None
+        self.probes = 0
+        self._next_at = 0.0
+        self._interval = self.target_s
+
+    def observed(self, in_time: bool) -> None:
+        """A batch ran as one clean call; one in time has the next probe go at once."""
+        if in_time:
+            self._next_at = 0.0
+            self._interval = self.target_s
+        self.pending = False
+
+
+class Departures:
+    """The requests that left each bucket over the last target (answered, refused or
+    dropped): what flows through a bucket, which a burst that still waits does not
+    inflate.
+
+    Args:
+        window_s: How far back requests count, in seconds (the target).
+    """
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self._left: deque[tuple[float, Hashable]] = deque()
+        self._by_bucket: dict[Hashable, int] = {}
+
+    def count(self, reqs: Sequence[Request], now: float) -> None:
+        """`reqs` left at `now`; forget those that left more than a window ago."""
+        left, by_bucket = self._left, self._by_bucket
+        for req in reqs:
+            left.append((now, req.bucket))
+            by_bucket[req.bucket] = by_bucket.get(req.bucket, 0) + 1
+        while left and left[0][0] < now - self.window_s:
+            _, bucket = left.popleft()
+            by_bucket[bucket] -= 1
+            if not by_bucket[bucket]:
+                del by_bucket[bucket]
+
+    def rate(self, bucket: Hashable) -> float:
+        """Requests per second that left `bucket` over the window."""
+        return self._by_bucket.get(bucket, 0) / self.window_s
+
+
 @dataclass(frozen=True)
 class Plan:
     """What a replay of the scheduler found (`LatencyTarget.plan`).
@@ -346,16 +422,10 @@ class LatencyTarget:
         self.reserve_s = target_s * ANSWER_RESERVE
         self.policy = policy
         self.learner = BatchTimeLearner()
-        self._refusing_since: float | None = None  # refusing with nothing ahead
-        self._next_probe_at = 0.0
-        self._probe_interval = target_s
-        self._probes = 0
-        self._probe_pending = False  # a probe was let in, and no batch observed since
-        # The requests that left over the last target (answered, refused or dropped):
-        # when, and their bucket; and how many each bucket had. At that rate requests
-        # join a bucket's next batch before it leaves.
-        self._left: deque[tuple[float, Hashable]] = deque()
-        self._left_by_bucket: dict[Hashable, int] = {}
+        self.probing = Probing(target_s)
+        # At the rate requests left a bucket, requests join its next batch before it
+        # leaves.
+        self.departures = Departures(target_s)
         # Predicted times by (padded size, cost), until the model learns again.
         self._times: dict[tuple[int, float], float] = {}
         self._slipped = False  # a batch ran past its predicted end
@@ -373,7 +443,7 @@ class LatencyTarget:
             target_s: The new target, in seconds.
             waiting: Every waiting request (their deadlines count from their admission).
         """
-        self.target_s = target_s
+        self.target_s = self.probing.target_s = self.departures.window_s = target_s
         self.reserve_s = target_s * ANSWER_RESERVE
         for req in waiting:
             self.set_deadline(req)
@@ -395,14 +465,15 @@ class LatencyTarget:
             return LearnedLatency(
                 0, 0, 0, 0, learner.samples, state="warming", refuted=learner.refuted
             )
-        if self._refusing_since is None:
+        probing = self.probing
+        if probing.since is None:
             state = "relearning" if learner.relearning else "serving"
             return dataclasses.replace(fit, state=state, refuted=learner.refuted)
         return dataclasses.replace(
             fit,
-            state="probing" if self._probe_pending else "refusing",
-            refusing_since=self._refusing_since,
-            probes=self._probes,
+            state="probing" if probing.pending else "refusing",
+            refusing_since=probing.since,
+            probes=probing.probes,
             refuted=learner.refuted,
         )
 
@@ -461,7 +532,7 @@ class LatencyTarget:
         """
         if not reqs or not self.ready:
             return False
-        self._count_left((), now)  # (forgets what left over a target ago)
+        self.departures.count((), now)  # (forgets what left over a target ago)
         plan = self.plan(buckets, reqs, slots_free_at, max_batch_size, joined_from=now)
         more_late = 0
         if plan.dropped:
@@ -469,19 +540,12 @@ class LatencyTarget:
             more_late = len(plan.dropped) - len(before.dropped)
         predicted = plan.finish + self.reserve_s - now
         if predicted <= self.target_s and more_late <= 0:
-            if self._refusing_since is not None:
-                self._stop_refusing()
+            if self.probing.since is not None:
+                self.probing.stop()
             return False
-        if idle and len(reqs) <= max_batch_size:
-            self._refusing_since = self._refusing_since or now
-            if now >= self._next_probe_at:
-                self._probes += 1
-                self._probe_pending = True
-                self._next_probe_at = now + self._probe_interval
-                cap = max(MAX_PROBE_INTERVAL_S, self.target_s)
-                self._probe_interval = min(2 * self._probe_interval, cap)
-                return True
-        self._count_left(reqs, now)
+        if idle and len(reqs) <= max_batch_size and self.probing.refusing(now):
+            return True
+        self.departures.count(reqs, now)
         if predicted <= self.target_s:
             why = f"it would make {more_late} request(s) admitted before it miss the target"
         elif plan.cut:
@@ -491,7 +555,8 @@ class LatencyTarget:
                 "admitted before it), over the target"
             )
         else:
-            ahead = sum(len(queue) for queue in self._waiting(buckets, reqs[0].priority).values())
+            queues, _ = self._queues(buckets, reqs)
+            ahead = sum(len(queue) for queue in queues.values()) - len(reqs)
             why = (
                 f"predicted {predicted * 1e3:.1f} ms to answer this request ({ahead} "
                 "requests ahead of it), over the target"
@@ -501,25 +566,6 @@ class LatencyTarget:
             predicted_s=predicted,
             target_s=self.target_s,
         )
-
-    def _count_left(self, reqs: Sequence[Request], now: float) -> None:
-        """`reqs` left at `now` (answered, refused or dropped); forget those that left
-        more than a target ago."""
-        left, by_bucket = self._left, self._left_by_bucket
-        for req in reqs:
-            left.append((now, req.bucket))
-            by_bucket[req.bucket] = by_bucket.get(req.bucket, 0) + 1
-        while left and left[0][0] < now - self.target_s:
-            _, bucket = left.popleft()
-            by_bucket[bucket] -= 1
-            if not by_bucket[bucket]:
-                del by_bucket[bucket]
-
-    def _stop_refusing(self) -> None:
-        self._refusing_since = None
-        self._probes = 0
-        self._next_probe_at = 0.0
-        self._probe_interval = self.target_s
 
     # -- the replay ------------------------------------------------------------------
     def plan(
@@ -589,31 +635,25 @@ class LatencyTarget:
                 del queues[name]
         return Plan(finish, dropped, cut)
 
-    @classmethod
+    @staticmethod
     def _queues(
-        cls, buckets: Mapping[Hashable, Bucket], reqs: Sequence[Request]
+        buckets: Mapping[Hashable, Bucket], reqs: Sequence[Request]
     ) -> tuple[dict[Hashable, list[Request]], dict[Hashable, int]]:
-        """What a replay serves: each bucket's waiting requests served before `reqs`,
-        then `reqs` at the back of theirs; and where they begin in each queue."""
-        queues = cls._waiting(buckets, reqs[0].priority if reqs else math.inf)
+        """What a replay serves: each bucket's waiting requests served before `reqs`
+        (of their priority or a more urgent one), then `reqs` at the back of theirs;
+        and where they begin in each queue."""
+        priority = reqs[0].priority if reqs else math.inf
+        queues = {}
+        for name, bucket in buckets.items():
+            queue = [r for r in bucket.candidates(None) if r.priority <= priority]
+            if queue:
+                queues[name] = queue
         fresh_from = {}
         for name, new in by_bucket(reqs).items():
             queue = queues.setdefault(name, [])
             fresh_from[name] = len(queue)
             queue.extend(new)
         return queues, fresh_from
-
-    @staticmethod
-    def _waiting(
-        buckets: Mapping[Hashable, Bucket], priority: float
-    ) -> dict[Hashable, list[Request]]:
-        """Each bucket's waiting requests of `priority` or more urgent, in service order."""
-        queues = {}
-        for name, bucket in buckets.items():
-            queue = [r for r in bucket.candidates(None) if r.priority <= priority]
-            if queue:
-                queues[name] = queue
-        return queues
 
     def _drop_late_fronts(
         self,
@@ -650,7 +690,7 @@ class LatencyTarget:
         budget). They are expected at the rate the bucket's requests left over the
         last target (answered, refused or dropped): what flows through it, which a
         burst that still waits does not inflate."""
-        rate = self._left_by_bucket.get(batch[0].bucket, 0) / self.target_s
+        rate = self.departures.rate(batch[0].bucket)
         size = min(len(batch) + round(rate * max(until, 0.0)), max_batch_size)
         budget = self.policy.max_tokens
         if budget is not None:
@@ -744,7 +784,7 @@ class LatencyTarget:
             dropped: Requests dropped while waiting.
             start: The earliest time their batch could have left.
         """
-        self._count_left(dropped, start)
+        self.departures.count(dropped, start)
         for req in dropped:
             run = self.batch_seconds([req])
             waited = start - req.enqueued_at
@@ -788,19 +828,16 @@ class LatencyTarget:
             now: When it ended.
             clean: It ran as one call that completed (its time teaches the model).
         """
-        self._count_left(requests, now)
+        self.departures.count(requests, now)
         if expected_end is not None and now > expected_end:
             self._slipped = True
         if not clean:
             return
-        if seconds + self.reserve_s <= self.target_s:  # in time: if refusing, probe again now
-            self._next_probe_at = 0.0
-            self._probe_interval = self.target_s
-        self._probe_pending = False
+        self.probing.observed(in_time=seconds + self.reserve_s <= self.target_s)
         refuted = self.learner.refuted
         keys = [r.key for r in requests]
         cost = 0.0 if self.policy.key is None else float(self.policy.cost.of(keys))
         self.learner.observe(padded_size, cost, seconds)
         self._times.clear()
         if self.learner.refuted > refuted:
-            self._stop_refusing()
+            self.probing.stop()
