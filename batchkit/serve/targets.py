@@ -198,9 +198,7 @@ class BatchTimeLearner:
         self._faster = self._faster + 1 if seconds * 1e3 * STALL_RATIO < fitted else 0
         if self._faster >= 2:  # (one fast batch is noise; two in a row, a faster device)
             self._fallback = self.snapshot()
-            kept = list(self._samples)[-2:]
-            self._samples.clear()
-            self._samples.extend(kept)
+            self._samples = deque(list(self._samples)[-2:], maxlen=WINDOW)
             self._fit = self._model = None
             self._recent.clear()
             self._over.clear()
@@ -468,10 +466,11 @@ class LatencyTarget:
         probing = self.probing
         if probing.since is None:
             state = "relearning" if learner.relearning else "serving"
-            return dataclasses.replace(fit, state=state, refuted=learner.refuted)
+        else:
+            state = "probing" if probing.pending else "refusing"
         return dataclasses.replace(
             fit,
-            state="probing" if probing.pending else "refusing",
+            state=state,
             refusing_since=probing.since,
             probes=probing.probes,
             refuted=learner.refuted,
