@@ -172,7 +172,7 @@ class Waiting:
             name: The bucket whose batch was formed.
             chosen: The batch's requests, all waiting.
         """
-        if any(req.bucket != name for req in chosen):
+        if self.grouped and any(req.bucket != name for req in chosen):
             for other, reqs in by_bucket(chosen).items():
                 self.buckets[other].take(reqs)
         else:

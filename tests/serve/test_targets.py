@@ -72,6 +72,17 @@ def taught(max_wait_ms: float = 5.0, max_concurrent_batches: int = 1) -> tuple[S
     return sched, now + 1.0
 
 
+def test_an_admission_first_drops_the_waiting_requests_no_longer_in_time() -> None:
+    sched, now = taught()
+    old = add(sched, now)  # no pass runs: it still waits when its deadline has passed
+    newcomer = new_request(1, 0.0, None, 0)
+    newcomer.enqueued_at = now + TARGET
+    admission = sched.add(newcomer)
+    assert admission.refused is None and admission.dropped == [old]
+    assert old.state == DROPPED and isinstance(old.error, Overloaded)
+    assert sched.stats.shed == 1 and sched.num_waiting == 1
+
+
 def test_everything_is_admitted_until_the_model_has_seen_enough_batches() -> None:
     sched = Scheduler(DynamicBatcher(16), max_latency_s=TARGET)
     for _ in range(1000):
