@@ -116,9 +116,7 @@ class ServingCore:
         self.lock = threading.RLock()
         self.backpressure: Backpressure | None = None  # when_full="block"
         if options.when_full == "block":
-            self.backpressure = Backpressure(
-                self.lock, self._enqueue_if_room_locked, self._gave_up_waiting_locked, self.clock
-            )
+            self.backpressure = Backpressure(self.lock, self, self.clock)
         self.caps = SizeCaps()  # taught after each batch (answers), read by the scheduler
         self.sched = Scheduler(
             options.policy,
@@ -230,7 +228,13 @@ class ServingCore:
             raise admission.refused
         self.driver.wake_locked()
 
-    def _enqueue_if_room_locked(self, req: Request) -> bool:
+    def enqueue_if_room_locked(self, req: Request) -> bool:
+        """Under the lock, for callers blocked on a full queue: `submit` the request
+        if there is room (True), else False.
+
+        Raises:
+            BatcherClosed: The function is closed.
+        """
         limit = self.sched.max_queue_size
         if not self.closed and limit is not None and self.sched.num_waiting >= limit:
             return False
@@ -242,7 +246,9 @@ class ServingCore:
         if self.backpressure is not None:
             self.backpressure.room_freed(None if limit is None else limit - self.sched.num_waiting)
 
-    def _gave_up_waiting_locked(self, timeout: float) -> RequestTimeout:
+    def gave_up_waiting_locked(self, timeout: float) -> RequestTimeout:
+        """Under the lock: a caller blocked on a full queue gave up after `timeout`
+        seconds; it is counted, and gets the returned error."""
         self.sched.stats.timeouts += 1
         self.answers.report_drop("timeout", 1)
         return self.answers.timeout_error(timeout)
