@@ -247,7 +247,6 @@ class Scheduler:
                 reqs,
                 self.waiting.buckets,
                 self._slots_free_at(now),
-                self.policy.max_batch_size,
                 now,
                 idle=self.in_flight == 0 and self.num_waiting == 0,
             )
@@ -372,7 +371,7 @@ class Scheduler:
         slots = self._slots_free_at(now)
         ends = [batch.expected_end for batch in self.running.values()]
         waiting = self.waiting
-        late = target.too_late(waiting.buckets, slots, ends, self.policy.max_batch_size, now)
+        late = target.too_late(waiting.buckets, slots, ends, now)
         if late:
             self.stats.shed += len(late)
             waiting.left(late)

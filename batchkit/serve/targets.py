@@ -507,7 +507,6 @@ class LatencyTarget:
         reqs: Sequence[Request],
         buckets: Mapping[Hashable, Bucket],
         slots_free_at: Sequence[float],
-        max_batch_size: int,
         now: float,
         idle: bool,
     ) -> bool:
@@ -518,7 +517,6 @@ class LatencyTarget:
             reqs: The new requests, not yet waiting.
             buckets: The waiting requests, by bucket.
             slots_free_at: When each batch slot frees up.
-            max_batch_size: The largest batch.
             now: The current time (their admission).
             idle: Nothing waits and nothing runs: a refusal rests on the model alone,
                 and a probe may be let in instead.
@@ -532,17 +530,17 @@ class LatencyTarget:
         if not reqs or not self.ready:
             return False
         self.departures.count((), now)  # (forgets what left over a target ago)
-        plan = self.plan(buckets, reqs, slots_free_at, max_batch_size, joined_from=now)
+        plan = self.plan(buckets, reqs, slots_free_at, joined_from=now)
         more_late = 0
         if plan.dropped:
-            before = self.plan(buckets, (), slots_free_at, max_batch_size, joined_from=now)
+            before = self.plan(buckets, (), slots_free_at, joined_from=now)
             more_late = len(plan.dropped) - len(before.dropped)
         predicted = plan.finish + self.reserve_s - now
         if predicted <= self.target_s and more_late <= 0:
             if self.probing.since is not None:
                 self.probing.stop()
             return False
-        if idle and len(reqs) <= max_batch_size and self.probing.refusing(now):
+        if idle and len(reqs) <= self.policy.max_batch_size and self.probing.refusing(now):
             return True
         self.departures.count(reqs, now)
         if predicted <= self.target_s:
@@ -572,7 +570,6 @@ class LatencyTarget:
         buckets: Mapping[Hashable, Bucket],
         reqs: Sequence[Request],
         slots_free_at: Sequence[float],
-        max_batch_size: int,
         joined_from: float | None,
     ) -> Plan:
         """Replay the scheduler over what waits and `reqs`, as if nothing else arrived.
@@ -587,11 +584,11 @@ class LatencyTarget:
             buckets: The waiting requests, by bucket.
             reqs: New requests (deadlines and `seq` set); none to replay what waits.
             slots_free_at: When each batch slot frees up.
-            max_batch_size: The largest batch.
             joined_from: Now, for admission: each bucket's last batch is planned with
                 the requests expected to join it before it leaves (see
                 `_joined_seconds`). None replays what waits alone.
         """
+        max_batch_size = self.policy.max_batch_size
         queues, fresh_from = self._queues(buckets, reqs)
         at = dict.fromkeys(queues, 0)  # each queue's front
         slots = sorted(slots_free_at)
@@ -719,7 +716,6 @@ class LatencyTarget:
         buckets: Mapping[Hashable, Bucket],
         slots_free_at: Sequence[float],
         running_ends: Sequence[float | None],
-        max_batch_size: int,
         now: float,
     ) -> list[Request]:
         """Drop the waiting requests late even alone in the next batch; and, once the
@@ -729,7 +725,6 @@ class LatencyTarget:
             buckets: The waiting requests, by bucket (the dropped ones leave them).
             slots_free_at: When each batch slot frees up.
             running_ends: The running batches' predicted ends (None: unknown).
-            max_batch_size: The largest batch.
             now: The current time.
 
         Returns:
@@ -744,7 +739,7 @@ class LatencyTarget:
                 )
         if self._slipped or self._running_late(running_ends, now):
             self._slipped = False
-            planned = self.plan(buckets, (), slots_free_at, max_batch_size, None).dropped
+            planned = self.plan(buckets, (), slots_free_at, None).dropped
             for name, reqs in by_bucket(planned).items():
                 buckets[name].drop_waiting(reqs)
             late += planned

@@ -42,7 +42,7 @@ def waiting(target: LatencyTarget, bucket: Bucket, count: int, at: float) -> lis
 
 
 def too_late(target: LatencyTarget, bucket: Bucket, now: float, slot: float, ends: list) -> list:
-    return target.too_late({None: bucket}, [slot], ends, MAX_BATCH, now)
+    return target.too_late({None: bucket}, [slot], ends, now)
 
 
 def test_a_request_late_even_alone_in_the_next_batch_is_dropped_with_its_error() -> None:
@@ -114,5 +114,5 @@ def test_the_next_drop_is_when_the_soonest_head_becomes_too_late() -> None:
     assert drop_at is not None
     assert drop_at == pytest.approx(first.deadline - target.batch_seconds([first]), abs=1e-5)
     # Just after it, a pass surely drops that request (and only it).
-    shed = target.too_late({"old": old, "young": young}, [drop_at], [], 16, drop_at)
+    shed = target.too_late({"old": old, "young": young}, [drop_at], [], drop_at)
     assert shed == [first]

@@ -953,7 +953,7 @@ def test_the_buckets_turns_are_planned_as_the_scheduler_then_serves_them(
     new.enqueued_at = now
     new.seq = sched.stats.requests + 1  # (the seq add() gives it)
     sched.target.set_deadline(new)
-    plan = sched.target.plan(sched.waiting.buckets, [new], [now], 16, None)
+    plan = sched.target.plan(sched.waiting.buckets, [new], [now], None)
     sched.stats.requests += 1  # (placed without admission, to follow it)
     sched.waiting.place(new, track_max_key=False)
     ends: dict[int, float] = {}
