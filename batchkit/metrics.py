@@ -579,7 +579,7 @@ class _ScrapeTimeGauges:
             waiting, running = f.load()
             depth.add_metric([name], waiting)
             in_flight.add_metric([name], running)
-            stuck, gave_up, ok = f.runtime.core.health()
+            stuck, gave_up, ok = f.runtime.core.readings.health()
             timeouts.add_metric([name], gave_up)
             abandoned.add_metric([name], stuck)
             healthy.add_metric([name], 1.0 if ok else 0.0)

@@ -412,7 +412,7 @@ class BatchedFunction(Generic[R]):
                 function's lock: keep them fast and non-blocking. An exception they
                 raise is logged, never passed on.
         """
-        self._core.add_listener(listener)
+        self._core.answers.add_listener(listener)
 
     def remove_listener(self, listener: Listener) -> None:
         """Stop observing.
@@ -422,7 +422,7 @@ class BatchedFunction(Generic[R]):
                 [`add_listener`][batchkit.BatchedFunction.add_listener] (compared by
                 identity; one not added is ignored).
         """
-        self._core.remove_listener(listener)
+        self._core.answers.remove_listener(listener)
 
     def stats(self) -> Stats:
         """A snapshot of the counters and latencies since the function was made.
@@ -431,7 +431,7 @@ class BatchedFunction(Generic[R]):
             A [`Stats`][batchkit.Stats]: requests, batches, batch sizes, waits,
             latencies, dispatch reasons, and the health of the workers.
         """
-        return self._core.stats()
+        return self._core.readings.stats()
 
     def configure(
         self,
@@ -478,7 +478,7 @@ class BatchedFunction(Generic[R]):
 
     def load(self) -> tuple[int, int]:
         """`(queue depth, batches in flight)` now, cheaply (what a metrics scrape reads)."""
-        return self._core.load()
+        return self._core.readings.load()
 
     def close(self, timeout: float | None = None) -> None:
         """Stop accepting, serve what is queued and running, and wait for it.

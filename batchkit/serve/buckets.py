@@ -165,26 +165,26 @@ class Bucket:
         """Make `max_key` exact again after requests left."""
         self.max_key = max((r.key for r in self.candidates(None)), default=0.0)
 
-    def shed_fronts(self, hopeless: Callable[[Request], bool]) -> list[Request]:
-        """Drop, from the front of each priority's deque, the requests `hopeless` picks.
+    def drop_late_fronts(self, too_late: Callable[[Request], bool]) -> list[Request]:
+        """Drop, from the front of each priority's deque, the requests `too_late` picks.
 
         Each deque is served front first and its deadlines grow towards the back, so
-        the scan of a deque stops at its first request that is not hopeless.
+        the scan of a deque stops at its first request that is not too late.
 
         Args:
-            hopeless: Whether a waiting request can no longer be answered in time.
+            too_late: Whether a waiting request can no longer be answered in time.
 
         Returns:
             The dropped requests (now `DROPPED`), already counted out of `live`.
         """
-        shed: list[Request] = []
+        late: list[Request] = []
         for _, queue in list(self._fronts()):
-            while queue and (queue[0].state != WAITING or hopeless(queue[0])):
+            while queue and (queue[0].state != WAITING or too_late(queue[0])):
                 req = queue.popleft()
                 if req.state == WAITING:
-                    shed.append(req)
-        self.drop_waiting(shed)
-        return shed
+                    late.append(req)
+        self.drop_waiting(late)
+        return late
 
     def drop_waiting(self, reqs: Sequence[Request]) -> None:
         """Drop these waiting requests (they become `DROPPED`; the deques let go of

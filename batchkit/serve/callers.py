@@ -91,15 +91,15 @@ def call(core: ServingCore, item: Any, priority: int, timeout: float | None) -> 
     timeout = checked_timeout(timeout)
     req = core.make_request(item, priority, None)
     left = timeout
-    if core.admission is None:
+    if core.backpressure is None:
         core.submit(req)  # at once: the timeout is all still left
     else:
         started = _started(core, timeout)
-        core.admission.submit(req, timeout)  # may wait for room
+        core.backpressure.submit(req, timeout)  # may wait for room
         left = _left(core, timeout, started)
     if not req.wait(left):
         assert timeout is not None
-        if core.give_up(req, core.timeout_error(timeout), timed_out=True):
+        if core.give_up(req, core.answers.timeout_error(timeout), timed_out=True):
             raise req.error  # type: ignore[misc]
         req.wait(None)  # it started running: its result is on the way
     return req.outcome()
@@ -130,10 +130,10 @@ def call_many(
     # Every item's timeout runs from this call, as if each were called alone now (a
     # blocked enqueue included): at the deadline, items not yet started are withdrawn.
     started = _started(core, timeout)
-    if core.admission is not None:
+    if core.backpressure is not None:
         for i, req in enumerate(reqs):
             try:
-                core.admission.submit(req, _left(core, timeout, started))
+                core.backpressure.submit(req, _left(core, timeout, started))
             except BaseException as exc:
                 _withdraw_and_raise(core, reqs[:i], exc, timeout)
     else:
@@ -142,7 +142,7 @@ def call_many(
         if not req.wait(_left(core, timeout, started)):
             assert timeout is not None
             for late in reqs[i:]:
-                core.give_up(late, core.timeout_error(timeout), timed_out=True)
+                core.give_up(late, core.answers.timeout_error(timeout), timed_out=True)
             timeout = None
             req.wait(None)  # answered now: by the timeout, or by its running batch
     return [req.outcome() for req in reqs]
@@ -167,7 +167,7 @@ def _withdraw_and_raise(
     for req in reqs:
         core.give_up(req, error, timed_out=timed_out)
     if timed_out and timeout is not None:
-        raise core.timeout_error(timeout) from None
+        raise core.answers.timeout_error(timeout) from None
     raise error
 
 
@@ -193,11 +193,11 @@ async def acall(core: ServingCore, item: Any, priority: int, timeout: float | No
     """
     timeout = checked_timeout(timeout)
     req = core.make_request(item, priority, asyncio.get_running_loop())
-    if core.admission is None:
+    if core.backpressure is None:
         core.submit(req)  # at once: the timeout is all still left
     else:
         started = _started(core, timeout)
-        await core.admission.asubmit(req, timeout)  # may wait for room
+        await core.backpressure.asubmit(req, timeout)  # may wait for room
         timeout = _left(core, timeout, started)
     return await await_request(core, req, timeout)
 
@@ -211,10 +211,10 @@ async def amap(
     loop = asyncio.get_running_loop()
     reqs = [core.make_request(x, priority, loop) for x in items]
     started = _started(core, timeout)
-    if core.admission is not None:
+    if core.backpressure is not None:
         for i, req in enumerate(reqs):
             try:
-                await core.admission.asubmit(req, _left(core, timeout, started))
+                await core.backpressure.asubmit(req, _left(core, timeout, started))
             except BaseException as exc:
                 _withdraw_and_raise(core, reqs[:i], exc, timeout)
     else:
@@ -265,7 +265,7 @@ def _withdraw_cancelled(core: ServingCore, req: Request) -> None:
 
 
 def _expire(core: ServingCore, req: Request, timeout: float) -> None:
-    core.give_up(req, core.timeout_error(timeout), timed_out=True)
+    core.give_up(req, core.answers.timeout_error(timeout), timed_out=True)
 
 
 # -- streams ----------------------------------------------------------------------------
@@ -302,8 +302,8 @@ class ThreadStream(Iterator[Any]):
         self._timeout = timeout
         self._started = _started(core, timeout)
         self._open = False
-        if core.admission is not None:
-            core.admission.submit(self._req, timeout)
+        if core.backpressure is not None:
+            core.backpressure.submit(self._req, timeout)
         else:
             core.submit(self._req)
         self._open = True
@@ -318,7 +318,7 @@ class ThreadStream(Iterator[Any]):
         message = self._channel.get(left)
         if message is None:  # the timeout passed first
             assert self._timeout is not None
-            error = self._core.timeout_error(self._timeout)
+            error = self._core.answers.timeout_error(self._timeout)
             if self._core.give_up(self._req, error, timed_out=True):
                 self._open = False
                 raise error
@@ -362,7 +362,7 @@ class LoopStream(AsyncIterator[Any]):
         self._timeout = timeout
         self._started = _started(core, timeout)
         self._open = False
-        self._queued = core.admission is None
+        self._queued = core.backpressure is None
         if self._queued:
             core.submit(self._req)
         self._open = True
@@ -390,8 +390,8 @@ class LoopStream(AsyncIterator[Any]):
     async def _next_message(self) -> Message:
         core = self._core
         if not self._queued:
-            assert core.admission is not None
-            await core.admission.asubmit(self._req, self._timeout)
+            assert core.backpressure is not None
+            await core.backpressure.asubmit(self._req, self._timeout)
             self._queued = True
         left = _left(core, self._timeout, self._started)
         if left is None:
@@ -400,7 +400,7 @@ class LoopStream(AsyncIterator[Any]):
             return await asyncio.wait_for(self._channel.get(), left)
         except asyncio.TimeoutError:
             assert self._timeout is not None
-            error = core.timeout_error(self._timeout)
+            error = core.answers.timeout_error(self._timeout)
             if core.give_up(self._req, error, timed_out=True):
                 self._open = False
                 raise error from None
@@ -415,7 +415,7 @@ class LoopStream(AsyncIterator[Any]):
     def _leave(self) -> None:
         if self._open:
             self._open = False
-            if self._queued:  # (a blocked admission never queued it)
+            if self._queued:  # (a caller blocked on a full queue never queued it)
                 self._core.leave(self._req)
 
     def __del__(self) -> None:

@@ -84,14 +84,7 @@ class LoopDriver:
 
     def __init__(self, fn: Callable[[Any], Awaitable[Any]], options: Options, name: str) -> None:
         self.fn = fn
-        self.core = ServingCore(
-            options,
-            name,
-            wake=self.wake,
-            check_loop=self._check_loop_locked,
-            settings_changed=self._settings_changed_locked,
-            forked=self._forked_locked,
-        )
+        self.core = ServingCore(options, name, self)
         self.loop: asyncio.AbstractEventLoop | None = None  # the loop it serves
         # A pump is scheduled, or every slot is busy (the batch that ends next pumps):
         # an arrival need not schedule one, and a burst of callers shares one pass.
@@ -122,8 +115,8 @@ class LoopDriver:
             old = self.loop
             if old is not None and old.is_closed() and not core.drained:
                 # Its batches will never finish: answer their callers, free their slots.
-                core.fail_all_locked(core.closed_error())
-                core.abandon_running_locked(core.closed_error())
+                core.fail_all_locked(core.answers.closed_error())
+                core.answers.abandon_running_locked(core.answers.closed_error())
             if old is not None and not old.is_closed():
                 busy = "serves another event loop, which is still running"
                 if not old.is_running():
@@ -137,7 +130,7 @@ class LoopDriver:
             self._timer = None
             self._drained = None
 
-    def _forked_locked(self) -> None:
+    def forked_locked(self) -> None:
         """In a child process just forked, under the lock: the loop it served is the
         parent's (its thread is not here; asyncio itself does not carry a running loop
         across a fork). What waited or ran there fails with `BatcherClosed`, and the
@@ -150,14 +143,14 @@ class LoopDriver:
             "runs on in the parent process only"
         )
         core.fail_all_locked(error)
-        deliver(core.abandon_running_locked(error))
+        deliver(core.answers.abandon_running_locked(error))
         self.loop = None
         self._pump_due = False
         self._timer = None
         self._tasks = set()
         self._drained = None
 
-    def _check_loop_locked(self, loop: asyncio.AbstractEventLoop | None) -> None:
+    def check_loop_locked(self, loop: asyncio.AbstractEventLoop | None) -> None:
         """Before an enqueue: refuse a thread caller, and a call from inside the
         function when its batch holds the only slot (it would wait for itself); move
         to the caller's loop if `bind` allows."""
@@ -172,11 +165,12 @@ class LoopDriver:
                 raise RuntimeError(f"{self.core.name} is async: call it from an event loop")
             self.bind(loop)
 
-    def _settings_changed_locked(self) -> None:
+    def settings_changed_locked(self) -> None:
+        """Under the lock: `configure` changed the settings."""
         self._pump_due = False  # the slots may have changed: the next wake pumps
 
     # -- scheduling passes --------------------------------------------------------
-    def wake(self) -> None:
+    def wake_locked(self) -> None:
         """Under the lock: something changed; schedule a pump unless one is due. With
         every slot busy the pump finds nothing to start, and sets `_pump_due` until a
         slot frees."""
@@ -209,9 +203,9 @@ class LoopDriver:
                 finally:
                     # Busy slots stay busy until a batch ends, and its task polls then;
                     # under a latency target an arrival polls while busy unless a timer
-                    # will (it arms one for when its request could become hopeless).
+                    # will (it arms one for when its request could become too late).
                     # (Set even if polling raised: a stuck flag would silence arrivals.)
-                    self._pump_due = busy and (wake_at is not None or not core.sheds_while_busy)
+                    self._pump_due = busy and (wake_at is not None or not core.drops_while_busy)
                 if self._timer is not None:
                     self._timer.cancel()
                     self._timer = None
@@ -254,9 +248,9 @@ class LoopDriver:
         error = BatcherClosed(f"{self.core.name}: could not start a task for this batch: {exc!r}")
         error.__cause__ = exc
         with self.core.lock:
-            abandoned = self.core.abandon_locked(batch, error)
+            abandoned = self.core.answers.abandon_locked(batch, error)
             self._pump_due = False
-            self.wake()
+            self.wake_locked()
         deliver(abandoned)
 
     async def _run_batches(
@@ -271,7 +265,7 @@ class LoopDriver:
             # this same step, and finish_locked answers them in a callback that runs
             # after it, so the accelerator is not left idle while they are answered.
             with self.core.lock:
-                answered = self.core.finish_locked(batch, run, on_loop=loop)
+                answered = self.core.answers.finish_locked(batch, run, on_loop=loop)
                 batch, _, _ = self.core.next_batch_locked()
                 holding[0] = batch
             if answered:  # a batch with failures (one that succeeded is answered later)
@@ -292,7 +286,7 @@ class LoopDriver:
                 return  # settled already (e.g. by a rebind after its loop closed)
             reason = "was cancelled" if task.cancelled() else f"failed: {task.exception()!r}"
             error = BatcherClosed(f"{core.name}: the task running this batch {reason}")
-            abandoned = core.abandon_locked(batch, error)
+            abandoned = core.answers.abandon_locked(batch, error)
         deliver(abandoned)
         self._pump(task.get_loop())  # its slot is free: start what waits
 
@@ -332,11 +326,11 @@ class LoopDriver:
     async def _call_within(self, argument: Any, timeout: float) -> Outcome:
         """One call of the function, cancelled past `timeout` (`batch_timeout`)."""
         core = self.core
-        expired = core.batch_timeout_error()
+        expired = core.answers.batch_timeout_error()
         outcome = await call_async_within(self.fn, argument, timeout, expired, core.name)
         if not outcome[0] and outcome[1] is expired:  # it ran past the timeout
             with core.lock:
-                core.count_batch_timeout_locked()
+                core.answers.batch_timed_out_locked()
         return outcome
 
     # -- shutdown ------------------------------------------------------------------
@@ -363,7 +357,7 @@ class LoopDriver:
             self.bind(loop)  # a closed previous loop's leftovers are answered here
             core.close_locked()
             if _RUNNING_BATCH_OF.get() is self:
-                self.wake()  # what waits leaves now; the batch ends as this returns
+                self.wake_locked()  # what waits leaves now; the batch ends as this returns
                 return  # waiting here would wait for this very call
             if self._drained is None:  # shared by concurrent aclose() calls
                 self._drained = asyncio.Event()
@@ -371,12 +365,12 @@ class LoopDriver:
             if core.drained:
                 drained.set()
                 return
-            self.wake()
+            self.wake_locked()
         try:
             await asyncio.wait_for(drained.wait(), timeout)
         except asyncio.TimeoutError:
             with core.lock:
-                core.fail_all_locked(core.closed_error())
+                core.fail_all_locked(core.answers.closed_error())
 
     def close_nowait(self) -> None:
         """Stop accepting and return at once: what is queued and running is served on
@@ -385,9 +379,9 @@ class LoopDriver:
         with core.lock:
             core.close_locked()
             if loop is None or loop.is_closed() or not loop.is_running():
-                core.fail_all_locked(core.closed_error())
+                core.fail_all_locked(core.answers.closed_error())
             else:
-                self.wake()  # a pass on the loop sends what waits
+                self.wake_locked()  # a pass on the loop sends what waits
 
     def close(self, timeout: float | None = None) -> None:
         """Close from a thread. From inside the loop, use `await aclose()` instead.
@@ -406,7 +400,7 @@ class LoopDriver:
         if loop is None or loop.is_closed() or not loop.is_running():
             with core.lock:  # no loop will ever run what is left: answer it now
                 core.close_locked()
-                core.fail_all_locked(core.closed_error())
+                core.fail_all_locked(core.answers.closed_error())
             return
         if on_loop_thread(loop):
             raise RuntimeError(f"{core.name}: use 'await aclose()' inside the event loop")

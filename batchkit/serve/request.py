@@ -17,8 +17,8 @@ from batchkit.serve.channels import Channel
 
 class RequestState(enum.Enum):
     """Where a request is in its life: `WAITING` -> `RUNNING` -> `DONE`, or
-    `WAITING` -> `DROPPED` (timed out, cancelled, shed or failed by a close before it
-    ran)."""
+    `WAITING` -> `DROPPED` (timed out, cancelled, too late, or failed by a close before
+    it ran)."""
 
     WAITING = enum.auto()
     RUNNING = enum.auto()

@@ -5,20 +5,34 @@ caller, so its behaviour is tested deterministically with a fake clock.
 
 from __future__ import annotations
 
-import heapq
-import itertools
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 from batchkit.batchers.base import Batcher
 from batchkit.batchers.groups import GroupedBucket
 from batchkit.errors import Overloaded, QueueFull
-from batchkit.serve.buckets import Bucket, by_bucket
+from batchkit.serve.buckets import Bucket
 from batchkit.serve.caps import SizeCaps
 from batchkit.serve.dispatch import DispatchReason, DispatchRule, rules_for
-from batchkit.serve.request import DROPPED, WAITING, Request
+from batchkit.serve.request import Request
 from batchkit.serve.stats import StatsRecorder
 from batchkit.serve.targets import LatencyTarget
+from batchkit.serve.waiting import Waiting
+
+
+@dataclass(slots=True)
+class Admission:
+    """What `Scheduler.add` decided.
+
+    Attributes:
+        refused: Why the requests were not admitted (`QueueFull`, or its subclass
+            `Overloaded`); None when they wait now.
+        dropped: The waiting requests dropped as too late on the way (their error,
+            `Overloaded`, set), for the caller to answer.
+    """
+
+    refused: QueueFull | None
+    dropped: list[Request]
 
 
 @dataclass(slots=True)
@@ -96,25 +110,17 @@ class Scheduler:
         self.max_queue_size = max_queue_size
         self._queue_limit = float("inf") if max_queue_size is None else max_queue_size
         self.max_concurrent_batches = max_concurrent_batches
-        self.buckets: dict[Hashable, Bucket] = {}
-        # With groups, each bucket's head as it was when pushed, (priority, seq, tie,
-        # name), oldest first: when every bucket is ready, the oldest head goes, found
-        # without asking every bucket (see `_oldest_head`).
-        self._heads: list[tuple[int, int, int, Hashable]] = []
-        self._pushes = itertools.count()
-        self._placed = 0  # waiting requests (each in its bucket)
+        self.waiting = Waiting(policy.group is not None, on_room)
         self.in_flight = 0
         self._closing = False
         # The dispatch rules, and with a policy `group` (a bucket is then (group, the
         # policy's bucket)) how many groups a batch may take from: set by set_policy.
         self._rules: list[DispatchRule] = []
-        self.grouped = False
         self.groups_per_batch = 1
         self.candidate_limit: int | None = None  # how many candidates `select` needs
         self.caps = SizeCaps() if caps is None else caps
         self.set_policy(policy)
         self.running: dict[int, FormedBatch] = {}
-        self.on_room = on_room
         self.stats = StatsRecorder()
 
     def set_policy(self, policy: Batcher) -> None:
@@ -127,7 +133,6 @@ class Scheduler:
         if self.target is not None:
             self.target.policy = policy
         self._rules = rules_for(policy, self.target, closing=self._closing)
-        self.grouped = policy.group is not None
         self.groups_per_batch = policy.max_groups_per_batch or 1
         self.candidate_limit = policy.candidate_limit  # (a policy is not changed in place)
 
@@ -138,7 +143,7 @@ class Scheduler:
         Args:
             seconds: The target, from admission to result.
         """
-        waiting = [req for bucket in self.buckets.values() for req in bucket.candidates(None)]
+        waiting = self.waiting.every()
         if self.target is None:
             self.target = LatencyTarget(seconds, self.policy)
             self._rules = rules_for(self.policy, self.target, closing=self._closing)
@@ -168,64 +173,65 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         """Requests waiting to run."""
-        return self._placed
+        return self.waiting.count
 
-    def add(self, req: Request) -> None:
-        """Enqueue a request (it gets the next arrival number, `seq`).
+    def add(self, req: Request) -> Admission:
+        """Admit a request (it gets the next arrival number, `seq`), or refuse it.
+
+        The waiting requests that a latency target can no longer answer in time are
+        dropped first (see `_drop_too_late`), so the newcomer is planned without them.
 
         Args:
-            req: A waiting request, its key, bucket and priority set.
+            req: A waiting request, its key, bucket, priority and admission time set.
 
-        Raises:
-            QueueFull: `max_queue_size` requests already wait; the request is not
-                enqueued (and counted as rejected).
-            Overloaded: Under a latency target, it is predicted to be answered too
-                late; it is not enqueued (and counted as overloaded).
+        Returns:
+            What was decided: the refusal, if any (`QueueFull`: `max_queue_size`
+            requests already wait, counted as rejected; its subclass `Overloaded`:
+            under a latency target, predicted to be answered too late, counted as
+            overloaded), and the waiting requests dropped on the way, for the caller
+            to answer.
         """
-        if self._placed >= self._queue_limit:
-            self.stats.rejected += 1
-            raise QueueFull(
-                f"{self._placed} requests are waiting (max_queue_size={self.max_queue_size})"
-            )
-        probe = self.target is not None and self._check_latency([req])
-        self._enqueue(req, probe)
+        return self._admit([req], many=False)
 
-    def add_all(self, reqs: Sequence[Request]) -> None:
-        """Enqueue several requests of one caller (one priority): all of them, or none.
+    def add_all(self, reqs: Sequence[Request]) -> Admission:
+        """Admit several requests of one caller (one priority, one admission time): all
+        of them, or none (see `add`).
 
         Args:
             reqs: Waiting requests, their key, bucket, priority and admission time set.
 
-        Raises:
-            QueueFull: They do not all fit under `max_queue_size` (counted as
-                rejected).
-            Overloaded: Under a latency target, the last of them is predicted to be
-                answered too late (counted as overloaded).
+        Returns:
+            What was decided, as `add`'s: they are refused together when they do not
+            all fit under `max_queue_size`, or when the last of them is predicted to
+            be answered too late.
         """
-        limit = self.max_queue_size
-        if limit is not None and self._placed + len(reqs) > limit:
-            self.stats.rejected += len(reqs)
-            raise QueueFull(
-                f"{len(reqs)} items do not fit: {self._placed} requests are "
-                f"waiting (max_queue_size={limit})"
-            )
-        probe = self.target is not None and bool(reqs) and self._check_latency(reqs)
-        for req in reqs:
-            self._enqueue(req, probe)
+        return self._admit(reqs, many=True)
 
-    def _enqueue(self, req: Request, probe: bool = False) -> None:
-        self.stats.requests = req.seq = self.stats.requests + 1  # seq: arrival order
-        if self.grouped:
-            self.stats.record_group_request(req.group)
-        bucket = self.buckets.get(req.bucket)
-        if bucket is None:
-            bucket = self.buckets[req.bucket] = Bucket(self.policy.max_tokens is not None)
-        bucket.append(req)
-        if self.grouped and bucket.head() is req:
-            heapq.heappush(self._heads, (req.priority, req.seq, next(self._pushes), req.bucket))
-        self._placed += 1
+    def _admit(self, reqs: Sequence[Request], *, many: bool) -> Admission:
+        if not reqs:
+            return Admission(None, [])
+        dropped = self._drop_too_late(reqs[0].enqueued_at)
+        placed = self.waiting.count
+        if placed + len(reqs) > self._queue_limit:
+            self.stats.rejected += len(reqs)
+            what = f"{len(reqs)} items do not fit: " if many else ""
+            full = f"{placed} requests are waiting (max_queue_size={self.max_queue_size})"
+            return Admission(QueueFull(what + full), dropped)
+        probe = False
         if self.target is not None:
-            self.target.set_deadline(req, probe)
+            try:
+                probe = self._check_latency(reqs)
+            except Overloaded as refused:
+                return Admission(refused, dropped)
+        track_max_key = self.policy.max_tokens is not None
+        for req in reqs:
+            self.stats.requests = req.seq = self.stats.requests + 1  # seq: arrival order
+            if self.waiting.grouped:
+                self.stats.record_group_request(req.group)
+            self.waiting.place(req, track_max_key)
+            if self.target is not None:
+                self.target.set_deadline(req, probe)
+        return Admission(None, dropped)
 
     def _check_latency(self, reqs: Sequence[Request]) -> bool:
         """Refuse requests predicted to be answered past the latency target; True when
@@ -233,15 +239,14 @@ class Scheduler:
         target = self.target
         assert target is not None
         now = reqs[0].enqueued_at
-        for ahead, req in enumerate(reqs, 1):  # as `_enqueue` will set them
+        for ahead, req in enumerate(reqs, 1):  # as `_admit` will set them
             req.seq = self.stats.requests + ahead
             target.set_deadline(req)
         try:
             return target.admit(
                 reqs,
-                self.buckets,
+                self.waiting.buckets,
                 self._slots_free_at(now),
-                self.policy.max_batch_size,
                 now,
                 idle=self.in_flight == 0 and self.num_waiting == 0,
             )
@@ -257,56 +262,6 @@ class Scheduler:
             for b in self.running.values()
         ]
         return ends + [now] * max(self.max_concurrent_batches - len(ends), 0)
-
-    def _left_waiting(self, reqs: list[Request]) -> None:
-        """These waiting requests left the queue (taken, dropped or failed; their
-        bucket already knows): count them out, and tell who waits for room."""
-        self._placed -= len(reqs)
-        for name in {req.bucket: None for req in reqs} if self.grouped else ():
-            bucket = self.buckets.get(name)
-            if bucket is None:
-                continue
-            head = bucket.head() if bucket.live else None
-            if head is not None:  # (its head may have left: `_oldest_head` finds it)
-                heapq.heappush(self._heads, (head.priority, head.seq, next(self._pushes), name))
-            else:
-                # Groups come and go (one per caller, say): a bucket left empty is
-                # forgotten, or memory would grow with the groups ever seen.
-                del self.buckets[name]
-        if self.on_room is not None:
-            self.on_room()
-
-    def drop(self, req: Request) -> bool:
-        """Withdraw a request that has not started.
-
-        Args:
-            req: A request added before.
-
-        Returns:
-            True if it was waiting (it is now dropped); False if it already runs or
-            ended (nothing changed).
-        """
-        if req.state != WAITING:
-            return False
-        self.buckets[req.bucket].drop_waiting([req])
-        self._left_waiting([req])
-        return True
-
-    def drop_all(self) -> list[Request]:
-        """Withdraw every waiting request (used when a close times out)."""
-        dropped = []
-        for bucket in self.buckets.values():
-            for req in bucket.candidates(None):
-                req.state = DROPPED
-                dropped.append(req)
-            bucket.queues.clear()
-            bucket.live = 0
-        self._left_waiting(dropped)
-        return dropped
-
-    def _limit(self, name: Hashable) -> int:
-        """The most requests the bucket's next batch may take (its learned cap)."""
-        return self.caps.limit(name, self.policy)
 
     # -- dispatch ----------------------------------------------------------
     def decide(self, now: float) -> tuple[FormedBatch | None, float | None, Sequence[Request]]:
@@ -329,7 +284,7 @@ class Scheduler:
             then `wake_at` is the time of the next rule's deadline (a max-wait
             expiry), or None when only an event (an arrival, a batch finishing,
             close) can make a batch ready; with every slot busy, under a latency
-            target, when the next waiting request becomes hopeless (a pass then
+            target, when the next waiting request becomes too late (a pass then
             drops it), else None. `dropped`: the
             waiting requests this pass dropped, their error set for the caller to
             answer: those a latency target can no longer answer in time
@@ -338,90 +293,96 @@ class Scheduler:
             raised (counted as failed; `wake_at` is then `now`: look again).
         """
         target = self._predicting_target()
-        dropped: Sequence[Request] = () if target is None else self.shed_too_late(now)
+        dropped: Sequence[Request] = () if target is None else self._drop_too_late(now)
         if self.in_flight >= self.max_concurrent_batches:
             # No batch can leave; under a target, look again when the next waiting
-            # request becomes hopeless, to tell it then (not when a long batch ends).
-            drop_at = None if target is None else target.next_drop_at(self.buckets)
+            # request becomes too late, to tell it then (not when a long batch ends).
+            drop_at = None if target is None else target.next_drop_at(self.waiting.buckets)
             return None, drop_at, dropped
-        if self._placed == 0:
+        if self.waiting.count == 0:
             return None, None, dropped
+        ready, wake_at = self._ready_bucket(now)
+        if ready is None:
+            return None, wake_at, dropped
+        return self._take(*ready, now, dropped)
+
+    def _ready_bucket(
+        self, now: float
+    ) -> tuple[tuple[Hashable, Bucket, DispatchReason] | None, float | None]:
+        """`((name, bucket, reason), None)` for the bucket whose batch leaves now; else
+        `(None, when to look again)`. Call while requests wait."""
+        waiting = self.waiting
         every_bucket_ready = self._closing or (
             self.policy.dispatch_when_idle and not self.in_flight
         )
-        if self.grouped and every_bucket_ready:
+        if waiting.grouped and every_bucket_ready:
             # The oldest head goes, for the first rule that fires: with a bucket per
             # group, asking every bucket would make each pass cost as many groups.
-            name, bucket = self._oldest_head()
-            limit = self._limit(name) if self.caps.active else self.policy.max_batch_size
-            for rule in self._rules:  # (idle or closing fires, if nothing before it)
-                due = rule.due(bucket, limit, self.in_flight, now)
-                if due is not None and now >= due:
-                    return self._take(name, bucket, rule.reason, now, dropped)
+            name, bucket = waiting.oldest_head()
+            reason, _ = self._due(name, bucket, now)  # (idle or closing fires, at least)
+            if reason is not None:
+                return (name, bucket, reason), None
         best: tuple[int, int] | None = None  # (priority, seq) of the head served first
         chosen: tuple[Hashable, Bucket, DispatchReason] | None = None
         wake_at: float | None = None
-        for name, bucket in self.buckets.items():
+        for name, bucket in waiting.buckets.items():
             if bucket.live == 0:
                 continue
-            # The bucket's batch leaves for the first rule whose time has come; else
-            # each rule's time is a time to look again.
-            limit = self._limit(name) if self.caps.active else self.policy.max_batch_size
-            reason: DispatchReason | None = None
-            for rule in self._rules:
-                due = rule.due(bucket, limit, self.in_flight, now)
-                if due is not None and now >= due:
-                    reason = rule.reason
-                    break
-                if due is not None and (wake_at is None or due < wake_at):
-                    wake_at = due
+            reason, due = self._due(name, bucket, now)
+            if due is not None and (wake_at is None or due < wake_at):
+                wake_at = due
             if reason is None:
                 continue
-            if len(self.buckets) == 1:
-                return self._take(name, bucket, reason, now, dropped)
+            if len(waiting.buckets) == 1:
+                return (name, bucket, reason), None
             head = bucket.head()
             assert head is not None
             if best is None or (head.priority, head.seq) < best:
                 best, chosen = (head.priority, head.seq), (name, bucket, reason)
-        if chosen is None:
-            return None, wake_at, dropped
-        return self._take(*chosen, now, dropped)
+        return chosen, wake_at
 
-    def shed_too_late(self, now: float) -> list[Request]:
+    def _due(
+        self, name: Hashable, bucket: Bucket, now: float
+    ) -> tuple[DispatchReason | None, float | None]:
+        """`(reason, None)`: the bucket's batch leaves now, for the first rule whose
+        time has come; else `(None, the earliest of the rules' times)`, when to look
+        again (None: only an event can make it ready)."""
+        policy = self.policy
+        limit = self.caps.limit(name, policy) if self.caps.active else policy.max_batch_size
+        earliest: float | None = None
+        for rule in self._rules:
+            due = rule.due(bucket, limit, self.in_flight, now)
+            if due is not None and now >= due:
+                return rule.reason, None
+            if due is not None and (earliest is None or due < earliest):
+                earliest = due
+        return None, earliest
+
+    def _drop_too_late(self, now: float) -> list[Request]:
         """Drop the waiting requests a latency target can no longer answer in time (see
-        `LatencyTarget.too_late`); `decide` does so first, and admission may call it
-        while every slot is busy (no pass runs then, and a request that became hopeless
-        behind a long batch would otherwise be told only when the batch ends).
-
-        Args:
-            now: The current time.
-
-        Returns:
-            The dropped requests, their error (`Overloaded`) set, counted as shed, for
-            the caller to answer; none without a target, or while its model learns.
-        """
+        `LatencyTarget.too_late`): each pass and each admission does so first (while
+        every slot is busy no batch leaves, and a request that became too late behind a
+        long batch would otherwise be told only when the batch ends). Returns them,
+        their error (`Overloaded`) set, counted as shed; none without a target, or
+        while its model learns."""
         target = self._predicting_target()
         if target is None:
             return []
         slots = self._slots_free_at(now)
         ends = [batch.expected_end for batch in self.running.values()]
-        shed = target.too_late(self.buckets, slots, ends, self.policy.max_batch_size, now)
-        self._shed(shed)
-        return shed
+        waiting = self.waiting
+        late = target.too_late(waiting.buckets, slots, ends, now)
+        if late:
+            self.stats.shed += len(late)
+            waiting.left(late)
+        return late
 
     def _predicting_target(self) -> LatencyTarget | None:
         """The latency target, once its model is ready and requests wait: only then
         can a waiting request be too late."""
-        if self.target is None or not self._placed or not self.target.ready:
+        if self.target is None or not self.waiting.count or not self.target.ready:
             return None
         return self.target
-
-    def _shed(self, shed: list[Request]) -> None:
-        """Count out the waiting requests shed as too late (their error set)."""
-        if not shed:
-            return
-        self.stats.shed += len(shed)
-        self._left_waiting(shed)
 
     def _take(
         self,
@@ -433,20 +394,17 @@ class Scheduler:
     ) -> tuple[FormedBatch | None, float | None, Sequence[Request]]:
         """Form the bucket's batch: `(batch, None, dropped)`; `(None, now, dropped +
         its candidates)` (look again) when the policy's `select` failed."""
-        target = self.target
+        target, policy, waiting = self.target, self.policy, self.waiting
         if target is not None and target.ready:
-            limit = self._limit(name)
+            limit = self.caps.limit(name, policy)
             front = bucket.candidates(4 * limit)
-            overdue = front[: target.overdue(front, now, limit)]
-            if overdue:
-                bucket.drop_waiting(overdue)
-                target.set_errors(overdue, now)
-                self._shed(overdue)
-                dropped = [*dropped, *overdue]
-        policy = self.policy
-        candidates = bucket.candidates(self.candidate_limit)
-        if self.groups_per_batch > 1 and isinstance(name, GroupedBucket):
-            candidates += self._other_groups_candidates(name, len(candidates))
+            late = front[: target.late_at_front(front, now, limit)]
+            if late:
+                waiting.remove(late)
+                target.set_errors(late, now)
+                self.stats.shed += len(late)
+                dropped = [*dropped, *late]
+        candidates = waiting.candidates(name, self.candidate_limit, self.groups_per_batch)
         try:
             chosen = policy.select(candidates)
             if not chosen:  # a batch of nobody would be formed again at every poll
@@ -455,19 +413,19 @@ class Scheduler:
                     f"{len(candidates)} waiting: a batch must take at least one"
                 )
         except Exception as exc:
-            self._fail_selection(candidates, exc)
+            # A policy bug must not stall every caller: the requests its `select` was
+            # choosing among fail with what it raised; the others go on waiting.
+            waiting.remove(candidates)
+            for req in candidates:
+                req.error = exc
+            self.stats.failed += len(candidates)
             return None, now, [*dropped, *candidates]
         if self.caps.active:
-            self.caps.cut(chosen, name, self.policy)
+            self.caps.cut(chosen, name, policy)
         if target is not None:
             target.trim(chosen, now)
-        if self.groups_per_batch > 1 and any(req.bucket != name for req in chosen):
-            for other, reqs in by_bucket(chosen).items():
-                self.buckets[other].take(reqs)
-        else:
-            bucket.take(chosen)
+        waiting.take(name, chosen)
         self.in_flight += 1
-        self._left_waiting(chosen)
         padded = policy.padded_size(len(chosen))
         self.stats.record_batch(chosen, reason, padded, now)
         batch = FormedBatch(chosen, reason, padded, now)
@@ -475,56 +433,6 @@ class Scheduler:
             batch.expected_end = now + target.batch_seconds(chosen)
         self.running[id(batch)] = batch
         return batch, None, dropped
-
-    def _oldest_head(self) -> tuple[Hashable, Bucket]:
-        """The bucket whose head (best priority, then earliest arrival) goes first.
-
-        A bucket's head is pushed when it arrives first, and again whenever requests
-        leave the bucket; an entry whose request is no longer its bucket's head is
-        stale, dropped when it comes up. Call while requests wait.
-        """
-        heads = self._heads
-        while True:
-            priority, seq, _, name = heads[0]
-            bucket = self.buckets.get(name)
-            head = None if bucket is None or not bucket.live else bucket.head()
-            if head is not None and head.priority == priority and head.seq == seq:
-                assert bucket is not None
-                return name, bucket
-            heapq.heappop(heads)
-
-    def _other_groups_candidates(self, name: GroupedBucket, have: int) -> list[Request]:
-        """Under `max_groups_per_batch` > 1: the waiting requests of the next oldest
-        other groups of the same policy bucket (at most `max_groups_per_batch - 1` of
-        them, oldest head first), to fill a batch that one group leaves short."""
-        limit = self.candidate_limit
-        room = None if limit is None else limit - have  # None: every candidate
-        if room is not None and room <= 0:
-            return []
-        heads = []
-        for other_name, other in self.buckets.items():
-            same_bucket = isinstance(other_name, GroupedBucket) and other_name.bucket == name.bucket
-            if other_name != name and other.live and same_bucket:
-                head = other.head()
-                assert head is not None
-                heads.append((head.priority, head.seq, other_name))
-        heads.sort(key=lambda h: (h[0], h[1]))
-        more: list[Request] = []
-        for _, _, other_name in heads[: self.groups_per_batch - 1]:
-            more += self.buckets[other_name].candidates(None if room is None else room - len(more))
-            if room is not None and len(more) >= room:
-                break
-        return more
-
-    def _fail_selection(self, candidates: list[Request], error: Exception) -> None:
-        """A policy bug must not stall every caller: drop the requests its `select`
-        was choosing among, with what it raised; the others go on waiting."""
-        for name, reqs in by_bucket(candidates).items():
-            self.buckets[name].drop_waiting(reqs)
-        for req in candidates:
-            req.error = error
-        self.stats.failed += len(candidates)
-        self._left_waiting(candidates)
 
     def finish(self, batch: FormedBatch, now: float, *, clean: bool = True) -> None:
         """A batch ended (whatever its outcome): its slot is free again.

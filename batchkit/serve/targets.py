@@ -60,7 +60,7 @@ ANSWER_RESERVE = 0.02
 MAX_PROBE_INTERVAL_S = 1.0
 
 WINDOW = 8 * HALF_LIFE  # older batches weigh under 0.4% in the fit: not kept
-# A wake-up this long after a request's latest hopeful start finds it surely hopeless
+# A wake-up this long after a request's latest hopeful start finds it surely too late
 # (a start at exactly that time plus its batch's time may round to its deadline).
 _ROUNDING_S = 1e-6
 
@@ -198,9 +198,7 @@ class BatchTimeLearner:
         self._faster = self._faster + 1 if seconds * 1e3 * STALL_RATIO < fitted else 0
         if self._faster >= 2:  # (one fast batch is noise; two in a row, a faster device)
             self._fallback = self.snapshot()
-            kept = list(self._samples)[-2:]
-            self._samples.clear()
-            self._samples.extend(kept)
+            self._samples = deque(list(self._samples)[-2:], maxlen=WINDOW)
             self._fit = self._model = None
             self._recent.clear()
             self._over.clear()
@@ -315,6 +313,82 @@ def _weighted_quantile(values: np.ndarray, weights: np.ndarray, q: float) -> flo
     return float(values[order][min(index, len(values) - 1)])
 
 
+class Probing:
+    """While admission refuses with nothing ahead (the model says even a lone request
+    would be late), one probe at a time is let in, at doubling intervals from the
+    target up to `MAX_PROBE_INTERVAL_S` (or the target, if longer), so that a device
+    that became fast again is noticed.
+
+    Args:
+        target_s: The latency target, in seconds (the first interval).
+    """
+
+    def __init__(self, target_s: float) -> None:
+        self.target_s = target_s
+        self.since: float | None = None  # refusing with nothing ahead since
+        self.probes = 0
+        self.pending = False  # a probe was let in, and no batch observed since
+        self._next_at = 0.0
+        self._interval = target_s
+
+    def refusing(self, now: float) -> bool:
+        """Admission refuses at `now` with nothing ahead: whether to let the request in
+        as a probe."""
+        self.since = self.since or now
+        if now < self._next_at:
+            return False
+        self.probes += 1
+        self.pending = True
+        self._next_at = now + self._interval
+        self._interval = min(2 * self._interval, max(MAX_PROBE_INTERVAL_S, self.target_s))
+        return True
+
+    def stop(self) -> None:
+        """Admission admits again, or the model was refuted: no longer refusing."""
+        self.since = None
+        self.probes = 0
+        self._next_at = 0.0
+        self._interval = self.target_s
+
+    def observed(self, in_time: bool) -> None:
+        """A batch ran as one clean call; one in time has the next probe go at once."""
+        if in_time:
+            self._next_at = 0.0
+            self._interval = self.target_s
+        self.pending = False
+
+
+class Departures:
+    """The requests that left each bucket over the last target (answered, refused or
+    dropped): what flows through a bucket, which a burst that still waits does not
+    inflate.
+
+    Args:
+        window_s: How far back requests count, in seconds (the target).
+    """
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self._left: deque[tuple[float, Hashable]] = deque()
+        self._by_bucket: dict[Hashable, int] = {}
+
+    def count(self, reqs: Sequence[Request], now: float) -> None:
+        """`reqs` left at `now`; forget those that left more than a window ago."""
+        left, by_bucket = self._left, self._by_bucket
+        for req in reqs:
+            left.append((now, req.bucket))
+            by_bucket[req.bucket] = by_bucket.get(req.bucket, 0) + 1
+        while left and left[0][0] < now - self.window_s:
+            _, bucket = left.popleft()
+            by_bucket[bucket] -= 1
+            if not by_bucket[bucket]:
+                del by_bucket[bucket]
+
+    def rate(self, bucket: Hashable) -> float:
+        """Requests per second that left `bucket` over the window."""
+        return self._by_bucket.get(bucket, 0) / self.window_s
+
+
 @dataclass(frozen=True)
 class Plan:
     """What a replay of the scheduler found (`LatencyTarget.plan`).
@@ -346,16 +420,10 @@ class LatencyTarget:
         self.reserve_s = target_s * ANSWER_RESERVE
         self.policy = policy
         self.learner = BatchTimeLearner()
-        self._refusing_since: float | None = None  # refusing with nothing ahead
-        self._next_probe_at = 0.0
-        self._probe_interval = target_s
-        self._probes = 0
-        self._probe_pending = False  # a probe was let in, and no batch observed since
-        # The requests that left over the last target (answered, refused or dropped):
-        # when, and their bucket; and how many each bucket had. At that rate requests
-        # join a bucket's next batch before it leaves.
-        self._left: deque[tuple[float, Hashable]] = deque()
-        self._left_by_bucket: dict[Hashable, int] = {}
+        self.probing = Probing(target_s)
+        # At the rate requests left a bucket, requests join its next batch before it
+        # leaves.
+        self.departures = Departures(target_s)
         # Predicted times by (padded size, cost), until the model learns again.
         self._times: dict[tuple[int, float], float] = {}
         self._slipped = False  # a batch ran past its predicted end
@@ -373,7 +441,7 @@ class LatencyTarget:
             target_s: The new target, in seconds.
             waiting: Every waiting request (their deadlines count from their admission).
         """
-        self.target_s = target_s
+        self.target_s = self.probing.target_s = self.departures.window_s = target_s
         self.reserve_s = target_s * ANSWER_RESERVE
         for req in waiting:
             self.set_deadline(req)
@@ -395,14 +463,16 @@ class LatencyTarget:
             return LearnedLatency(
                 0, 0, 0, 0, learner.samples, state="warming", refuted=learner.refuted
             )
-        if self._refusing_since is None:
+        probing = self.probing
+        if probing.since is None:
             state = "relearning" if learner.relearning else "serving"
-            return dataclasses.replace(fit, state=state, refuted=learner.refuted)
+        else:
+            state = "probing" if probing.pending else "refusing"
         return dataclasses.replace(
             fit,
-            state="probing" if self._probe_pending else "refusing",
-            refusing_since=self._refusing_since,
-            probes=self._probes,
+            state=state,
+            refusing_since=probing.since,
+            probes=probing.probes,
             refuted=learner.refuted,
         )
 
@@ -437,7 +507,6 @@ class LatencyTarget:
         reqs: Sequence[Request],
         buckets: Mapping[Hashable, Bucket],
         slots_free_at: Sequence[float],
-        max_batch_size: int,
         now: float,
         idle: bool,
     ) -> bool:
@@ -448,7 +517,6 @@ class LatencyTarget:
             reqs: The new requests, not yet waiting.
             buckets: The waiting requests, by bucket.
             slots_free_at: When each batch slot frees up.
-            max_batch_size: The largest batch.
             now: The current time (their admission).
             idle: Nothing waits and nothing runs: a refusal rests on the model alone,
                 and a probe may be let in instead.
@@ -461,27 +529,20 @@ class LatencyTarget:
         """
         if not reqs or not self.ready:
             return False
-        self._count_left((), now)  # (forgets what left over a target ago)
-        plan = self.plan(buckets, reqs, slots_free_at, max_batch_size, joined_from=now)
+        self.departures.count((), now)  # (forgets what left over a target ago)
+        plan = self.plan(buckets, reqs, slots_free_at, joined_from=now)
         more_late = 0
         if plan.dropped:
-            before = self.plan(buckets, (), slots_free_at, max_batch_size, joined_from=now)
+            before = self.plan(buckets, (), slots_free_at, joined_from=now)
             more_late = len(plan.dropped) - len(before.dropped)
         predicted = plan.finish + self.reserve_s - now
         if predicted <= self.target_s and more_late <= 0:
-            if self._refusing_since is not None:
-                self._stop_refusing()
+            if self.probing.since is not None:
+                self.probing.stop()
             return False
-        if idle and len(reqs) <= max_batch_size:
-            self._refusing_since = self._refusing_since or now
-            if now >= self._next_probe_at:
-                self._probes += 1
-                self._probe_pending = True
-                self._next_probe_at = now + self._probe_interval
-                cap = max(MAX_PROBE_INTERVAL_S, self.target_s)
-                self._probe_interval = min(2 * self._probe_interval, cap)
-                return True
-        self._count_left(reqs, now)
+        if idle and len(reqs) <= self.policy.max_batch_size and self.probing.refusing(now):
+            return True
+        self.departures.count(reqs, now)
         if predicted <= self.target_s:
             why = f"it would make {more_late} request(s) admitted before it miss the target"
         elif plan.cut:
@@ -491,7 +552,8 @@ class LatencyTarget:
                 "admitted before it), over the target"
             )
         else:
-            ahead = sum(len(queue) for queue in self._waiting(buckets, reqs[0].priority).values())
+            queues, _ = self._queues(buckets, reqs)
+            ahead = sum(len(queue) for queue in queues.values()) - len(reqs)
             why = (
                 f"predicted {predicted * 1e3:.1f} ms to answer this request ({ahead} "
                 "requests ahead of it), over the target"
@@ -502,32 +564,12 @@ class LatencyTarget:
             target_s=self.target_s,
         )
 
-    def _count_left(self, reqs: Sequence[Request], now: float) -> None:
-        """`reqs` left at `now` (answered, refused or dropped); forget those that left
-        more than a target ago."""
-        left, by_bucket = self._left, self._left_by_bucket
-        for req in reqs:
-            left.append((now, req.bucket))
-            by_bucket[req.bucket] = by_bucket.get(req.bucket, 0) + 1
-        while left and left[0][0] < now - self.target_s:
-            _, bucket = left.popleft()
-            by_bucket[bucket] -= 1
-            if not by_bucket[bucket]:
-                del by_bucket[bucket]
-
-    def _stop_refusing(self) -> None:
-        self._refusing_since = None
-        self._probes = 0
-        self._next_probe_at = 0.0
-        self._probe_interval = self.target_s
-
     # -- the replay ------------------------------------------------------------------
     def plan(
         self,
         buckets: Mapping[Hashable, Bucket],
         reqs: Sequence[Request],
         slots_free_at: Sequence[float],
-        max_batch_size: int,
         joined_from: float | None,
     ) -> Plan:
         """Replay the scheduler over what waits and `reqs`, as if nothing else arrived.
@@ -542,11 +584,11 @@ class LatencyTarget:
             buckets: The waiting requests, by bucket.
             reqs: New requests (deadlines and `seq` set); none to replay what waits.
             slots_free_at: When each batch slot frees up.
-            max_batch_size: The largest batch.
             joined_from: Now, for admission: each bucket's last batch is planned with
                 the requests expected to join it before it leaves (see
                 `_joined_seconds`). None replays what waits alone.
         """
+        max_batch_size = self.policy.max_batch_size
         queues, fresh_from = self._queues(buckets, reqs)
         at = dict.fromkeys(queues, 0)  # each queue's front
         slots = sorted(slots_free_at)
@@ -554,11 +596,11 @@ class LatencyTarget:
         dropped: list[Request] = []
         while queues:
             start, dropped_before = slots[0], len(dropped)
-            self._drop_hopeless_fronts(queues, at, start, dropped)
+            self._drop_late_fronts(queues, at, start, dropped)
             if queues:  # the bucket whose front came first forms its batch
                 name = min(queues, key=lambda n: (queues[n][at[n]].priority, queues[n][at[n]].seq))
                 queue, i = queues[name], at[name]
-                i += self.overdue(queue[i : i + 4 * max_batch_size], start, max_batch_size)
+                i += self.late_at_front(queue[i : i + 4 * max_batch_size], start, max_batch_size)
                 dropped += queue[at[name] : i]
                 at[name] = i
             late = [r for r in dropped[dropped_before:] if r in reqs]
@@ -589,13 +631,19 @@ class LatencyTarget:
                 del queues[name]
         return Plan(finish, dropped, cut)
 
-    @classmethod
+    @staticmethod
     def _queues(
-        cls, buckets: Mapping[Hashable, Bucket], reqs: Sequence[Request]
+        buckets: Mapping[Hashable, Bucket], reqs: Sequence[Request]
     ) -> tuple[dict[Hashable, list[Request]], dict[Hashable, int]]:
-        """What a replay serves: each bucket's waiting requests served before `reqs`,
-        then `reqs` at the back of theirs; and where they begin in each queue."""
-        queues = cls._waiting(buckets, reqs[0].priority if reqs else math.inf)
+        """What a replay serves: each bucket's waiting requests served before `reqs`
+        (of their priority or a more urgent one), then `reqs` at the back of theirs;
+        and where they begin in each queue."""
+        priority = reqs[0].priority if reqs else math.inf
+        queues = {}
+        for name, bucket in buckets.items():
+            queue = [r for r in bucket.candidates(None) if r.priority <= priority]
+            if queue:
+                queues[name] = queue
         fresh_from = {}
         for name, new in by_bucket(reqs).items():
             queue = queues.setdefault(name, [])
@@ -603,19 +651,7 @@ class LatencyTarget:
             queue.extend(new)
         return queues, fresh_from
 
-    @staticmethod
-    def _waiting(
-        buckets: Mapping[Hashable, Bucket], priority: float
-    ) -> dict[Hashable, list[Request]]:
-        """Each bucket's waiting requests of `priority` or more urgent, in service order."""
-        queues = {}
-        for name, bucket in buckets.items():
-            queue = [r for r in bucket.candidates(None) if r.priority <= priority]
-            if queue:
-                queues[name] = queue
-        return queues
-
-    def _drop_hopeless_fronts(
+    def _drop_late_fronts(
         self,
         queues: dict[Hashable, list[Request]],
         at: dict[Hashable, int],
@@ -650,7 +686,7 @@ class LatencyTarget:
         budget). They are expected at the rate the bucket's requests left over the
         last target (answered, refused or dropped): what flows through it, which a
         burst that still waits does not inflate."""
-        rate = self._left_by_bucket.get(batch[0].bucket, 0) / self.target_s
+        rate = self.departures.rate(batch[0].bucket)
         size = min(len(batch) + round(rate * max(until, 0.0)), max_batch_size)
         budget = self.policy.max_tokens
         if budget is not None:
@@ -658,7 +694,7 @@ class LatencyTarget:
             size = min(size, max(1, int(budget // per_item)) if per_item > 0 else size)
         return self.batch_seconds(batch, size)
 
-    def overdue(self, front: Sequence[Request], start: float, max_batch_size: int) -> int:
+    def late_at_front(self, front: Sequence[Request], start: float, max_batch_size: int) -> int:
         """How many of a bucket's first waiting requests to drop so that a full batch
         leaving at `start` is in time: none unless a full batch waits behind them.
 
@@ -680,7 +716,6 @@ class LatencyTarget:
         buckets: Mapping[Hashable, Bucket],
         slots_free_at: Sequence[float],
         running_ends: Sequence[float | None],
-        max_batch_size: int,
         now: float,
     ) -> list[Request]:
         """Drop the waiting requests late even alone in the next batch; and, once the
@@ -690,25 +725,26 @@ class LatencyTarget:
             buckets: The waiting requests, by bucket (the dropped ones leave them).
             slots_free_at: When each batch slot frees up.
             running_ends: The running batches' predicted ends (None: unknown).
-            max_batch_size: The largest batch.
             now: The current time.
 
         Returns:
             The dropped requests, their error set.
         """
         start = min(slots_free_at)
-        shed: list[Request] = []
+        late: list[Request] = []
         for bucket in buckets.values():
             if bucket.live:
-                shed += bucket.shed_fronts(lambda r: start + self.batch_seconds([r]) > r.deadline)
+                late += bucket.drop_late_fronts(
+                    lambda r: start + self.batch_seconds([r]) > r.deadline
+                )
         if self._slipped or self._running_late(running_ends, now):
             self._slipped = False
-            late = self.plan(buckets, (), slots_free_at, max_batch_size, None).dropped
-            for name, reqs in by_bucket(late).items():
+            planned = self.plan(buckets, (), slots_free_at, None).dropped
+            for name, reqs in by_bucket(planned).items():
                 buckets[name].drop_waiting(reqs)
-            shed += late
-        self.set_errors(shed, start)
-        return shed
+            late += planned
+        self.set_errors(late, start)
+        return late
 
     def _running_late(self, running_ends: Sequence[float | None], now: float) -> bool:
         """Whether a running batch is past its predicted end (looked at again at most
@@ -721,7 +757,7 @@ class LatencyTarget:
         return False
 
     def next_drop_at(self, buckets: Mapping[Hashable, Bucket]) -> float | None:
-        """When the next waiting request becomes hopeless if no slot frees first: the
+        """When the next waiting request becomes too late if no slot frees first: the
         earliest, over the buckets' heads, of its deadline less its own batch's time.
         None when nothing waits with a deadline.
 
@@ -742,7 +778,7 @@ class LatencyTarget:
             dropped: Requests dropped while waiting.
             start: The earliest time their batch could have left.
         """
-        self._count_left(dropped, start)
+        self.departures.count(dropped, start)
         for req in dropped:
             run = self.batch_seconds([req])
             waited = start - req.enqueued_at
@@ -786,19 +822,16 @@ class LatencyTarget:
             now: When it ended.
             clean: It ran as one call that completed (its time teaches the model).
         """
-        self._count_left(requests, now)
+        self.departures.count(requests, now)
         if expected_end is not None and now > expected_end:
             self._slipped = True
         if not clean:
             return
-        if seconds + self.reserve_s <= self.target_s:  # in time: if refusing, probe again now
-            self._next_probe_at = 0.0
-            self._probe_interval = self.target_s
-        self._probe_pending = False
+        self.probing.observed(in_time=seconds + self.reserve_s <= self.target_s)
         refuted = self.learner.refuted
         keys = [r.key for r in requests]
         cost = 0.0 if self.policy.key is None else float(self.policy.cost.of(keys))
         self.learner.observe(padded_size, cost, seconds)
         self._times.clear()
         if self.learner.refuted > refuted:
-            self._stop_refusing()
+            self.probing.stop()

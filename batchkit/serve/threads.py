@@ -10,6 +10,7 @@ future resolved on their own loop, so the event loop is never blocked.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 from collections.abc import Callable
@@ -22,25 +23,24 @@ from batchkit.serve.options import Options
 from batchkit.serve.request import deliver
 from batchkit.serve.scheduler import FormedBatch
 from batchkit.serve.streaming import run_stream_sync
-from batchkit.serve.timer import Timer
+from batchkit.serve.timer import Alarm, Timer
 from batchkit.serve.watchdog import Watchdog
 from batchkit.usercode import run
 
 log = logging.getLogger("batchkit")
 
-# The timer's key for the scheduling pass due while every worker runs a batch.
-_SHED_PASS = "shed while busy"
-
 
 class Worker:
     """One worker thread, and the batch it runs now (for the watchdog)."""
 
-    __slots__ = ("thread", "batch", "abandoned")
+    __slots__ = ("thread", "batch", "abandoned", "expired")
 
-    def __init__(self) -> None:
+    def __init__(self, expired: Callable[[Worker], None]) -> None:
         self.thread: threading.Thread | None = None
         self.batch: FormedBatch | None = None
         self.abandoned = False  # given up in a timed-out call: its late result is dropped
+        # The watchdog's alarm for its call (`batch_timeout`): `expired(self)`.
+        self.expired = Alarm(functools.partial(expired, self))
 
 
 class ThreadDriver:
@@ -62,14 +62,7 @@ class ThreadDriver:
 
     def __init__(self, fn: Callable[[Any], Any], options: Options, name: str) -> None:
         self.fn = fn
-        self.core = core = ServingCore(
-            options,
-            name,
-            wake=self._wake_locked,
-            settings_changed=self._settings_changed_locked,
-            forked=self._forked_locked,
-            check_loop=self._refuse_own_worker_locked,
-        )
+        self.core = core = ServingCore(options, name, self)
         self.cond = threading.Condition(core.lock)
         # Set on this driver's worker threads: a call or a close from inside the
         # function is told apart from one of another thread.
@@ -77,14 +70,15 @@ class ThreadDriver:
         self.workers: list[Worker] = []  # live workers (not stuck in a timed-out call)
         self.idle_workers = 0
         # Calls back while every worker runs a batch: the watchdog's deadlines, and a
-        # latency target's pass when a waiting request becomes hopeless.
+        # latency target's pass when a waiting request becomes too late.
         self.timer = Timer(core.lock, core.clock, name)
+        self.drop_pass = Alarm(self._drop_while_busy)
         self.watchdog: Watchdog | None = None
         timeout = options.batch_timeout
         if timeout is not None and not options.streaming:
-            self.watchdog = Watchdog(self.timer, timeout, self._expired)
+            self.watchdog = Watchdog(self.timer, timeout)
 
-    def _refuse_own_worker_locked(self, loop: asyncio.AbstractEventLoop | None) -> None:
+    def check_loop_locked(self, loop: asyncio.AbstractEventLoop | None) -> None:
         """Before an enqueue: a call from inside the function, on its only worker,
         would wait for the batch it is part of: refuse it (any caller, thread or
         asyncio, on that thread)."""
@@ -95,22 +89,24 @@ class ThreadDriver:
                 "from, forever (call the model directly, or allow more batches at once)"
             )
 
-    def _wake_locked(self) -> None:
+    def wake_locked(self) -> None:
+        """Under the lock: something changed; wake an idle worker (starting the
+        workers on first use)."""
         if not self.workers:
             self._start_workers_locked()
         if self.idle_workers:
             self.cond.notify()
-        elif self.core.sheds_while_busy and not self.timer.is_set(_SHED_PASS):
-            self._shed_while_busy()  # every worker may be running a batch
+        elif self.core.drops_while_busy and not self.timer.is_set(self.drop_pass):
+            self._drop_while_busy()  # every worker may be running a batch
 
-    def _shed_while_busy(self) -> None:
+    def _drop_while_busy(self) -> None:
         """Under the lock, under a latency target, when every worker may be running a
-        batch: tell the waiting requests that became hopeless, and have the timer look
-        again when the next one does (nobody else passes before a batch ends, and a
-        caller behind a long batch would hear only then, or at the next arrival)."""
-        at = self.core.shed_while_busy_locked()
+        batch: answer the waiting requests that became too late, and have the timer
+        look again when the next one does (nobody else passes before a batch ends, and
+        a caller behind a long batch would hear only then, or at the next arrival)."""
+        at = self.core.drop_while_busy_locked()
         if at is not None:
-            self.timer.set_locked(_SHED_PASS, at, self._shed_while_busy)
+            self.timer.set_locked(self.drop_pass, at)
 
     def _start_workers_locked(self) -> None:
         """Start workers up to one per concurrent batch (none while unhealthy).
@@ -118,8 +114,8 @@ class ThreadDriver:
         A thread that cannot start (`can't start new thread`) is not counted: with no
         worker at all, what waits fails with `BatcherClosed` (caused by the error),
         and the next call tries again."""
-        while self.core.healthy and len(self.workers) < self.core.max_concurrent_batches:
-            worker = Worker()
+        while self.core.readings.healthy and len(self.workers) < self.core.max_concurrent_batches:
+            worker = Worker(self._expired)
             name = f"batchkit-{self.core.name}-{len(self.workers)}"
             worker.thread = threading.Thread(target=self._work, args=(worker,), name=name)
             worker.thread.daemon = True
@@ -140,12 +136,13 @@ class ThreadDriver:
         error.__cause__ = exc
         self.core.fail_all_locked(error)
 
-    def _settings_changed_locked(self) -> None:
+    def settings_changed_locked(self) -> None:
+        """Under the lock: `configure` changed the settings."""
         if self.workers:  # (none yet: the first call starts them)
             self._start_workers_locked()
         self.cond.notify_all()  # a larger size or limit may make a batch ready now
 
-    def _forked_locked(self) -> None:
+    def forked_locked(self) -> None:
         """In a child process just forked, under the lock: the parent's worker and
         watchdog threads are not here. The batches they ran fail (they run on in the
         parent only) and free their slots; the next call starts fresh workers."""
@@ -155,14 +152,14 @@ class ThreadDriver:
         self.cond = threading.Condition(core.lock)
         self.workers = []
         self.idle_workers = 0
-        core.abandoned_workers = 0
-        core.healthy = True
+        core.readings.abandoned_workers = 0
+        core.readings.healthy = True
         self.timer.forked_locked()
         error = BatcherClosed(
             f"{core.name}: the process forked while this request's batch ran; it runs on "
             "in the parent process only"
         )
-        deliver(core.abandon_running_locked(error))
+        deliver(core.answers.abandon_running_locked(error))
 
     def _work(self, worker: Worker) -> None:
         """One worker: take a batch, run and settle it, repeat; sleep when there is none."""
@@ -173,8 +170,8 @@ class ThreadDriver:
             while True:
                 if batch is None:
                     batch, wake_at, busy = core.next_batch_locked()
-                    if busy and batch is not None and core.sheds_while_busy:
-                        self._shed_while_busy()
+                    if busy and batch is not None and core.drops_while_busy:
+                        self._drop_while_busy()
                 if batch is None:
                     if core.closed and core.num_waiting == 0:
                         if core.drained:  # (a close from inside the function left it)
@@ -203,12 +200,12 @@ class ThreadDriver:
             worker.batch = None
         if worker.abandoned:
             return None, None  # its callers had their BatchTimeout: the late result is dropped
-        done = core.finish_locked(batch, run)
+        done = core.answers.finish_locked(batch, run)
         # Take the next batch before waking this one's callers, and wake them outside
         # the lock: they call again at once and must not queue on it.
         following, wake_at, busy = core.next_batch_locked()
-        if busy and following is not None and core.sheds_while_busy:
-            self._shed_while_busy()
+        if busy and following is not None and core.drops_while_busy:
+            self._drop_while_busy()
         # Wake close(), the workers' exit, or an idle worker that can take a batch.
         if core.closed or (self.idle_workers and core.num_waiting):
             cond.notify_all()
@@ -220,27 +217,27 @@ class ThreadDriver:
         return following, wake_at
 
     # -- the watchdog (batch_timeout) ----------------------------------------------
-    def _expired(self, call: Any) -> None:
-        """Watchdog callback, under the lock: `call` (a worker) ran past the timeout."""
-        worker: Worker = call
+    def _expired(self, worker: Worker) -> None:
+        """The watchdog's alarm, under the lock: `worker`'s call ran past the timeout."""
         batch, core = worker.batch, self.core
         if batch is None or worker.abandoned:
             return
         worker.abandoned = True
         self.workers.remove(worker)
-        core.abandoned_workers += 1
-        core.count_batch_timeout_locked()
-        core.healthy = core.abandoned_workers <= core.max_concurrent_batches
+        readings = core.readings
+        readings.abandoned_workers += 1
+        core.answers.batch_timed_out_locked()
+        readings.healthy = readings.abandoned_workers <= core.max_concurrent_batches
         if core.is_running(batch):
-            deliver(core.abandon_locked(batch, core.batch_timeout_error()))
+            deliver(core.answers.abandon_locked(batch, core.answers.batch_timeout_error()))
         self._start_workers_locked()  # a replacement (none while unhealthy)
         self.cond.notify_all()  # the freed slot may start what waits
 
     def _rejoin_locked(self, worker: Worker) -> bool:
         """A stuck call returned: serve again if a worker is missing, else exit."""
-        core = self.core
-        core.abandoned_workers -= 1
-        core.healthy = core.abandoned_workers <= core.max_concurrent_batches
+        core, readings = self.core, self.core.readings
+        readings.abandoned_workers -= 1
+        readings.healthy = readings.abandoned_workers <= core.max_concurrent_batches
         worker.abandoned = False
         if core.closed or len(self.workers) >= core.max_concurrent_batches:
             return False
@@ -268,11 +265,11 @@ class ThreadDriver:
                 outcome = None
                 if watchdog is not None:
                     with self.cond:
-                        watchdog.call_started_locked(worker)
+                        watchdog.call_started_locked(worker.expired)
                 outcome = run(fn, argument, core.name, "the batch function")  # never raises
                 if watchdog is not None:
                     with self.cond:
-                        watchdog.call_ended_locked(worker)
+                        watchdog.call_ended_locked(worker.expired)
                 del argument
                 if worker.abandoned:
                     steps.close()
@@ -302,7 +299,7 @@ class ThreadDriver:
                 return  # waiting here would wait for this very call
             finished = self.cond.wait_for(lambda: core.drained, timeout)
             if not finished:
-                core.fail_all_locked(core.closed_error())
+                core.fail_all_locked(core.answers.closed_error())
                 self.cond.notify_all()
             self.timer.stop_locked()
         if finished:

@@ -1,7 +1,7 @@
 """One thread per sync function that calls back, under the serving core's lock, at
-the times it was set to: the deadline of a running call (`batch_timeout`, see
-`batchkit.serve.watchdog`) and, under a latency target while every worker runs a
-batch, the moment the next waiting request becomes hopeless (see `ThreadDriver`).
+the times its alarms were set to: the deadline of a running call (`batch_timeout`,
+see `batchkit.serve.watchdog`) and, under a latency target while every worker runs
+a batch, the moment the next waiting request becomes too late (see `ThreadDriver`).
 
 Nothing else runs then: every worker is inside the function, so without this thread
 a waiting caller would hear only when a batch ends or someone arrives. The thread
@@ -13,19 +13,32 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 
 from batchkit.serve.options import Clock
 
 log = logging.getLogger("batchkit")
 
 
+class Alarm:
+    """One callback of a `Timer`, due at one time at most (set again to move it).
+
+    Args:
+        callback: Called under the lock, on the timer's thread, when it is due.
+    """
+
+    __slots__ = ("callback",)
+
+    def __init__(self, callback: Callable[[], None]) -> None:
+        self.callback = callback
+
+
 class Timer:
-    """Callbacks due at given times, each under a key; one thread calls them.
+    """Alarms due at given times; one thread calls them.
 
     Args:
         lock: The serving core's lock; every method named `..._locked` is called
-            under it, and so is every callback.
+            under it, and so is every alarm's callback.
         clock: The batcher's clock, in seconds (the times set are on it).
         name: The function's name, for the thread's name.
     """
@@ -35,24 +48,24 @@ class Timer:
         self.cond = threading.Condition(lock)
         self.clock = clock
         self._name = name
-        self._due: dict[Hashable, tuple[float, Callable[[], None]]] = {}
+        self._due: dict[Alarm, float] = {}
         self._thread: threading.Thread | None = None
         self._stopped = False
 
-    def set_locked(self, key: Hashable, at: float, callback: Callable[[], None]) -> None:
-        """Under the lock: call `callback` at `at` (once), replacing what `key` had.
+    def set_locked(self, alarm: Alarm, at: float) -> None:
+        """Under the lock: call `alarm` at `at` (once), instead of when it was due.
+
+        Nothing is set once the timer is stopped. When the thread cannot start
+        (`can't start new thread`) it is logged, and nothing is called back until a
+        later `set_locked` starts it (a batch runs unwatched meanwhile).
 
         Args:
-            key: What the callback is for (a worker's call, a pass of the driver).
+            alarm: What is called (a worker's call deadline, a pass of the driver).
             at: When, on the clock.
-            callback: Called under the lock, on the timer's thread. Nothing is
-                set once the timer is stopped. When the thread cannot start
-                (`can't start new thread`) it is logged, and nothing is called back
-                until a later `set_locked` starts it (a batch runs unwatched meanwhile).
         """
         if self._stopped:
             return  # (closed: nothing is called any more)
-        self._due[key] = (at, callback)
+        self._due[alarm] = at
         if self._thread is None:
             thread = threading.Thread(
                 target=self._run, name=f"batchkit-{self._name}-timer", daemon=True
@@ -65,13 +78,13 @@ class Timer:
             self._thread = thread
         self.cond.notify()
 
-    def cancel_locked(self, key: Hashable) -> None:
-        """Under the lock: `key`'s callback is no longer due (if it was)."""
-        self._due.pop(key, None)
+    def cancel_locked(self, alarm: Alarm) -> None:
+        """Under the lock: `alarm` is no longer due (if it was)."""
+        self._due.pop(alarm, None)
 
-    def is_set(self, key: Hashable) -> bool:
-        """Whether a callback is due under `key` (read under the lock)."""
-        return key in self._due
+    def is_set(self, alarm: Alarm) -> bool:
+        """Whether `alarm` is due (read under the lock)."""
+        return alarm in self._due
 
     def stop_locked(self) -> None:
         """Under the lock: the function is closed; the thread exits, calling nothing more."""
@@ -93,13 +106,14 @@ class Timer:
             self._thread.join()
 
     def _run(self) -> None:
+        due = self._due
         with self.cond:
             while not self._stopped:
                 now = self.clock()
-                for key, entry in list(self._due.items()):
-                    # (a callback may have set or cancelled another key meanwhile)
-                    if entry[0] <= now and self._due.get(key) is entry:
-                        del self._due[key]
-                        entry[1]()
-                upcoming = min((at for at, _ in self._due.values()), default=None)
+                for alarm, at in list(due.items()):
+                    # (a callback may have set or cancelled another alarm meanwhile)
+                    if at <= now and due.get(alarm) == at:
+                        del due[alarm]
+                        alarm.callback()
+                upcoming = min(due.values(), default=None)
                 self.cond.wait(None if upcoming is None else max(upcoming - self.clock(), 0.0))

@@ -6,7 +6,7 @@ forms "runs" for the latency model's time of its padded size and the cost of its
 keys (`a + b * size + c * cost`). Nothing sleeps, so 100k requests take a second or
 two, and the same seed gives the same numbers. With `keys` (each request's length)
 a token budget cuts the batches as online, by the policy's `cost`; with
-`max_latency_ms` the scheduler refuses and sheds what would be late, as online, and
+`max_latency_ms` the scheduler refuses and drops what would be late, as online, and
 the result counts them and the goodput.
 
 With `groups` (each request's group: drawn from a count or weights, or a trace's
@@ -20,7 +20,6 @@ alone (replicas, or streams that do not slow each other down).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import heapq
 import itertools
@@ -44,7 +43,7 @@ from batchkit.batchers.cost import BatchCost, CostLike, as_batch_cost
 from batchkit.batchers.dynamic import DynamicBatcher
 from batchkit.batchers.sorted import SortedBatcher
 from batchkit.batchers.static import StaticBatcher
-from batchkit.errors import Overloaded, QueueFull
+from batchkit.errors import Overloaded
 from batchkit.serve.options import check_has_wait, check_latency_target, is_positive_finite
 from batchkit.serve.request import DONE, new_request
 from batchkit.serve.scheduler import FormedBatch, Scheduler, group_bucket
@@ -1221,10 +1220,6 @@ def _replay(
             sched.finish(batch, now)
             for req in batch.requests:
                 req.state = DONE
-        if i < n and arrive[i] <= now:
-            # As the serving core admits: what can no longer be in time is shed first,
-            # even while every slot is busy (counted as shed by the scheduler).
-            sched.shed_too_late(now)
         while i < n and arrive[i] <= now:
             key = 0.0 if keys is None else float(keys[i])
             if groups is not None:
@@ -1236,10 +1231,10 @@ def _replay(
                 req = new_request(i, 0.0, None, 0, enqueued_at=arrive[i])
             else:
                 req = new_request(i, key, policy.bucket_of(key), 0, enqueued_at=arrive[i])
-            # Counted by the scheduler (QueueFull as rejected, its subclass Overloaded as
-            # overloaded); the latency stays NaN. Shed requests are counted there too.
-            with contextlib.suppress(QueueFull):
-                sched.add(req)
+            # A refusal (QueueFull as rejected, its subclass Overloaded as overloaded)
+            # and the waiting requests dropped on the way (shed) are counted by the
+            # scheduler; their latency stays NaN.
+            sched.add(req)
             i += 1
         while True:
             formed, wake_at, dropped = sched.decide(now)

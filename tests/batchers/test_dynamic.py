@@ -18,7 +18,7 @@ from batchkit import DynamicBatcher
 from batchkit.serve.request import new_request
 from batchkit.serve.scheduler import Scheduler
 from batchkit.serve.stats import DispatchReason
-from tests.serve._passes import poll
+from tests.serve._passes import admit, poll
 
 
 def add(sched: Scheduler, item: object, now: float) -> None:
@@ -26,7 +26,7 @@ def add(sched: Scheduler, item: object, now: float) -> None:
     key = policy.key_of(item)
     req = new_request(item, key, policy.bucket_of(key), 0)
     req.enqueued_at = now
-    sched.add(req)
+    admit(sched, req)
 
 
 def items(batch: object) -> list[object]:

@@ -58,7 +58,7 @@ def test_a_late_event_does_not_bring_back_removed_series() -> None:
     metrics, registry = _exporter()
     f = _make()
     metrics.track(f, name="embed")
-    (tracker,) = f.runtime.core.listeners
+    (tracker,) = f.runtime.core.answers.listeners
     metrics.untrack(f)
     f.add_listener(tracker)  # as if an event were on its way during the untrack
     f.map(range(3))

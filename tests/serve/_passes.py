@@ -1,4 +1,5 @@
-"""One scheduling pass driven the way the serving core drives it, for tests."""
+"""The scheduler driven the way the serving core drives it, for tests: an admission,
+one scheduling pass."""
 
 from __future__ import annotations
 
@@ -21,3 +22,13 @@ def poll(
     if failed:
         raise failed[0].error  # type: ignore[misc]
     return batch, wake_at
+
+
+def admit(sched: Scheduler, req: Request, dropped: list[Request] | None = None) -> None:
+    """`sched.add(req)`: its refusal is raised here. The waiting requests it dropped
+    as too late are appended to `dropped` (when given)."""
+    admission = sched.add(req)
+    if dropped is not None:
+        dropped.extend(admission.dropped)
+    if admission.refused is not None:
+        raise admission.refused

@@ -6,7 +6,7 @@ from batchkit import DynamicBatcher
 from batchkit.serve.caps import PROBE_AFTER, SizeCaps
 from batchkit.serve.request import Request
 from batchkit.serve.scheduler import Scheduler
-from tests.serve._passes import poll
+from tests.serve._passes import admit, poll
 
 
 def _requests(n: int) -> list[Request]:
@@ -71,7 +71,7 @@ def test_the_scheduler_forms_batches_within_the_caps_it_is_given() -> None:
     caps, policy = SizeCaps(), DynamicBatcher(8, max_wait_ms=None)
     sched = Scheduler(policy, caps=caps)
     for req in _requests(8):
-        sched.add(req)
+        admit(sched, req)
     caps.learn(None, 3, policy)
     batch, _ = poll(sched, 0.0)
     assert batch is not None and [r.item for r in batch.requests] == [0, 1, 2]

@@ -18,7 +18,7 @@ from batchkit import DynamicBatcher
 from batchkit.serve.buckets import Bucket
 from batchkit.serve.request import Request, new_request
 from batchkit.serve.scheduler import Scheduler, group_bucket
-from tests.serve._passes import poll
+from tests.serve._passes import admit, poll
 
 
 def by_task(item: tuple[Hashable, int]) -> Hashable:
@@ -30,7 +30,7 @@ def add(sched: Scheduler, item: tuple[Hashable, int], now: float, priority: int 
     key = policy.key_of(item)
     group = policy.group_of(item)
     req = new_request(item, key, group_bucket(policy, key, group), priority, None, None, now, group)
-    sched.add(req)
+    admit(sched, req)
     return req
 
 
@@ -119,7 +119,7 @@ def test_groups_that_come_and_go_leave_no_bucket_behind() -> None:
     late = add(sched, ("late", 0), now)
     batch, _ = poll(sched, now)
     assert batch is not None and batch.requests == [late]
-    assert len(sched.buckets) <= 2
+    assert len(sched.waiting.buckets) <= 2
 
 
 @pytest.mark.filterwarnings("ignore:more than .* groups")

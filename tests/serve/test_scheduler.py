@@ -12,7 +12,7 @@ from batchkit.serve.request import DROPPED, RUNNING, Request, new_request
 from batchkit.serve.scheduler import Scheduler
 from batchkit.serve.stats import DispatchReason
 from tests.batchers._costs import squares, within_budget
-from tests.serve._passes import poll
+from tests.serve._passes import admit, poll
 
 
 def add(sched: Scheduler, item: object, now: float, priority: int = 0) -> Request:
@@ -20,7 +20,7 @@ def add(sched: Scheduler, item: object, now: float, priority: int = 0) -> Reques
     key = policy.key_of(item)
     req = new_request(item, key, policy.bucket_of(key), priority)
     req.enqueued_at = now
-    sched.add(req)
+    admit(sched, req)
     return req
 
 
@@ -158,11 +158,11 @@ def test_drop_removes_waiting_only() -> None:
     sched = Scheduler(DynamicBatcher(4, max_wait_ms=0))
     a = add(sched, "a", 0.0)
     b = add(sched, "b", 0.0)
-    assert sched.drop(a)
-    assert not sched.drop(a)
+    assert sched.waiting.withdraw(a)
+    assert not sched.waiting.withdraw(a)
     batch, _ = poll(sched, 0.0)
     assert batch is not None and batch.requests == [b]
-    assert not sched.drop(b)  # running
+    assert not sched.waiting.withdraw(b)  # running
     assert a.state == DROPPED and b.state == RUNNING
 
 
@@ -302,7 +302,7 @@ def test_batches_are_the_service_order_heads_with_drops(
             assert sched.num_waiting == len(waiting)
         elif op == "drop" and added:
             req = added[n % len(added)]
-            assert sched.drop(req) == (req in waiting)
+            assert sched.waiting.withdraw(req) == (req in waiting)
             if req in waiting:
                 waiting.remove(req)
         elif op == "poll":
@@ -342,7 +342,7 @@ def test_the_public_scheduler_accepts_a_request_without_an_arrival_time() -> Non
     from batchkit.serve.scheduler import Scheduler
 
     sched = Scheduler(DynamicBatcher(4, max_wait_ms=10))
-    sched.add(new_request("x", 0.0, None, 0))
+    admit(sched, new_request("x", 0.0, None, 0))
     batch, _ = poll(sched, 0.0)
     assert batch is not None and [r.item for r in batch.requests] == ["x"]
 
@@ -359,7 +359,7 @@ def test_a_select_that_reorders_its_list_still_takes_what_it_chose() -> None:
 
     sched = Scheduler(ShortestFirst(max_batch_size=2, max_wait_ms=0, key=len))
     for item in ["ccc", "a", "bb"]:
-        sched.add(new_request(item, float(len(item)), None, 0))
+        admit(sched, new_request(item, float(len(item)), None, 0))
     served = []
     while True:
         batch, _ = poll(sched, 0.0)
@@ -380,7 +380,7 @@ def test_a_select_replaced_on_the_policy_instance_is_not_taken_for_a_prefix() ->
     policy.select = lambda cands: [cands[-1]]  # type: ignore[method-assign]
     sched = Scheduler(policy)
     for i in range(3):
-        sched.add(new_request(i, 0.0, None, 0))
+        admit(sched, new_request(i, 0.0, None, 0))
     served = []
     while (batch := poll(sched, 0.0)[0]) is not None:
         served += [r.item for r in batch.requests]
@@ -397,7 +397,7 @@ def test_a_keyless_policy_in_several_buckets_serves_the_oldest_head_first() -> N
     sched = Scheduler(policy)
 
     def add(item: str, key: float) -> None:
-        sched.add(new_request(item, key, policy.bucket_of(key), 0))
+        admit(sched, new_request(item, key, policy.bucket_of(key), 0))
 
     add("first-short", 2.0)  # makes bucket 0 the first in dict order
     batch, _ = poll(sched, 0.0)

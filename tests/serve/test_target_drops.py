@@ -42,7 +42,7 @@ def waiting(target: LatencyTarget, bucket: Bucket, count: int, at: float) -> lis
 
 
 def too_late(target: LatencyTarget, bucket: Bucket, now: float, slot: float, ends: list) -> list:
-    return target.too_late({None: bucket}, [slot], ends, MAX_BATCH, now)
+    return target.too_late({None: bucket}, [slot], ends, now)
 
 
 def test_a_request_late_even_alone_in_the_next_batch_is_dropped_with_its_error() -> None:
@@ -93,18 +93,18 @@ def test_the_oldest_are_dropped_when_a_full_batch_behind_them_would_be_in_time()
     # A full batch leaving at 0.080 ends at 0.106, past the old ones' deadline: cut
     # for them it would make every request behind later still, so they go instead.
     front = bucket.candidates(4 * MAX_BATCH)
-    assert front[: target.overdue(front, 0.080, MAX_BATCH)] == old
+    assert front[: target.late_at_front(front, 0.080, MAX_BATCH)] == old
 
 
 def test_nothing_is_dropped_from_the_front_with_no_full_batch_behind_it() -> None:
     target = taught_target()
     bucket = Bucket(track_max_key=False)
     reqs = waiting(target, bucket, 2, at=0.0) + waiting(target, bucket, 4, at=0.080)
-    assert target.overdue(bucket.candidates(4 * MAX_BATCH), 0.080, MAX_BATCH) == 0
+    assert target.late_at_front(bucket.candidates(4 * MAX_BATCH), 0.080, MAX_BATCH) == 0
     assert bucket.candidates(None) == reqs
 
 
-def test_the_next_drop_is_when_the_soonest_head_becomes_hopeless() -> None:
+def test_the_next_drop_is_when_the_soonest_head_becomes_too_late() -> None:
     target = taught_target()
     old, young = Bucket(track_max_key=False), Bucket(track_max_key=False)
     assert target.next_drop_at({None: old}) is None  # nothing waits
@@ -114,5 +114,5 @@ def test_the_next_drop_is_when_the_soonest_head_becomes_hopeless() -> None:
     assert drop_at is not None
     assert drop_at == pytest.approx(first.deadline - target.batch_seconds([first]), abs=1e-5)
     # Just after it, a pass surely drops that request (and only it).
-    shed = target.too_late({"old": old, "young": young}, [drop_at], [], 16, drop_at)
+    shed = target.too_late({"old": old, "young": young}, [drop_at], [], drop_at)
     assert shed == [first]

@@ -34,7 +34,7 @@ from batchkit.serve.events import DropEvent
 from batchkit.serve.request import DROPPED, WAITING, Request, new_request
 from batchkit.serve.scheduler import FormedBatch, Scheduler
 from batchkit.serve.stats import DispatchReason
-from tests.serve._passes import poll
+from tests.serve._passes import admit, poll
 from tests.serve._wait import wait_until
 
 TARGET = 0.105
@@ -50,7 +50,7 @@ def device(n: int) -> float:
 def add(sched: Scheduler, now: float, priority: int = 0) -> Request:
     req = new_request(len(sched.running), 0.0, None, priority)
     req.enqueued_at = now
-    sched.add(req)
+    admit(sched, req)
     return req
 
 
@@ -70,6 +70,17 @@ def taught(max_wait_ms: float = 5.0, max_concurrent_batches: int = 1) -> tuple[S
         sched.finish(batch, now)
     assert sched.target is not None and sched.target.ready
     return sched, now + 1.0
+
+
+def test_an_admission_first_drops_the_waiting_requests_no_longer_in_time() -> None:
+    sched, now = taught()
+    old = add(sched, now)  # no pass runs: it still waits when its deadline has passed
+    newcomer = new_request(1, 0.0, None, 0)
+    newcomer.enqueued_at = now + TARGET
+    admission = sched.add(newcomer)
+    assert admission.refused is None and admission.dropped == [old]
+    assert old.state == DROPPED and isinstance(old.error, Overloaded)
+    assert sched.stats.shed == 1 and sched.num_waiting == 1
 
 
 def test_everything_is_admitted_until_the_model_has_seen_enough_batches() -> None:
@@ -123,19 +134,19 @@ def test_a_request_that_would_make_an_earlier_one_late_goes_in_the_next_batch() 
     waiting = [add(sched, now) for _ in range(32)]  # two full batches: until 52 and 78 ms
     first = add(sched, now)  # the fourth batch's first, its deadline 102.9 ms
     waiting += [first] + [add(sched, now + 0.010) for _ in range(13)]  # until 102 ms
+    end = now + device(16)
+    sched.finish(running, end)
+    batch, _ = poll(sched, end)  # the second leaves at 26 ms, before the next arrival
     # In the fourth batch it would end it at 103 ms, past the first's deadline; in
     # the fifth, full, at 128 ms, before its own (132.9 ms): admitted, for the fifth.
     later = add(sched, now + 0.030)
     assert later.state == WAITING
     answered: dict[int, float] = {}
-    end = now + device(16)
-    sched.finish(running, end)
-    while sched.num_waiting:
-        batch, _ = poll(sched, end)
-        assert batch is not None
+    while batch is not None:
         end += device(len(batch.requests))
         sched.finish(batch, end)
         answered.update((id(req), end) for req in batch.requests)
+        batch, _ = poll(sched, end) if sched.num_waiting else (None, None)
     for req in [*waiting, later]:
         assert answered[id(req)] <= req.deadline + 1e-9
     assert answered[id(first)] == pytest.approx(now + 0.102)
@@ -162,7 +173,7 @@ def test_requests_of_other_buckets_count_as_batches_of_their_own() -> None:
         for _ in range(n):
             req = new_request(0, 30.0, policy.bucket_of(30.0), 0)
             req.enqueued_at = now
-            sched.add(req)
+            admit(sched, req)
         batch, _ = poll(sched, now)
         assert batch is not None and len(batch.requests) == n
         now += exact_device(policy, batch)
@@ -172,11 +183,11 @@ def test_requests_of_other_buckets_count_as_batches_of_their_own() -> None:
         for _ in range(3):
             req = new_request(0, key, policy.bucket_of(key), 0)
             req.enqueued_at = now
-            sched.add(req)
+            admit(sched, req)
     newcomer = new_request(0, 30.0, policy.bucket_of(30.0), 0)
     newcomer.enqueued_at = now
     with pytest.raises(Overloaded) as refused:
-        sched.add(newcomer)
+        admit(sched, newcomer)
     assert refused.value.predicted_s > 5 * 0.012  # five batches of a few items
     assert sched.num_waiting == 12
 
@@ -198,7 +209,7 @@ def test_decide_returns_the_requests_it_sheds_with_their_error() -> None:
     assert stuck is not None
     waiting = add(sched, now)
     batch, wake_at, dropped = sched.decide(now + 0.090)  # still in time
-    # Every slot busy: look again when it becomes hopeless (its deadline less its own
+    # Every slot busy: look again when it becomes too late (its deadline less its own
     # batch's time), to tell it then, not when the stuck batch ends.
     assert batch is None and not dropped
     assert wake_at == pytest.approx(now + PLANNED - device(1), abs=1e-5)
@@ -375,9 +386,9 @@ def run_traffic(
             req = make_request(i)
             req.enqueued_at = now
             i += 1
-            try:
-                sched.add(req)
-            except Overloaded:
+            admission = sched.add(req)
+            settle(admission.dropped, "shed")
+            if admission.refused is not None:
                 settle([req], "refused")
         while True:
             batch, wake_at, dropped = sched.decide(now)
@@ -559,7 +570,7 @@ class StallingModel:
         self._release.set()
 
 
-def test_a_request_a_long_batch_makes_hopeless_is_told_at_the_next_arrival() -> None:
+def test_a_request_a_long_batch_makes_too_late_is_told_at_the_next_arrival() -> None:
     # No scheduling pass runs while every slot is busy; an arrival's admission sheds
     # what waits behind the running batch and can no longer be in time, so its caller
     # hears at once, not when the batch finally ends.
@@ -584,9 +595,9 @@ def test_a_request_a_long_batch_makes_hopeless_is_told_at_the_next_arrival() -> 
     assert model.f.stats().shed == 1
 
 
-def test_with_nobody_arriving_a_request_is_told_when_it_becomes_hopeless() -> None:
+def test_with_nobody_arriving_a_request_is_told_when_it_becomes_too_late() -> None:
     # While a batch runs long and nothing arrives, the event loop driver looks again
-    # when the waiting request could become hopeless (a timer on the loop, armed for
+    # when the waiting request could become too late (a timer on the loop, armed for
     # its deadline less its own batch's time), and tells it then.
     model = StallingModel()
 
@@ -595,7 +606,7 @@ def test_with_nobody_arriving_a_request_is_told_when_it_becomes_hopeless() -> No
         waiting = asyncio.ensure_future(model.f.acall(1))
         for _ in range(5):  # admitted, and a pass ran: its timer is due in about 92 ms
             await asyncio.sleep(0)
-        model.clock.advance(0.200)  # the batch still runs: the request is hopeless now
+        model.clock.advance(0.200)  # the batch still runs: the request is too late now
         await asyncio.wait({waiting}, timeout=1.0)  # the timer, not the batch, ends it
         assert waiting.done() and not running.done()
         with pytest.raises(Overloaded, match="dropped before it ran: waited 200.0 ms"):
@@ -608,10 +619,10 @@ def test_with_nobody_arriving_a_request_is_told_when_it_becomes_hopeless() -> No
     assert model.f.stats().shed == 1
 
 
-def test_with_nobody_arriving_a_sync_functions_caller_is_told_when_it_becomes_hopeless() -> None:
+def test_with_nobody_arriving_a_sync_functions_caller_is_told_when_it_becomes_too_late() -> None:
     # A sync function's one worker is inside the stalled batch, so no worker can look
     # again; the function's timer thread does, when the waiting request could become
-    # hopeless (armed at its admission), and tells it then.
+    # too late (armed at its admission), and tells it then.
     clock = FakeClock()
     stalled, release = threading.Event(), threading.Event()
 
@@ -630,7 +641,7 @@ def test_with_nobody_arriving_a_sync_functions_caller_is_told_when_it_becomes_ho
         assert stalled.wait(5.0)  # its batch runs, predicted to end in 11 ms
         waiting = pool.submit(f, 1)
         wait_until(lambda: f.stats().queue_depth == 1)  # admitted: in time so far
-        clock.advance(0.200)  # the batch still runs: the request is hopeless now
+        clock.advance(0.200)  # the batch still runs: the request is too late now
         with pytest.raises(Overloaded, match="dropped before it ran: waited 200.0 ms"):
             waiting.result(timeout=1.0)  # the timer, not the batch, ends it
         assert not running.done()
@@ -905,7 +916,7 @@ def bucket_taught(policy: BucketedBatcher, target: float) -> tuple[Scheduler, fl
         for _ in range(n):
             req = new_request(0, key, policy.bucket_of(key), 0)
             req.enqueued_at = now
-            sched.add(req)
+            admit(sched, req)
             reqs.append(req)
         batch, _ = poll(sched, now)
         assert batch is not None and batch.requests == reqs
@@ -937,13 +948,14 @@ def test_the_buckets_turns_are_planned_as_the_scheduler_then_serves_them(
         req = new_request(0, float(key), policy.bucket_of(float(key)), 0)
         req.enqueued_at = at
         with contextlib.suppress(Overloaded):  # (a refused one does not wait)
-            sched.add(req)
+            admit(sched, req)
     new = new_request(0, float(newcomer), policy.bucket_of(float(newcomer)), 0)
     new.enqueued_at = now
     new.seq = sched.stats.requests + 1  # (the seq add() gives it)
     sched.target.set_deadline(new)
-    plan = sched.target.plan(sched.buckets, [new], [now], 16, None)
-    sched._enqueue(new)  # (placed without admission, to follow it)
+    plan = sched.target.plan(sched.waiting.buckets, [new], [now], None)
+    sched.stats.requests += 1  # (placed without admission, to follow it)
+    sched.waiting.place(new, track_max_key=False)
     ends: dict[int, float] = {}
     while sched.num_waiting:
         batch, _ = poll(sched, now, shed)
@@ -1069,7 +1081,7 @@ def test_a_stall_drops_the_requests_the_buckets_turns_now_make_late_at_once() ->
 def add_keyed(sched: Scheduler, policy: BucketedBatcher, key: float, now: float) -> Request:
     req = new_request(0, key, policy.bucket_of(key), 0)
     req.enqueued_at = now
-    sched.add(req)
+    admit(sched, req)
     return req
 
 

@@ -1,5 +1,5 @@
-"""The timer thread of a sync function: callbacks at the times set, under the lock,
-each once; replaced or cancelled by key; nothing after stop."""
+"""The timer thread of a sync function: alarms called at the times set, under the
+lock, each once; moved or cancelled; nothing after stop."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from batchkit.serve.timer import Timer
+from batchkit.serve.timer import Alarm, Timer
 from tests.serve._wait import wait_until
 
 
@@ -34,54 +34,59 @@ def test_callbacks_run_once_each_in_time_order_under_the_lock(
     calls: list[tuple[str, bool]] = []
     with lock:
         now = time.monotonic()
-        timer.set_locked("late", now + 0.04, lambda: calls.append(("late", lock._is_owned())))  # type: ignore[attr-defined]
-        timer.set_locked("soon", now + 0.01, lambda: calls.append(("soon", lock._is_owned())))  # type: ignore[attr-defined]
+        late = Alarm(lambda: calls.append(("late", lock._is_owned())))  # type: ignore[attr-defined]
+        soon = Alarm(lambda: calls.append(("soon", lock._is_owned())))  # type: ignore[attr-defined]
+        timer.set_locked(late, now + 0.04)
+        timer.set_locked(soon, now + 0.01)
     wait_until(lambda: len(calls) == 2)
     time.sleep(0.05)  # and neither is called again
     assert calls == [("soon", True), ("late", True)]
-    assert not timer.is_set("soon") and not timer.is_set("late")
+    assert not timer.is_set(soon) and not timer.is_set(late)
 
 
-def test_a_key_set_again_replaces_its_time_and_a_cancelled_one_is_not_called(
+def test_an_alarm_set_again_moves_and_a_cancelled_one_is_not_called(
     lock: threading.RLock, timer: Timer
 ) -> None:
     calls: list[str] = []
+    passes, watch = Alarm(lambda: calls.append("pass")), Alarm(lambda: calls.append("watch"))
     with lock:
         now = time.monotonic()
-        timer.set_locked("pass", now + 30.0, lambda: calls.append("first"))
-        timer.set_locked("pass", now, lambda: calls.append("second"))  # sooner: wakes it
-        timer.set_locked("watch", now + 0.01, lambda: calls.append("watch"))
-        timer.cancel_locked("watch")
-        assert timer.is_set("pass") and not timer.is_set("watch")
-    wait_until(lambda: calls == ["second"])
+        timer.set_locked(passes, now + 30.0)
+        timer.set_locked(passes, now)  # sooner: wakes it
+        timer.set_locked(watch, now + 0.01)
+        timer.cancel_locked(watch)
+        assert timer.is_set(passes) and not timer.is_set(watch)
+    wait_until(lambda: calls == ["pass"])
     time.sleep(0.03)
-    assert calls == ["second"]
+    assert calls == ["pass"]
 
 
-def test_a_callback_may_set_its_key_again(lock: threading.RLock, timer: Timer) -> None:
+def test_an_alarm_may_set_itself_again(lock: threading.RLock, timer: Timer) -> None:
     calls: list[int] = []
 
     def again() -> None:
         calls.append(len(calls))
         if len(calls) < 3:
-            timer.set_locked("pass", time.monotonic(), again)
+            timer.set_locked(alarm, time.monotonic())
 
+    alarm = Alarm(again)
     with lock:
-        timer.set_locked("pass", time.monotonic(), again)
+        timer.set_locked(alarm, time.monotonic())
     wait_until(lambda: len(calls) == 3)
     with lock:
         timer.stop_locked()
     timer.join()
-    assert calls == [0, 1, 2] and not timer.is_set("pass")
+    assert calls == [0, 1, 2] and not timer.is_set(alarm)
 
 
 def test_once_stopped_nothing_is_set_or_called(lock: threading.RLock, timer: Timer) -> None:
     calls: list[str] = []
     with lock:
-        timer.set_locked("a", time.monotonic() + 0.02, lambda: calls.append("a"))
+        timer.set_locked(Alarm(lambda: calls.append("a")), time.monotonic() + 0.02)
         timer.stop_locked()
-        timer.set_locked("b", time.monotonic(), lambda: calls.append("b"))
-        assert not timer.is_set("b")
+        b = Alarm(lambda: calls.append("b"))
+        timer.set_locked(b, time.monotonic())
+        assert not timer.is_set(b)
     timer.join()
     time.sleep(0.03)
     assert calls == []

@@ -9,7 +9,7 @@ import pytest
 
 import batchkit
 from batchkit import RequestTimeout
-from batchkit.serve.admission import RoomWaiters
+from batchkit.serve.backpressure import RoomWaiters
 
 
 def test_block_mode_map_timeout_counts_the_blocked_enqueue() -> None:

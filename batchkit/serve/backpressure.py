@@ -3,8 +3,9 @@ woken first-come-first-served as requests leave it.
 
 Thread callers wait on a lock, asyncio callers on a future of their own loop; a
 waiter that is woken retries its enqueue (and waits again if it lost a race). The
-serving core holds one `BlockingAdmission` and gives it the one thing it needs from
-the core: a way to try an enqueue under the core's lock.
+serving core holds one `Backpressure` and hands itself to it as the `Queue` it
+fills: a way to try an enqueue under the core's lock, and to count a caller that
+gave up.
 """
 
 from __future__ import annotations
@@ -13,17 +14,24 @@ import asyncio
 import threading
 from collections import deque
 from collections.abc import Callable
-from typing import TypeAlias
+from typing import Protocol, TypeAlias
 
 from batchkit.errors import RequestTimeout
 from batchkit.serve.request import Request
 
 Waiter: TypeAlias = "threading.Lock | asyncio.Future[None]"  # a string: Lock is a factory
-TryAdmit = Callable[[Request], bool]
-"""Under the lock: enqueue the request and return True, or return False (no room); may
-raise (e.g. `BatcherClosed`)."""
-OnTimeout = Callable[[float], RequestTimeout]
-"""Under the lock: count a caller that gave up waiting and make its error."""
+
+
+class Queue(Protocol):
+    """What backpressure asks of the serving core; each method is called under its
+    lock."""
+
+    def enqueue_if_room_locked(self, req: Request) -> bool:
+        """Enqueue the request and return True, or return False (no room); may raise
+        (e.g. `BatcherClosed`)."""
+
+    def gave_up_waiting_locked(self, timeout: float) -> RequestTimeout:
+        """Count a caller that gave up waiting, and make its error from its `timeout`."""
 
 
 class RoomWaiters:
@@ -99,30 +107,25 @@ def _resolve(fut: asyncio.Future[None]) -> None:
         fut.set_result(None)
 
 
-class BlockingAdmission:
+class Backpressure:
     """Callers wait for queue room (within their timeout) instead of getting `QueueFull`.
 
     Args:
         lock: The serving core's lock, taken around every enqueue attempt.
-        try_admit: Under the lock: enqueue a request and return True, or return
-            False when there is no room.
-        on_timeout: Under the lock: count a caller that gave up waiting, and make its
-            error from its `timeout`.
+        queue: Where requests are enqueued (the serving core).
         clock: The batcher's clock (seconds), for the callers' deadlines.
     """
 
     def __init__(
         self,
         lock: threading.RLock,
-        try_admit: TryAdmit,
-        on_timeout: OnTimeout,
+        queue: Queue,
         clock: Callable[[], float],
     ) -> None:
         self.lock = lock
+        self.queue = queue
         self.clock = clock  # deadlines are read on the batcher's clock (real waits)
         self.waiters = RoomWaiters()
-        self._try_admit = try_admit
-        self._on_timeout = on_timeout
 
     def room_freed(self, free: int | None) -> None:
         """Under the lock: requests left the queue; wake as many waiters as fit.
@@ -142,20 +145,20 @@ class BlockingAdmission:
             timeout: Seconds to wait for room at most; None for no bound.
 
         Raises:
-            RequestTimeout: No room within `timeout` (made by `on_timeout`).
-            BatcherClosed: The function is closed (raised by `try_admit`).
+            RequestTimeout: No room within `timeout`.
+            BatcherClosed: The function is closed.
         """
         deadline = None if timeout is None else self.clock() + timeout
         while True:
             with self.lock:
-                if self._try_admit(req):
+                if self.queue.enqueue_if_room_locked(req):
                     return
                 waiter = self.waiters.add_thread()
             left = -1.0 if deadline is None else max(deadline - self.clock(), 0.0)
             if not waiter.acquire(timeout=left):
                 with self.lock:
                     if self.waiters.discard(waiter):
-                        raise self._on_timeout(timeout or 0.0)
+                        raise self.queue.gave_up_waiting_locked(timeout or 0.0)
                 # Woken just as the timeout passed: try once more.
 
     async def asubmit(self, req: Request, timeout: float | None) -> None:
@@ -175,7 +178,7 @@ class BlockingAdmission:
         deadline = None if timeout is None else self.clock() + timeout
         while True:
             with self.lock:
-                if self._try_admit(req):
+                if self.queue.enqueue_if_room_locked(req):
                     return
                 fut = self.waiters.add_async(loop)
             left = None if deadline is None else max(deadline - self.clock(), 0.0)
@@ -184,7 +187,7 @@ class BlockingAdmission:
             except asyncio.TimeoutError:
                 with self.lock:
                     if self.waiters.discard(fut):
-                        raise self._on_timeout(timeout or 0.0) from None
+                        raise self.queue.gave_up_waiting_locked(timeout or 0.0) from None
             except asyncio.CancelledError:
                 with self.lock:
                     if not self.waiters.discard(fut):
