@@ -114,9 +114,10 @@ class BatchedFunction(Generic[ItemT_contra, ResultT_co, CallT_co]):
 
     Type parameters: `BatchedFunction[Item, Result]` takes an `Item` per call and
     gives a `Result` (for a stream, a chunk); the third, what `f(item)` returns, is
-    `Result` for a sync function (the default) and `Coroutine[Any, Any, Result]` for an
-    async one. [`batched`][batchkit.serve.batched.batched] reads them off the
-    function's annotations.
+    `Result` for a sync function (the default), `Coroutine[Any, Any, Result]` for an
+    async one, and `Never` for a stream (`f(item)` raises: read it with `stream`).
+    [`batched`][batchkit.serve.batched.batched] reads them off the function's
+    annotations.
     """
 
     def __init__(self, fn: Callable[..., Any], options: Options) -> None:
