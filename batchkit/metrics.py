@@ -344,7 +344,7 @@ class PrometheusMetrics:
     # -- which functions ------------------------------------------------------
     def track(
         self,
-        f: BatchedFunction[Any] | ContinuousBatcher,
+        f: BatchedFunction[Any, Any] | ContinuousBatcher,
         name: str | None = None,
         *,
         groups: bool = False,
@@ -441,7 +441,7 @@ class PrometheusMetrics:
         table[label] = (weakref.ref(f), tracker)
         return tracker
 
-    def untrack(self, f: BatchedFunction[Any] | ContinuousBatcher) -> None:
+    def untrack(self, f: BatchedFunction[Any, Any] | ContinuousBatcher) -> None:
         """Stop exporting ``f``: detach the listener and remove its series.
 
         Args:
@@ -463,7 +463,7 @@ class PrometheusMetrics:
         f.remove_listener(tracker)  # type: ignore[arg-type]  # (the one add_listener got)
 
     @property
-    def tracked(self) -> dict[str, BatchedFunction[Any]]:
+    def tracked(self) -> dict[str, BatchedFunction[Any, Any]]:
         """The tracked functions by label (those still alive)."""
         with self._lock:
             items = [(name, ref()) for name, (ref, _) in self._tracked.items()]
@@ -478,7 +478,7 @@ class PrometheusMetrics:
 
     def _tracked_with_groups(
         self,
-    ) -> tuple[dict[str, BatchedFunction[Any]], dict[str, ContinuousBatcher]]:
+    ) -> tuple[dict[str, BatchedFunction[Any, Any]], dict[str, ContinuousBatcher]]:
         """The functions and the continuous batchers tracked with ``groups=True``, by
         label (those still alive)."""
         with self._lock:
@@ -553,7 +553,7 @@ class _ScrapeTimeGauges:
         """One sample per tracked function."""
         return self._families(self.owner.tracked)
 
-    def _families(self, tracked: dict[str, BatchedFunction[Any]]) -> list[Metric]:
+    def _families(self, tracked: dict[str, BatchedFunction[Any, Any]]) -> list[Metric]:
         depth = GaugeMetricFamily(
             self.depth_name, "Requests waiting in the queue.", labels=["batcher"]
         )
@@ -692,7 +692,7 @@ class _GroupSeries:
             families += self._batcher_families(batchers)
         return families
 
-    def _function_families(self, tracked: dict[str, BatchedFunction[Any]]) -> list[Metric]:
+    def _function_families(self, tracked: dict[str, BatchedFunction[Any, Any]]) -> list[Metric]:
         p = self.prefix
         labels = ["batcher", "group"]
         admitted = CounterMetricFamily(

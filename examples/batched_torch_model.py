@@ -111,7 +111,7 @@ def main(threads: int = 16, num_requests: int = 192, rounds: int = 5) -> None:
     rng = np.random.default_rng(0)
     lengths = np.minimum(rng.zipf(1.6, num_requests) * 6, 200)
     requests = [rng.integers(1, VOCAB, int(n)).tolist() for n in lengths]
-    runs: dict[str, batchkit.BatchedFunction[Any]] = {
+    runs: dict[str, batchkit.BatchedFunction[Any, Any]] = {
         "one at a time": encode_single,
         "@batched": encode,
     }

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import Awaitable
 
 import batchkit
 
@@ -28,7 +29,9 @@ async def device(xs: list[int]) -> list[int]:
     return [x * 2 for x in xs]
 
 
-async def offer(f: batchkit.BatchedFunction[int], rate: float, seconds: float) -> dict[str, float]:
+async def offer(
+    f: batchkit.BatchedFunction[int, int, Awaitable[int]], rate: float, seconds: float
+) -> dict[str, float]:
     """Poisson arrivals at `rate` for `seconds`; in-time answers, refusals, latencies."""
     rng = random.Random(0)
     latencies: list[float] = []

@@ -12,8 +12,20 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import AsyncIterator, Callable, Hashable, Iterable, Iterator, Sequence
-from typing import Any, Generic, Literal, Protocol, TypeVar, overload
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Coroutine,
+    Hashable,
+    Iterable,
+    Iterator,
+    Sequence,
+)
+from typing import Any, Generic, Literal, Protocol, cast
+
+# TypeVar's default= before Python 3.13; overload's registry (get_overloads) on 3.10.
+from typing_extensions import Never, Self, TypeVar, overload
 
 from batchkit.batchers.base import Batcher
 from batchkit.serve import callers
@@ -33,7 +45,15 @@ from batchkit.serve.options import (
 from batchkit.serve.stats import Stats
 from batchkit.serve.threads import ThreadDriver
 
-R = TypeVar("R")
+# A batched function's types: what one caller passes (an item of the function's list),
+# what it gets back (an entry of the returned sequence; a chunk, for a stream), and what
+# `f(item)` itself returns (the result; an awaitable of it for an async function).
+ItemT_contra = TypeVar("ItemT_contra", contravariant=True)
+ResultT_co = TypeVar("ResultT_co", covariant=True)
+CallT_co = TypeVar("CallT_co", covariant=True, default=ResultT_co)
+# The same, as `batched` reads them off the function it decorates.
+ItemT = TypeVar("ItemT")
+ResultT = TypeVar("ResultT")
 
 
 class Driver(Protocol):
@@ -68,7 +88,7 @@ class Driver(Protocol):
         ...
 
 
-class BatchedFunction(Generic[R]):
+class BatchedFunction(Generic[ItemT_contra, ResultT_co, CallT_co]):
     """A batch function wrapped so that callers pass one item and get one result.
 
     Made by [`batched`][batchkit.serve.batched.batched], not constructed directly.
@@ -91,6 +111,13 @@ class BatchedFunction(Generic[R]):
     uses its own. After `os.fork()` the child starts its own workers.
 
     It is also a context manager (`with`, `async with`) that closes it on exit.
+
+    Type parameters: `BatchedFunction[Item, Result]` takes an `Item` per call and
+    gives a `Result` (for a stream, a chunk); the third, what `f(item)` returns, is
+    `Result` for a sync function (the default), `Coroutine[Any, Any, Result]` for an
+    async one, and `Never` for a stream (`f(item)` raises: read it with `stream`).
+    [`batched`][batchkit.serve.batched.batched] reads them off the function's
+    annotations.
     """
 
     def __init__(self, fn: Callable[..., Any], options: Options) -> None:
@@ -110,9 +137,9 @@ class BatchedFunction(Generic[R]):
         self.__doc__ = getattr(fn, "__doc__", None)
         self.__wrapped__ = fn
         self._bind_lock = threading.RLock()
-        self._bound_by_instance: weakref.WeakKeyDictionary[Any, BatchedFunction[R]] = (
-            weakref.WeakKeyDictionary()
-        )
+        self._bound_by_instance: weakref.WeakKeyDictionary[
+            Any, BatchedFunction[ItemT_contra, ResultT_co, CallT_co]
+        ] = weakref.WeakKeyDictionary()
         # Created now (cheap: no thread starts before the first call).
         self._driver: Driver = (
             LoopDriver(fn, options, self.__qualname__)
@@ -135,16 +162,21 @@ class BatchedFunction(Generic[R]):
     def __set_name__(self, owner: type, name: str) -> None:
         self._attr_name = name
 
-    def __get__(self, instance: Any, owner: type | None = None) -> Any:
+    def __get__(
+        self, instance: object, owner: type | None = None
+    ) -> BatchedFunction[ItemT_contra, ResultT_co, CallT_co]:
         if instance is None:
             return self
         with self._bind_lock:  # two threads' first access must share one queue
             return self._bound_for(instance, owner)
 
-    def _bound_for(self, instance: Any, owner: type | None) -> BatchedFunction[R]:
+    def _bound_for(
+        self, instance: Any, owner: type | None
+    ) -> BatchedFunction[ItemT_contra, ResultT_co, CallT_co]:
         name = getattr(self, "_attr_name", None)
         if name is not None and isinstance(getattr(instance, "__dict__", None), dict):
-            cached: BatchedFunction[R] | None = instance.__dict__.get(name)
+            cached: BatchedFunction[ItemT_contra, ResultT_co, CallT_co] | None
+            cached = instance.__dict__.get(name)
             if cached is None:
                 cached = BatchedFunction(self.fn.__get__(instance, owner), self.options)
                 instance.__dict__[name] = cached  # later lookups skip this descriptor
@@ -162,7 +194,9 @@ class BatchedFunction(Generic[R]):
             ) from None
 
     # -- one item ------------------------------------------------------------
-    def __call__(self, item: Any, *, priority: int = 0, timeout: float | None = None) -> Any:
+    def __call__(
+        self, item: ItemT_contra, *, priority: int = 0, timeout: float | None = None
+    ) -> CallT_co:
         """Run one item in a batch: `f(x)`.
 
         A sync function blocks this thread until the result (called on a thread that
@@ -195,10 +229,11 @@ class BatchedFunction(Generic[R]):
         if self.streams:
             raise self._streams_error()
         if self.is_async:
-            return callers.acall(self._core, item, priority, timeout)
+            return cast(CallT_co, callers.acall(self._core, item, priority, timeout))
         if not self._warned_on_loop and asyncio._get_running_loop() is not None:
             self._warn_blocking_on_loop()
-        return callers.call(self._core, item, priority, timeout)
+        result: CallT_co = callers.call(self._core, item, priority, timeout)
+        return result
 
     def _warn_blocking_on_loop(self) -> None:
         self._warned_on_loop = True
@@ -225,7 +260,9 @@ class BatchedFunction(Generic[R]):
         call = f"await {name}.acall(x)" if self.is_async else f"{name}(x) or await {name}.acall(x)"
         return TypeError(f"{name} is not a generator function, so it does not {how}: use {call}")
 
-    async def acall(self, item: Any, *, priority: int = 0, timeout: float | None = None) -> Any:
+    async def acall(
+        self, item: ItemT_contra, *, priority: int = 0, timeout: float | None = None
+    ) -> ResultT_co:
         """Run one item in a batch, from asyncio (sync or async function alike).
 
         A sync function runs on a worker thread: the loop is never blocked.
@@ -256,12 +293,13 @@ class BatchedFunction(Generic[R]):
         """
         if self.streams:
             raise self._streams_error()
-        return await callers.acall(self._core, item, priority, timeout)
+        result: ResultT_co = await callers.acall(self._core, item, priority, timeout)
+        return result
 
     # -- streams ----------------------------------------------------------------
     def stream(
-        self, item: Any, *, priority: int = 0, timeout: float | None = None
-    ) -> Iterator[Any]:
+        self, item: ItemT_contra, *, priority: int = 0, timeout: float | None = None
+    ) -> Iterator[ResultT_co]:
         """One item's chunks, from a thread, as the batch's generator yields them.
 
         For a sync generator function. The item is queued at once, when the iterator
@@ -301,8 +339,8 @@ class BatchedFunction(Generic[R]):
         return callers.ThreadStream(self._core, item, priority, timeout)
 
     def astream(
-        self, item: Any, *, priority: int = 0, timeout: float | None = None
-    ) -> AsyncIterator[Any]:
+        self, item: ItemT_contra, *, priority: int = 0, timeout: float | None = None
+    ) -> AsyncIterator[ResultT_co]:
         """One item's chunks, from asyncio (sync or async generator function alike).
 
         Call it inside a coroutine; a sync generator runs on a worker thread and its
@@ -336,8 +374,8 @@ class BatchedFunction(Generic[R]):
 
     # -- many items ------------------------------------------------------------
     def map(
-        self, items: Iterable[Any], *, priority: int = 0, timeout: float | None = None
-    ) -> list[Any]:
+        self, items: Iterable[ItemT_contra], *, priority: int = 0, timeout: float | None = None
+    ) -> list[ResultT_co]:
         """Run many items from a thread; results in input order.
 
         For a sync function. The items are queued together (they batch with each
@@ -371,8 +409,8 @@ class BatchedFunction(Generic[R]):
         return callers.call_many(self._core, items, priority, timeout)
 
     async def amap(
-        self, items: Iterable[Any], *, priority: int = 0, timeout: float | None = None
-    ) -> list[Any]:
+        self, items: Iterable[ItemT_contra], *, priority: int = 0, timeout: float | None = None
+    ) -> list[ResultT_co]:
         """Run many items from asyncio, for sync and async functions; results in input
         order.
 
@@ -515,13 +553,13 @@ class BatchedFunction(Generic[R]):
         """
         await self._driver.aclose(timeout)
 
-    def __enter__(self) -> BatchedFunction[R]:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    async def __aenter__(self) -> BatchedFunction[R]:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -554,10 +592,119 @@ class BatchedFunction(Generic[R]):
         return qualname
 
 
+class BatchedDecorator(Protocol):
+    """What `@batched(...)` returns when neither `collate` nor `split` is given: a
+    decorator that types the function it wraps as bare `@batched` does."""
+
+    @overload
+    def __call__(
+        self, fn: Callable[[list[ItemT]], Sequence[ResultT]], /
+    ) -> BatchedFunction[ItemT, ResultT]: ...
+    @overload
+    def __call__(
+        self, fn: Callable[[list[ItemT]], Awaitable[Sequence[ResultT]]], /
+    ) -> BatchedFunction[ItemT, ResultT, Coroutine[Any, Any, ResultT]]: ...
+    @overload
+    def __call__(
+        self,
+        fn: Callable[[list[ItemT]], Iterator[Sequence[ResultT]] | AsyncIterator[Sequence[ResultT]]],
+        /,
+    ) -> BatchedFunction[ItemT, ResultT, Never]: ...
+    @overload
+    def __call__(
+        self, fn: Callable[[list[ItemT]], object], /
+    ) -> BatchedFunction[ItemT, Any, Any]: ...
+    @overload
+    def __call__(
+        self, fn: Callable[[Any, list[ItemT]], Sequence[ResultT]], /
+    ) -> BatchedFunction[ItemT, ResultT]: ...
+    @overload
+    def __call__(
+        self, fn: Callable[[Any, list[ItemT]], Awaitable[Sequence[ResultT]]], /
+    ) -> BatchedFunction[ItemT, ResultT, Coroutine[Any, Any, ResultT]]: ...
+    @overload
+    def __call__(
+        self,
+        fn: Callable[
+            [Any, list[ItemT]], Iterator[Sequence[ResultT]] | AsyncIterator[Sequence[ResultT]]
+        ],
+        /,
+    ) -> BatchedFunction[ItemT, ResultT, Never]: ...
+    @overload
+    def __call__(
+        self, fn: Callable[[Any, list[ItemT]], object], /
+    ) -> BatchedFunction[ItemT, Any, Any]: ...
+    @overload
+    def __call__(self, fn: Callable[..., Any], /) -> BatchedFunction[Any, Any, Any]: ...
+    def __call__(self, fn: Callable[..., Any], /) -> BatchedFunction[Any, Any, Any]:
+        """Wrap `fn` with the options given to `batched`.
+
+        Args:
+            fn: The batch function.
+        """
+        ...
+
+
+# The types of a function's callers come from its annotations: an item is an entry of
+# the list it takes (after `self`, for a method), a result an entry of the sequence it
+# returns (of each sequence it yields, for a stream). A function that returns no
+# sequence (an array, a mapping) gets results of type Any; with `collate` or `split` the
+# function sees no list of items or returns no list of results, so both are Any.
 # The overloads state the defaults a caller gets (the API reference shows them); the
 # implementation takes None for "not given", to refuse a size or wait beside a batcher.
 @overload
-def batched(fn: Callable[[Any], R], /) -> BatchedFunction[R]: ...
+def batched(
+    fn: Callable[[list[ItemT]], Sequence[ResultT]], /
+) -> BatchedFunction[ItemT, ResultT]: ...
+@overload
+def batched(
+    fn: Callable[[list[ItemT]], Awaitable[Sequence[ResultT]]], /
+) -> BatchedFunction[ItemT, ResultT, Coroutine[Any, Any, ResultT]]: ...
+@overload
+def batched(
+    fn: Callable[[list[ItemT]], Iterator[Sequence[ResultT]] | AsyncIterator[Sequence[ResultT]]], /
+) -> BatchedFunction[ItemT, ResultT, Never]: ...
+@overload
+def batched(fn: Callable[[list[ItemT]], object], /) -> BatchedFunction[ItemT, Any, Any]: ...
+@overload
+def batched(
+    fn: Callable[[Any, list[ItemT]], Sequence[ResultT]], /
+) -> BatchedFunction[ItemT, ResultT]: ...
+@overload
+def batched(
+    fn: Callable[[Any, list[ItemT]], Awaitable[Sequence[ResultT]]], /
+) -> BatchedFunction[ItemT, ResultT, Coroutine[Any, Any, ResultT]]: ...
+@overload
+def batched(
+    fn: Callable[
+        [Any, list[ItemT]], Iterator[Sequence[ResultT]] | AsyncIterator[Sequence[ResultT]]
+    ],
+    /,
+) -> BatchedFunction[ItemT, ResultT, Never]: ...
+@overload
+def batched(fn: Callable[[Any, list[ItemT]], object], /) -> BatchedFunction[ItemT, Any, Any]: ...
+@overload
+def batched(fn: Callable[..., Any], /) -> BatchedFunction[Any, Any, Any]: ...
+@overload
+def batched(
+    *,
+    max_batch_size: int | None = 32,
+    max_wait_ms: float | None = 5.0,
+    batcher: Batcher | None = None,
+    collate: None = None,
+    split: None = None,
+    max_queue_size: int | None = None,
+    max_concurrent_batches: int = 1,
+    when_full: Literal["reject", "block"] = "reject",
+    oom_errors: tuple[type[BaseException], ...] | None = None,
+    on_oom: OnOom | Literal[False] | None = None,
+    isolate_errors: bool = False,
+    batch_timeout: float | None = None,
+    max_latency_ms: float | None = None,
+    clock: Clock | None = None,
+    group: Callable[[Any], Hashable] | None = None,
+    max_groups_per_batch: int | None = None,
+) -> BatchedDecorator: ...
 @overload
 def batched(
     *,
@@ -577,11 +724,11 @@ def batched(
     clock: Clock | None = None,
     group: Callable[[Any], Hashable] | None = None,
     max_groups_per_batch: int | None = None,
-) -> Callable[[Callable[[Any], R]], BatchedFunction[R]]: ...
+) -> Callable[[Callable[..., Any]], BatchedFunction[Any, Any, Any]]: ...
 
 
 def batched(
-    fn: Callable[[Any], Any] | None = None,
+    fn: Callable[..., Any] | None = None,
     /,
     *,
     max_batch_size: int | None = None,
@@ -761,10 +908,10 @@ def batched(
         when_full=when_full,
     )
 
-    def wrap(func: Callable[[Any], Any]) -> BatchedFunction[Any]:
+    def wrap(func: Callable[..., Any]) -> BatchedFunction[Any, Any]:
         if not callable(func):
             raise TypeError(f"@batched needs a callable, got {type(func).__name__}")
-        wrapper: BatchedFunction[Any] = BatchedFunction(func, options)
+        wrapper: BatchedFunction[Any, Any] = BatchedFunction(func, options)
         functools.update_wrapper(wrapper, func, updated=())  # type: ignore[arg-type]
         return wrapper
 

@@ -35,7 +35,7 @@ def by_adapter(item: dict[str, Any]) -> Any:
     return item["adapter"]
 
 
-def grouped(max_batch_size: int = 4, **options: Any) -> batchkit.BatchedFunction[Any]:
+def grouped(max_batch_size: int = 4, **options: Any) -> batchkit.BatchedFunction[Any, Any]:
     """A function batching items of one adapter together."""
 
     def answer(items: list[dict[str, Any]]) -> list[Any]:

@@ -90,7 +90,7 @@ CONFIGURE_WRONG_VALUE: dict[str, object] = {
 }
 
 
-def decorate(name: str, value: object) -> BatchedFunction[Any]:
+def decorate(name: str, value: object) -> BatchedFunction[Any, Any]:
     """`@batched` with one option set (and what it needs beside it)."""
     if name == "fn":
         return batchkit.batched(value)  # type: ignore[arg-type]

@@ -95,7 +95,9 @@ def one_batch_of(size: int) -> DynamicBatcher:
     return DynamicBatcher(max_batch_size=size, max_wait_ms=60_000, eager=False)
 
 
-def read_in_thread(f: batchkit.BatchedFunction[Any], spec: Spec) -> tuple[list[str], str | None]:
+def read_in_thread(
+    f: batchkit.BatchedFunction[Any, Any], spec: Spec
+) -> tuple[list[str], str | None]:
     chunks: list[str] = []
     stream = f.stream(spec)
     try:

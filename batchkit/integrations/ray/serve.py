@@ -52,7 +52,7 @@ class ReplicaStats:
     stats: Stats
 
 
-def replica_stats(f: BatchedFunction[Any]) -> ReplicaStats:
+def replica_stats(f: BatchedFunction[Any, Any]) -> ReplicaStats:
     """``f.stats()`` tagged with the Serve replica this process is (empty outside Serve).
 
     Args:
@@ -164,7 +164,7 @@ class RayMetrics:
         else:
             family.inc(amount, tags)
 
-    def track(self, f: BatchedFunction[Any], name: str | None = None) -> str:
+    def track(self, f: BatchedFunction[Any, Any], name: str | None = None) -> str:
         """Record ``f``'s events under ``batcher=name``.
 
         Args:
