@@ -155,9 +155,7 @@ def call(core: Front, item: Any, priority: int, timeout: float | None) -> Any:
     return req.outcome()
 
 
-def call_many(
-    core: Front, items: Iterable[Any], priority: int, timeout: float | None
-) -> list[Any]:
+def call_many(core: Front, items: Iterable[Any], priority: int, timeout: float | None) -> list[Any]:
     """Many items from a thread; results in input order. Raises the first failed
     item's error (in input order) once every item has finished.
 

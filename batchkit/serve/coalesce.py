@@ -52,7 +52,7 @@ def check_sharing(coalesce: object, cache: object, *, streams: bool) -> None:
 
     Raises:
         TypeError: `coalesce` is neither a bool nor callable; `cache` has no
-            `__getitem__` and `__setitem__`; or either is given for a generator
+            `__getitem__` and `__setitem__`, or is a sequence; or either is given for a generator
             function (streams are not coalesced).
     """
     if not isinstance(coalesce, bool) and not callable(coalesce):
@@ -60,7 +60,8 @@ def check_sharing(coalesce: object, cache: object, *, streams: bool) -> None:
             f"coalesce must be True, False or a function item -> hashable key, "
             f"got {type(coalesce).__name__}"
         )
-    if cache is not None and not (hasattr(cache, "__getitem__") and hasattr(cache, "__setitem__")):
+    mapping_like = hasattr(cache, "__getitem__") and hasattr(cache, "__setitem__")
+    if cache is not None and (not mapping_like or isinstance(cache, Sequence)):
         raise TypeError(
             f"cache must be a mapping (dict, cachetools.LRUCache, an adapter with "
             f"__getitem__ and __setitem__), got {type(cache).__name__}"

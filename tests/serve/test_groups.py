@@ -341,3 +341,17 @@ def test_group_stats_keep_the_most_recent_groups_and_warn_once() -> None:
     assert len(groups) == GROUPS_KEPT and set(groups) == set(range(10, GROUPS_KEPT + 10))
     batch, _ = poll(sched, 0.0)  # the oldest groups' requests, though forgotten: counted again
     assert batch is not None and len(sched.stats.groups) == GROUPS_KEPT
+
+
+def test_raise_priority_puts_another_groups_request_first() -> None:
+    sched = Scheduler(DynamicBatcher(1, max_wait_ms=0, group=by_task))
+    first = add(sched, ("x", 1), 0.0, priority=1)
+    later = add(sched, ("y", 1), 0.0, priority=1)
+    sched.raise_priority(later, 0)
+    served = []
+    for _ in range(2):
+        batch, _ = poll(sched, 0.0)
+        assert batch is not None
+        served += batch.requests
+        sched.finish(batch, 0.0)
+    assert served == [later, first]
