@@ -20,6 +20,7 @@ from batchkit import (
     BatcherClosed,
     BucketedBatcher,
     DynamicBatcher,
+    Overloaded,
     QueueFull,
     RequestTimeout,
     SortedBatcher,
@@ -181,6 +182,35 @@ def test_a_caller_that_joins_is_not_refused_by_a_full_queue(
     model.release.set()
     assert waiting.result(5) == joined.result(5) == 30
     assert f.stats().rejected == 1
+
+
+def test_under_a_latency_target_a_caller_that_joins_is_not_refused(
+    pool: concurrent.futures.ThreadPoolExecutor,
+) -> None:
+    class Clock:
+        now = 0.0
+
+        def __call__(self) -> float:
+            return self.now
+
+    clock = Clock()
+    model = HeldModel()
+
+    def slow(xs: list[int]) -> list[int]:
+        clock.now += 0.5  # every batch takes five times the target
+        return model(xs)
+
+    f = batchkit.batched(slow, coalesce=True, max_latency_ms=100, clock=clock)
+    assert [f(i) for i in range(8)] == [10 * i for i in range(8)]  # it learns the device
+    holding = pool.submit(f, HOLD)
+    wait_until(lambda: f.load()[1] == 1)
+    with pytest.raises(Overloaded):
+        f(3)  # new work would be late
+    joined = pool.submit(f, HOLD)  # joining adds no work: never refused
+    wait_until(lambda: f.stats().coalesced == 1)
+    model.release.set()
+    assert holding.result(5) == joined.result(5) == 10 * HOLD
+    assert f.stats().overloaded == 1
 
 
 def test_an_error_reaches_every_caller_of_the_key(
