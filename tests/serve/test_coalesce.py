@@ -213,6 +213,46 @@ def test_under_a_latency_target_a_caller_that_joins_is_not_refused(
     assert f.stats().overloaded == 1
 
 
+def blocked_for_room(f: batchkit.BatchedFunction[Any]) -> int:
+    admission = f.runtime.core.admission
+    assert admission is not None
+    return len(admission.waiters)
+
+
+def test_with_when_full_block_a_joiner_shares_the_wait_for_room(
+    pool: concurrent.futures.ThreadPoolExecutor,
+) -> None:
+    model = HeldModel()
+    f, _ = held(model, pool, max_queue_size=1, when_full="block")
+    waiting = pool.submit(f, 1)  # fills the queue
+    wait_until(lambda: f.load()[0] == 1)
+    blocked = pool.submit(f, 2)  # waits for room
+    wait_until(lambda: blocked_for_room(f) == 1)
+    joined = pool.submit(f, 2)  # joins it while it waits for room
+    wait_until(lambda: f.stats().coalesced == 1)
+    model.release.set()
+    assert (waiting.result(5), blocked.result(5), joined.result(5)) == (10, 20, 20)
+    assert sorted(model.items()) == [1, 2]
+
+
+def test_with_when_full_block_a_failed_wait_for_room_reaches_its_joiners(
+    pool: concurrent.futures.ThreadPoolExecutor,
+) -> None:
+    model = HeldModel()
+    f, _ = held(model, pool, max_queue_size=1, when_full="block")
+    pool.submit(f, 1)
+    wait_until(lambda: f.load()[0] == 1)
+    blocked = pool.submit(f, 2, timeout=1.0)  # waits for room, at most 1 s
+    wait_until(lambda: blocked_for_room(f) == 1)
+    joined = pool.submit(f, 2)  # no timeout of its own
+    with pytest.raises(RequestTimeout):
+        blocked.result(5)
+    with pytest.raises(RequestTimeout):  # the wait it shared failed
+        joined.result(5)
+    model.release.set()
+    assert f(2) == 20  # a later call queues it afresh
+
+
 def test_an_error_reaches_every_caller_of_the_key(
     pool: concurrent.futures.ThreadPoolExecutor,
 ) -> None:
