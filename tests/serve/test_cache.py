@@ -42,6 +42,7 @@ def test_a_hit_is_answered_without_queueing() -> None:
     assert model.seen == {3: 1}
     stats = f.stats()
     assert (stats.requests, stats.batches, stats.cache_hits) == (1, 1, 1)
+    assert "coalesced 0, cache hits 1 (callers answered without a request)" in str(stats)
 
 
 def test_only_successes_are_stored() -> None:
