@@ -349,12 +349,14 @@ class Coalescer:
 
     def _join_locked(self, ticket: Request, key: Hashable) -> bool:
         """Attach `ticket` to its key's request if one waits or runs."""
+        core = self.core
+        if core.check_loop is not None:
+            # Refused as its own request would be. First: a driver that moves to this
+            # loop answers the requests of the closed one, which unlists them.
+            core.check_loop(ticket.loop)
         shared = self._shared.get(key)
         if shared is None:
             return False
-        core = self.core
-        if core.check_loop is not None:
-            core.check_loop(ticket.loop)  # refused as its own request would be
         shared.callers.append(ticket)
         self._joined[ticket] = shared
         core.sched.stats.coalesced += 1
