@@ -762,9 +762,11 @@ def batched(
             an external store) that keeps successful results by the `coalesce`
             key (the item itself without one); a call whose key it holds is
             answered at once, never queued, with a `copy.deepcopy` of the entry.
-            It implies coalescing. Access is serialised by a lock of the
-            function's; a mapping shared by several functions (or every instance
-            of a method) needs keys that tell them apart. Empty it with
+            It implies coalescing. A look-up or a store that raises (other than
+            a miss's `KeyError`) is logged and the call served all the same.
+            Access is serialised by a lock of the function's; a mapping shared
+            by several functions (or every instance of a method) needs keys that
+            tell them apart. Empty it with
             [`cache_clear`][batchkit.BatchedFunction.cache_clear] or the mapping's
             own API. None (the default) keeps nothing.
 

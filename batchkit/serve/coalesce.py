@@ -293,13 +293,17 @@ class Coalescer:
         return key if self.core.group is None else (ticket.group, key)
 
     def _cached(self, key: Hashable) -> Any:
-        """The cached result of `key`, or `_MISS`."""
+        """The cached result of `key`, or `_MISS`; a cache that fails to answer is
+        logged and counts as a miss (the function computes it)."""
         if self.cache is None:
             return _MISS
         with self._cache_lock:
             try:
                 return self.cache[key]
             except KeyError:
+                return _MISS
+            except Exception:
+                log.exception("%s: the cache failed to look a key up", self.core.name)
                 return _MISS
 
     def _answer_from_cache(self, ticket: Request, key: Hashable) -> bool:

@@ -85,6 +85,8 @@ class Store:
         self.broken = False
 
     def __getitem__(self, key: Any) -> Any:
+        if self.broken:
+            raise ConnectionError("store unreachable")
         return self.data[key]
 
     def __setitem__(self, key: Any, value: Any) -> None:
@@ -102,7 +104,7 @@ def test_an_adapter_without_clear_is_emptied_through_its_own_api() -> None:
         f.cache_clear()
 
 
-def test_a_cache_that_fails_to_store_is_logged_and_the_caller_served(
+def test_a_cache_that_fails_is_logged_and_the_caller_served(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     store = Store()
@@ -110,6 +112,7 @@ def test_a_cache_that_fails_to_store_is_logged_and_the_caller_served(
     f = batchkit.batched(Squares(), cache=store)
     with caplog.at_level(logging.ERROR, logger="batchkit"):
         assert f(5) == 25
+    assert "the cache failed to look a key up" in caplog.text
     assert "the cache refused a result" in caplog.text
 
 
