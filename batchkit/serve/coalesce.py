@@ -23,6 +23,7 @@ lock, never held while the core's is taken.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import functools
 import logging
@@ -31,7 +32,7 @@ from collections.abc import Callable, Hashable, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from batchkit.errors import BatcherClosed
+from batchkit.errors import BatcherClosed, RequestTimeout
 from batchkit.serve.core import ServingCore
 from batchkit.serve.request import DONE, DROPPED, WAITING, Request, deliver, new_request
 from batchkit.usercode import contained
@@ -422,9 +423,21 @@ class Coalescer:
 
     def _refused(self, shared: _Shared, ticket: Request, error: BaseException) -> None:
         """A blocked admission of `shared` failed: `ticket` (its first caller) raises
-        `error`; callers that joined meanwhile get it too."""
-        with self.core.lock:
+        `error`. When that caller left (its `timeout` passed, or it was cancelled),
+        the callers that joined meanwhile have the request queued now if there is
+        room, else get `QueueFull`; any other error reaches them too."""
+        core = self.core
+        with core.lock:
             others = [t for t in shared.callers if t is not ticket]
+            if others and isinstance(error, (RequestTimeout, asyncio.CancelledError)):
+                self._detach_locked(ticket)
+                try:
+                    core.submit(shared.request)  # (no wait: none of them asked to)
+                except BaseException as exc:
+                    error = exc
+                else:
+                    shared.admitted = True
+                    return
             self._forget_locked(shared)
         for other in others:
             other.state, other.error = DROPPED, error
@@ -453,7 +466,9 @@ class Coalescer:
 class SharedAdmission:
     """`when_full="block"` for a coalescing function: a new key's request waits for
     room (its first caller's `timeout` bounds the wait); callers of the key that
-    come meanwhile join it and share that wait, and its error if it fails.
+    come meanwhile join it and share that wait. If it fails, they get its error;
+    if its caller left instead (timed out, cancelled), they have the request queued
+    at once if there is room, else get `QueueFull`.
 
     Args:
         coalescer: The coalescing layer it admits for.

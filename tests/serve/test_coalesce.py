@@ -235,7 +235,7 @@ def test_with_when_full_block_a_joiner_shares_the_wait_for_room(
     assert sorted(model.items()) == [1, 2]
 
 
-def test_with_when_full_block_a_failed_wait_for_room_reaches_its_joiners(
+def test_with_when_full_block_joiners_of_a_caller_that_left_get_room_or_queue_full(
     pool: concurrent.futures.ThreadPoolExecutor,
 ) -> None:
     model = HeldModel()
@@ -245,12 +245,42 @@ def test_with_when_full_block_a_failed_wait_for_room_reaches_its_joiners(
     blocked = pool.submit(f, 2, timeout=1.0)  # waits for room, at most 1 s
     wait_until(lambda: blocked_for_room(f) == 1)
     joined = pool.submit(f, 2)  # no timeout of its own
+    wait_until(lambda: f.stats().coalesced == 1)
     with pytest.raises(RequestTimeout):
         blocked.result(5)
-    with pytest.raises(RequestTimeout):  # the wait it shared failed
+    with pytest.raises(QueueFull):  # still no room: its own, clear error
         joined.result(5)
     model.release.set()
     assert f(2) == 20  # a later call queues it afresh
+
+
+def test_with_when_full_block_joiners_keep_a_request_its_cancelled_caller_left() -> None:
+    gate = asyncio.Event()
+
+    @batchkit.batched(coalesce=True, max_queue_size=1, when_full="block")
+    async def model(xs: list[int]) -> list[int]:
+        if HOLD in xs:
+            await gate.wait()
+        return [10 * x for x in xs]
+
+    async def main() -> None:
+        holding = asyncio.ensure_future(model.acall(HOLD))
+        await asyncio.sleep(0.01)
+        waiting = asyncio.ensure_future(model.acall(1))  # fills the queue
+        await asyncio.sleep(0.01)
+        first = asyncio.ensure_future(model.acall(2))  # waits for room
+        await asyncio.sleep(0.01)
+        joined = asyncio.ensure_future(model.acall(2))
+        await asyncio.sleep(0.01)
+        assert model.stats().coalesced == 1
+        gate.set()  # room frees as the held batch ends...
+        first.cancel()  # ...as the caller waiting for it leaves
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        assert await joined == 20  # queued for the caller left
+        assert (await holding, await waiting) == (10 * HOLD, 10)
+
+    asyncio.run(main())
 
 
 def test_an_error_reaches_every_caller_of_the_key(
