@@ -29,7 +29,8 @@ requests that arrived while their key was in flight (counted by the callers). Ta
 2. goodput with ``coalesce`` >= 1.3x ``plain`` and >= ``lru_cache``;
 3. overhead: every key unique (nothing to coalesce), same device: goodput with
    ``coalesce`` within 5% of ``plain``. The per-request cost with an instant device
-   (an identity function) is printed too, as information.
+   (an identity function), from the threads and from 256 asyncio tasks (``acall``),
+   is printed too, as information.
 
 Each repeat runs every system once, in a rotated order; the figures are medians over
 repeats and the ratios come from the same run.
@@ -43,6 +44,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import asyncio
 import functools
 import itertools
 import random
@@ -251,14 +253,42 @@ def main() -> int:
         f"{device_bound['plain']['goodput']:.0f} answers/s)",
     )
     instant = measure(both, unique, 0.0, 0.0, repeats)
-    per_request = {name: 1e6 / r["goodput"] for name, r in instant.items()}
-    print(
-        f"info  instant device (identity), {THREADS} threads: "
-        f"{per_request['plain']:.1f} us/request plain, "
-        f"{per_request['coalesce']:.1f} us/request coalesce "
-        f"({per_request['coalesce'] / per_request['plain']:.2f}x)"
-    )
+    _print_per_request(f"{THREADS} threads", {n: r["goodput"] for n, r in instant.items()})
+    from_loop: dict[str, list[float]] = {name: [] for name in both}
+    for k in range(repeats):
+        for name in rotated(list(both), k):
+            from_loop[name].append(asyncio.run(tasks_goodput(name, unique)))
+    _print_per_request(f"{TASKS} asyncio tasks", {n: med(g) for n, g in from_loop.items()})
     return 0 if ok else 1
+
+
+TASKS = 256  # asyncio callers of the instant device, each awaiting f.acall
+
+
+async def tasks_goodput(name: str, keys: list[Key]) -> float:
+    """Answers/s for `TASKS` tasks in a closed loop on an instant device (`acall`)."""
+    call, close = make_system(name, Device(0.0, 0.0))
+    acall = call.acall  # type: ignore[attr-defined]
+    counter = itertools.count()
+
+    async def caller() -> None:
+        while (i := next(counter)) < len(keys):
+            if await acall(keys[i]) != answer(keys[i]):
+                raise AssertionError(f"wrong answer for {keys[i]}")
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(caller() for _ in range(TASKS)))
+    elapsed = time.perf_counter() - t0
+    close()
+    return len(keys) / elapsed
+
+
+def _print_per_request(callers: str, goodput: dict[str, float]) -> None:
+    plain, coalesce = (1e6 / goodput[name] for name in ("plain", "coalesce"))
+    print(
+        f"info  instant device (identity), {callers}: {plain:.1f} us/request plain, "
+        f"{coalesce:.1f} us/request coalesce ({coalesce / plain:.2f}x)"
+    )
 
 
 if __name__ == "__main__":

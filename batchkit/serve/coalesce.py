@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import functools
 import logging
 import threading
 from collections.abc import Callable, Hashable, MutableMapping, Sequence
@@ -142,6 +141,8 @@ class Coalescer:
         self._cache_lock = threading.Lock()
         self._shared: dict[Hashable, _Shared] = {}  # key -> its request, waiting or running
         self._joined: dict[Request, _Shared] = {}  # ticket -> what it waits for
+        self._by_request: dict[Request, _Shared] = {}  # a queued request -> its own
+        self._on_answer = self._answer  # one hook object: `deliver` groups by it
         self.admission = None if core.admission is None else SharedAdmission(self)
 
     # -- the caller side (what `batchkit.serve.callers` calls) ------------------
@@ -376,10 +377,11 @@ class Coalescer:
             ticket.item, ticket.key, ticket.bucket, ticket.priority, loop, None, 0.0, ticket.group
         )
         request.future = None  # answered through on_answer, never awaited itself
+        request.on_answer = self._on_answer
         shared = _Shared(key, request, [ticket])
-        request.on_answer = functools.partial(self._answer, shared)
         self._shared[key] = shared
         self._joined[ticket] = shared
+        self._by_request[request] = shared
         return shared
 
     def _detach_locked(self, ticket: Request) -> None:
@@ -394,32 +396,35 @@ class Coalescer:
     def _forget_locked(self, shared: _Shared) -> None:
         """`shared` was never queued: unlist it and let go of its callers."""
         self._unlist_locked(shared)
+        self._by_request.pop(shared.request, None)
         for ticket in shared.callers:
             self._joined.pop(ticket, None)
         shared.callers = []
 
-    def _answer(self, shared: _Shared, request: Request) -> None:
-        """`request`'s outcome is delivered (on any thread, the core's lock held or
-        not): hand it to every caller still attached."""
-        success = request.error is None
-        if success and self.cache is not None:
-            self._store(shared.key, request.value)  # before unlisting: no gap to miss
-        with self.core.lock:
-            self._unlist_locked(shared)
-            callers, shared.callers = shared.callers, []
-            for ticket in callers:
-                del self._joined[ticket]
-        copies = self.cache is not None  # (the cache keeps the object itself)
-        for ticket in callers:
-            ticket.state = DONE
-            if not success:
-                ticket.error = request.error
-            elif copies:
-                ticket.value = own_copy(request.value)
-            else:
-                ticket.value = request.value
-                copies = True
-        deliver(callers)
+    def _answer(self, requests: Sequence[Request]) -> None:
+        """The outcomes of these shared requests are delivered (on any thread, the
+        core's lock held or not; a batch's at once): hand each to every caller still
+        attached to it, with one hand-off per caller's loop."""
+        core = self.core
+        with core.lock:
+            answered = [self._by_request.pop(req) for req in requests]
+        if self.cache is not None:  # stored before unlisting: no gap for a call to miss
+            for shared in answered:
+                if shared.request.error is None:
+                    self._store(shared.key, shared.request.value)
+        with core.lock:
+            handed = []
+            for shared in answered:
+                self._unlist_locked(shared)
+                handed.append(shared.callers)
+                for ticket in shared.callers:
+                    del self._joined[ticket]
+                shared.callers = []
+        tickets: list[Request] = []
+        for shared, callers in zip(answered, handed):
+            _hand_outcome(shared.request, callers, copies=self.cache is not None)
+            tickets += callers
+        deliver(tickets)
 
     def _refused(self, shared: _Shared, ticket: Request, error: BaseException) -> None:
         """A blocked admission of `shared` failed: `ticket` (its first caller) raises
@@ -461,6 +466,21 @@ class Coalescer:
             if self._join_locked(ticket, key):
                 return None
             return self._open_locked(ticket, key)
+
+
+def _hand_outcome(request: Request, callers: Sequence[Request], *, copies: bool) -> None:
+    """Give `request`'s outcome to its callers: an error as it is; a result to the
+    first caller as it is (unless `copies`: the cache keeps it), to the others as a
+    copy each (`own_copy`)."""
+    for ticket in callers:
+        ticket.state = DONE
+        if request.error is not None:
+            ticket.error = request.error
+        elif copies:
+            ticket.value = own_copy(request.value)
+        else:
+            ticket.value = request.value
+            copies = True
 
 
 class SharedAdmission:

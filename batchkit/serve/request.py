@@ -97,10 +97,11 @@ class Request:
     # A thread caller's wait: a lock held from creation until the outcome is stored
     # (`deliver` releases it); None for an asyncio or streaming caller.
     waiter: threading.Lock | None
-    # Called with the request, instead of answering a caller, when its outcome is
-    # delivered: a request several callers share (`batchkit.serve.coalesce`) answers
-    # them itself. None for a caller's own request.
-    on_answer: Callable[[Request], None] | None
+    # Called, instead of answering a caller, when its outcome is delivered: once per
+    # `deliver` with every request of it that has this same hook. Requests several
+    # callers share (`batchkit.serve.coalesce`) answer them themselves, a batch's at
+    # once. None for a caller's own request.
+    on_answer: Callable[[Sequence[Request]], None] | None
 
     def __init__(
         self,
@@ -262,16 +263,19 @@ def deliver(requests: Sequence[Request]) -> None:
 
     Thread callers are woken now; a stream's channel ends (with the request's error,
     if any); asyncio futures are resolved on their own loops (one hop per loop; a
-    closed loop has nobody left to answer); a shared request's `on_answer` answers
-    its callers.
+    closed loop has nobody left to answer); shared requests are handed to their
+    `on_answer`, once per hook, which answers their callers.
 
     Args:
         requests: Requests whose outcome (value or error) is stored.
     """
     by_loop: defaultdict[asyncio.AbstractEventLoop, list[Request]] = defaultdict(list)
+    shared: dict[Callable[[Sequence[Request]], None], list[Request]] | None = None
     for req in requests:
         if req.on_answer is not None:
-            req.on_answer(req)
+            if shared is None:
+                shared = {}
+            shared.setdefault(req.on_answer, []).append(req)
         elif req.channel is not None:
             req.channel.finish(req.error)  # (a stream already ended keeps its end)
         elif req.loop is not None:
@@ -280,3 +284,5 @@ def deliver(requests: Sequence[Request]) -> None:
             req.waiter.release()
     for loop, reqs in by_loop.items():
         call_on_loop(loop, resolve_futures, reqs)
+    for answer, reqs in (shared or {}).items():
+        answer(reqs)
