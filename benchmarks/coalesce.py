@@ -37,8 +37,8 @@ repeats and the ratios come from the same run.
 
 Usage::
 
-    python benchmarks/coalesce.py            # ~1 min on 2 cores
-    python benchmarks/coalesce.py --quick    # ~25 s, noisier
+    python benchmarks/coalesce.py            # ~1.5 min on 2 cores
+    python benchmarks/coalesce.py --quick    # ~20 s, noisier
 """
 
 from __future__ import annotations
