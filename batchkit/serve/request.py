@@ -284,5 +284,6 @@ def deliver(requests: Sequence[Request]) -> None:
             req.waiter.release()
     for loop, reqs in by_loop.items():
         call_on_loop(loop, resolve_futures, reqs)
-    for answer, reqs in (shared or {}).items():
-        answer(reqs)
+    if shared is not None:
+        for answer, reqs in shared.items():
+            answer(reqs)
