@@ -56,6 +56,7 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
 from batchkit.generate.batcher import ContinuousBatcher
 from batchkit.generate.observe import FinishEvent, StepEvent
 from batchkit.serve.batched import BatchedFunction
+from batchkit.serve.coalesce import sharing_counts
 from batchkit.serve.events import BatchEvent, DropEvent
 from batchkit.serve.observe import (
     DEFAULT_LATENCY_BUCKETS,
@@ -94,6 +95,9 @@ METRIC_NAMES: dict[str, str] = {
     "inference_batch_timeouts_total": "counter (read at scrape): calls past batch_timeout",
     "inference_abandoned_workers": "gauge (read at scrape): sync workers stuck in a timed-out call",
     "inference_healthy": "gauge (read at scrape): 1, or 0 once stuck workers pass the bound",
+    "inference_coalesced_requests_total": "counter (read at scrape): callers that joined a "
+    "request of the same key (coalesce=)",
+    "inference_cache_hits_total": "counter (read at scrape): callers answered from the cache",
     # continuous batchers (ContinuousBatcher)
     "generation_time_to_first_token_seconds": "histogram: per request, submit to first token",
     "generation_inter_token_latency_seconds": "histogram: per later token, since the previous one",
@@ -529,7 +533,8 @@ class _Pruner:
 
 class _ScrapeTimeGauges:
     """A custom collector: queue depth, in-flight batches and the watchdog's figures
-    (batch timeouts, stuck workers, health), read when scraped.
+    (batch timeouts, stuck workers, health) and the callers served without a request
+    of their own (coalesced, cache hits), read when scraped.
 
     A gauge set on every event would be stale between events and cost a lock per
     arrival; reading the runtime's load at scrape time is exact and costs nothing
@@ -544,6 +549,8 @@ class _ScrapeTimeGauges:
         self.timeouts_name = f"{ns}inference_batch_timeouts"
         self.abandoned_name = f"{ns}inference_abandoned_workers"
         self.healthy_name = f"{ns}inference_healthy"
+        self.coalesced_name = f"{ns}inference_coalesced_requests"
+        self.cache_hits_name = f"{ns}inference_cache_hits"
 
     def describe(self) -> Iterable[Metric]:
         """Names for the registry's duplicate check (no samples)."""
@@ -575,6 +582,16 @@ class _ScrapeTimeGauges:
             "1 while stuck workers are replaced; 0 once past the bound (none spawned).",
             labels=["batcher"],
         )
+        coalesced = CounterMetricFamily(
+            self.coalesced_name,
+            "Callers that joined a waiting or running request of the same key (coalesce=).",
+            labels=["batcher"],
+        )
+        cache_hits = CounterMetricFamily(
+            self.cache_hits_name,
+            "Callers answered from the result cache (cache=), without queueing.",
+            labels=["batcher"],
+        )
         for name, f in tracked.items():
             waiting, running = f.load()
             depth.add_metric([name], waiting)
@@ -583,7 +600,10 @@ class _ScrapeTimeGauges:
             timeouts.add_metric([name], gave_up)
             abandoned.add_metric([name], stuck)
             healthy.add_metric([name], 1.0 if ok else 0.0)
-        return [depth, in_flight, timeouts, abandoned, healthy]
+            joined, hits = sharing_counts(f.runtime.core)
+            coalesced.add_metric([name], joined)
+            cache_hits.add_metric([name], hits)
+        return [depth, in_flight, timeouts, abandoned, healthy, coalesced, cache_hits]
 
 
 class _GenerationScrapeTime:

@@ -36,7 +36,9 @@ from batchkit.tools.simulate import (
     read_lengths,
     read_trace,
     read_trace_groups,
+    read_trace_keys,
     read_trace_lengths,
+    sample_duplicates,
     sample_groups,
     sample_lengths,
     simulate,
@@ -126,6 +128,7 @@ def add_parser(commands: Any) -> None:
     grouped.add_argument("--max-groups-per-batch", type=int_list,
                          help="the most groups in one batch (default 1; comma-separated "
                               "values sweep)")  # fmt: skip
+    _add_duplicate_options(p)
     model = p.add_argument_group("latency model (default 5 ms + 0.5 ms x batch size)")
     model.add_argument("--latency-ms", type=non_negative_float, help="a: fixed cost of a batch")
     model.add_argument("--per-item-ms", type=non_negative_float, help="b: cost per item")
@@ -142,6 +145,38 @@ def add_parser(commands: Any) -> None:
 
 LENGTH_OPTIONS = "--lengths, --length-dist or --trace-lengths"
 GROUP_OPTIONS = "--groups or --trace-groups"
+
+
+def _add_duplicate_options(p: argparse.ArgumentParser) -> None:
+    """The options of identical requests (`@batched(coalesce=...)`)."""
+    shared = p.add_argument_group("identical requests (coalesce: the device work saved)")
+    source = shared.add_mutually_exclusive_group()
+    source.add_argument("--duplicates", type=positive_int, metavar="N",
+                        help="each request's key drawn (with --seed) from N keys by "
+                             "--duplicate-skew; a request whose key is waiting or running "
+                             "joins it, as @batched(coalesce=...) does")  # fmt: skip
+    source.add_argument("--trace-keys", action="store_true",
+                        help="each request's key: the --trace CSV's column headed 'key' "
+                             "(a query, a document's hash)")  # fmt: skip
+    shared.add_argument("--duplicate-skew", type=non_negative_float, metavar="SKEW",
+                        help="--duplicates N: key k is drawn with weight 1 / (k + 1)^SKEW "
+                             "(Zipf; default 1)")  # fmt: skip
+
+
+def _duplicates(args: argparse.Namespace, count: int) -> tuple[list[Hashable] | None, str]:
+    """Each request's coalescing key, and where it came from; None without them."""
+    if args.trace_keys:
+        if args.trace is None:
+            raise CliError("--trace-keys reads the keys from --trace FILE: give --trace")
+        _, traced = read_trace_keys(args.trace)
+        return list(traced), f"keys from the key column of {args.trace}"
+    if args.duplicate_skew is not None and args.duplicates is None:
+        raise CliError("--duplicate-skew is the Zipf skew of --duplicates N: give --duplicates")
+    if args.duplicates is None:
+        return None, ""
+    skew = 1.0 if args.duplicate_skew is None else args.duplicate_skew
+    drawn: list[Hashable] = list(sample_duplicates(args.duplicates, count, args.seed, skew=skew))
+    return drawn, f"keys drawn from {args.duplicates} keys (Zipf skew {skew:g})"
 
 
 def group_spec(text: str) -> int | dict[str, float]:
@@ -346,6 +381,7 @@ def run(args: argparse.Namespace) -> int:
         source = f"{len(times)} Poisson arrivals at {args.rate:g} req/s (seed {args.seed})"
     keys, lengths_source = _keys(args, len(times), traced)
     groups, groups_source = _groups(args, len(times))
+    duplicates, duplicates_source = _duplicates(args, len(times))
     cost: CostLike = "sum" if args.cost == "sum" else "padded"
     waits: list[float | None] = list(args.max_wait_ms or [DEFAULT_MAX_WAIT_MS])
     if args.policy == "static":
@@ -394,6 +430,7 @@ def run(args: argparse.Namespace) -> int:
                     buckets=args.buckets,
                     groups=groups,
                     max_groups_per_batch=limit if args.eager else None,
+                    duplicates=duplicates,
                 )
             )
             bar.advance()
@@ -402,6 +439,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"{lengths_source}: mean {sum(keys) / len(keys):,.1f}")
     if groups is not None:
         print(f"{groups_source}: {_describe_groups(groups)}")
+    if duplicates is not None:
+        distinct = len(set(duplicates))
+        print(f"{duplicates_source}: {distinct:,} distinct in {len(duplicates):,} requests")
     if not args.eager:
         print("not eager: a batch waits for full or --max-wait-ms even when nothing runs")
     if args.max_latency_ms is not None:
@@ -571,6 +611,11 @@ def format_result(r: SimResult) -> str:
         lines.append(f"batch cost    mean {r.mean_batch_cost:,.1f} (by the policy's cost)")
     if r.max_groups_per_batch is not None:
         lines += _group_lines(r)
+    if r.coalesced:
+        lines.append(
+            f"coalesced     {r.coalesced:,} requests joined one of their key waiting or "
+            f"running: device rows saved {r.coalesced / r.requests:.0%}"
+        )
     learned = r.learned_latency
     if learned is not None:
         # (Without lengths the scheduler sees no cost: its cost term is 0 by construction.)

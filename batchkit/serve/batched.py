@@ -20,6 +20,7 @@ from collections.abc import (
     Hashable,
     Iterable,
     Iterator,
+    MutableMapping,
     Sequence,
 )
 from typing import Any, Generic, Literal, Protocol, cast
@@ -29,6 +30,7 @@ from typing_extensions import Never, Self, TypeVar, overload
 
 from batchkit.batchers.base import Batcher
 from batchkit.serve import callers
+from batchkit.serve.coalesce import Coalescer, check_sharing
 from batchkit.serve.core import ServingCore
 from batchkit.serve.event_loop import LoopDriver
 from batchkit.serve.events import Listener
@@ -132,6 +134,7 @@ class BatchedFunction(Generic[ItemT_contra, ResultT_co, CallT_co]):
             inspect.iscoroutinefunction(f) or inspect.isasyncgenfunction(f) for f in (fn, call)
         )
         self.options = options = dataclasses.replace(options, streaming=self.streams)
+        check_sharing(options.coalesce, options.cache, streams=self.streams)
         self.__name__ = getattr(fn, "__name__", "batched")
         self.__qualname__ = getattr(fn, "__qualname__", self.__name__)
         self.__doc__ = getattr(fn, "__doc__", None)
@@ -147,6 +150,14 @@ class BatchedFunction(Generic[ItemT_contra, ResultT_co, CallT_co]):
             else ThreadDriver(fn, options, self.__qualname__)
         )
         self._core = self._driver.core
+        # Where plain callers go: the core, or the coalescing layer in front of it.
+        self._coalescer: Coalescer | None = None
+        self._front: callers.Front = self._core
+        if options.coalesce is not False or options.cache is not None:
+            self._coalescer = Coalescer(
+                self._core, options.coalesce, options.cache, shares_loop=self.is_async
+            )
+            self._front = self._coalescer
         self._warned_on_loop = False
         # Dropped (a function made at run time, an instance's method with its
         # instance), it closes: its workers exit, and the function they hold is
@@ -229,10 +240,10 @@ class BatchedFunction(Generic[ItemT_contra, ResultT_co, CallT_co]):
         if self.streams:
             raise self._streams_error()
         if self.is_async:
-            return cast(CallT_co, callers.acall(self._core, item, priority, timeout))
+            return cast(CallT_co, callers.acall(self._front, item, priority, timeout))
         if not self._warned_on_loop and asyncio._get_running_loop() is not None:
             self._warn_blocking_on_loop()
-        result: CallT_co = callers.call(self._core, item, priority, timeout)
+        result: CallT_co = callers.call(self._front, item, priority, timeout)
         return result
 
     def _warn_blocking_on_loop(self) -> None:
@@ -293,7 +304,7 @@ class BatchedFunction(Generic[ItemT_contra, ResultT_co, CallT_co]):
         """
         if self.streams:
             raise self._streams_error()
-        result: ResultT_co = await callers.acall(self._core, item, priority, timeout)
+        result: ResultT_co = await callers.acall(self._front, item, priority, timeout)
         return result
 
     # -- streams ----------------------------------------------------------------
@@ -406,7 +417,7 @@ class BatchedFunction(Generic[ItemT_contra, ResultT_co, CallT_co]):
             raise self._streams_error()
         if self.is_async:
             raise TypeError(f"{self.__name__} is async: use 'await {self.__name__}.amap(items)'")
-        return callers.call_many(self._core, items, priority, timeout)
+        return callers.call_many(self._front, items, priority, timeout)
 
     async def amap(
         self, items: Iterable[ItemT_contra], *, priority: int = 0, timeout: float | None = None
@@ -436,7 +447,7 @@ class BatchedFunction(Generic[ItemT_contra, ResultT_co, CallT_co]):
         """
         if self.streams:
             raise self._streams_error()
-        return await callers.amap(self._core, items, priority, timeout)
+        return await callers.amap(self._front, items, priority, timeout)
 
     # -- introspection and lifetime ---------------------------------------------
     def add_listener(self, listener: Listener) -> None:
@@ -470,6 +481,17 @@ class BatchedFunction(Generic[ItemT_contra, ResultT_co, CallT_co]):
             latencies, dispatch reasons, and the health of the workers.
         """
         return self._core.readings.stats()
+
+    def cache_clear(self) -> None:
+        """Empty the result cache given as `cache=` (results still being computed
+        are stored when they arrive). The mapping's own API works as well.
+
+        Raises:
+            TypeError: The function has no cache, or its mapping has no `clear()`.
+        """
+        if self._coalescer is None:
+            raise TypeError(f"{self.__name__} has no cache to clear (see @batched(cache=...))")
+        self._coalescer.cache_clear()
 
     def configure(
         self,
@@ -704,6 +726,8 @@ def batched(
     clock: Clock | None = None,
     group: Callable[[Any], Hashable] | None = None,
     max_groups_per_batch: int | None = None,
+    coalesce: bool | Callable[[Any], Hashable] = False,
+    cache: MutableMapping[Hashable, Any] | None = None,
 ) -> BatchedDecorator: ...
 @overload
 def batched(
@@ -724,6 +748,8 @@ def batched(
     clock: Clock | None = None,
     group: Callable[[Any], Hashable] | None = None,
     max_groups_per_batch: int | None = None,
+    coalesce: bool | Callable[[Any], Hashable] = False,
+    cache: MutableMapping[Hashable, Any] | None = None,
 ) -> Callable[[Callable[..., Any]], BatchedFunction[Any, Any, Any]]: ...
 
 
@@ -747,6 +773,8 @@ def batched(
     clock: Clock | None = None,
     group: Callable[[Any], Hashable] | None = None,
     max_groups_per_batch: int | None = None,
+    coalesce: bool | Callable[[Any], Hashable] = False,
+    cache: MutableMapping[Hashable, Any] | None = None,
 ) -> Any:
     """Decorate a batch function (list of items -> sequence of results).
 
@@ -859,6 +887,30 @@ def batched(
         max_groups_per_batch: The most groups one batch may hold (default 1 with
             `group`); a batch of one group that leaves short is filled from the
             next oldest groups. Only with `group`.
+        coalesce: Compute identical requests once: True (the item itself is the
+            key; it must be hashable) or a function item -> hashable key (equal
+            keys promise equal results; with `group`, the key includes the group).
+            A call whose key is already waiting or running joins it instead of
+            queueing: the function sees each key in flight once, and every caller
+            gets the outcome (an error too). A caller that times out or is
+            cancelled leaves; a request nobody waits for any more is withdrawn
+            before it runs. The shared request waits at its most urgent caller's
+            priority; a caller that joins is never refused (`QueueFull`,
+            `Overloaded`). The first caller gets the result object, the others a
+            `copy.deepcopy` each (a result that cannot be copied is shared).
+            A key function that raises fails only its caller. False (the default)
+            runs every call. Not for generator functions (a `TypeError`).
+        cache: A mapping-like object (`dict`, `cachetools.LRUCache`, an adapter to
+            an external store) that keeps successful results by the `coalesce`
+            key (the item itself without one); a call whose key it holds is
+            answered at once, never queued, with a `copy.deepcopy` of the entry.
+            It implies coalescing. A look-up or a store that raises (other than
+            a miss's `KeyError`) is logged and the call served all the same.
+            Access is serialised by a lock of the function's; a mapping shared
+            by several functions (or every instance of a method) needs keys that
+            tell them apart. Empty it with
+            [`cache_clear`][batchkit.BatchedFunction.cache_clear] or the mapping's
+            own API. None (the default) keeps nothing.
 
     Returns:
         With `fn`: the [`BatchedFunction`][batchkit.BatchedFunction] wrapping it.
@@ -869,8 +921,10 @@ def batched(
             string, a bool or None where a number is needed, `batcher` not a
             [`Batcher`][batchkit.Batcher], `fn`, `collate`, `split`, `group`,
             `clock` or `on_oom` not callable, `isolate_errors` not a bool, a
-            `when_full` that is not a string, or `oom_errors` holding something
-            that is not an exception type.
+            `when_full` that is not a string, `oom_errors` holding something
+            that is not an exception type, `coalesce` neither a bool nor callable,
+            `cache` not a mapping, or `coalesce` or `cache` for a generator
+            function.
         ValueError: An option has a value out of range (the message names it):
             `max_batch_size` or `max_wait_ms` beside a `batcher`, a `max_queue_size`
             or `max_concurrent_batches` below 1, an unknown `when_full`,
@@ -906,6 +960,8 @@ def batched(
         max_latency_s=None if max_latency_ms is None else max_latency_ms / 1e3,
         isolate_errors=isolate_errors,
         when_full=when_full,
+        coalesce=coalesce,
+        cache=cache,
     )
 
     def wrap(func: Callable[..., Any]) -> BatchedFunction[Any, Any]:

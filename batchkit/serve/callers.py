@@ -14,13 +14,66 @@ import contextlib
 import math
 import numbers
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Protocol
 
 from batchkit.batchers.checks import LONGEST_WAIT_S
 from batchkit.errors import RequestTimeout
+from batchkit.serve.answers import Answers
 from batchkit.serve.channels import LoopChannel, Message, ThreadChannel
 from batchkit.serve.core import ServingCore
+from batchkit.serve.options import Clock
 from batchkit.serve.request import Request, own_error
+
+
+class WaitForRoom(Protocol):
+    """Admission that may wait for room (`when_full="block"`): the core's
+    `Backpressure`, or a layer's in front of it."""
+
+    def submit(self, req: Request, timeout: float | None) -> None:
+        """Admit `req` from a thread, waiting for room within `timeout`."""
+        ...
+
+    async def asubmit(self, req: Request, timeout: float | None) -> None:
+        """Admit `req` from asyncio, waiting for room within `timeout`."""
+        ...
+
+
+class Front(Protocol):
+    """What a plain (not streaming) caller talks to: the serving core itself, or a
+    layer in front of it with the same methods (`batchkit.serve.coalesce`)."""
+
+    @property
+    def clock(self) -> Clock:
+        """The function's clock."""
+        ...
+
+    @property
+    def backpressure(self) -> WaitForRoom | None:
+        """The admission that waits for room; None when a full queue refuses."""
+        ...
+
+    @property
+    def answers(self) -> Answers:
+        """Where the errors callers get are made (`Answers.timeout_error`)."""
+        ...
+
+    def make_request(
+        self, item: Any, priority: int, loop: asyncio.AbstractEventLoop | None
+    ) -> Request:
+        """A caller's request for `item` (see `ServingCore.make_request`)."""
+        ...
+
+    def submit(self, req: Request) -> None:
+        """Enqueue one request (see `ServingCore.submit`)."""
+        ...
+
+    def submit_many(self, reqs: Sequence[Request]) -> None:
+        """Enqueue one caller's requests, all or none (see `ServingCore.submit_many`)."""
+        ...
+
+    def give_up(self, req: Request, error: BaseException, *, timed_out: bool) -> bool:
+        """Withdraw a request its caller no longer waits for (see `ServingCore.give_up`)."""
+        ...
 
 
 def checked_timeout(timeout: object) -> float | None:
@@ -60,18 +113,18 @@ def checked_timeout(timeout: object) -> float | None:
     return seconds
 
 
-def _started(core: ServingCore, timeout: float | None) -> float:
+def _started(core: Front, timeout: float | None) -> float:
     """When a wait bounded by `timeout` starts (the clock is read only if there is one)."""
     return 0.0 if timeout is None else core.clock()
 
 
-def _left(core: ServingCore, timeout: float | None, started: float) -> float | None:
+def _left(core: Front, timeout: float | None, started: float) -> float | None:
     """What is left of `timeout` since `started` (on the core's clock)."""
     return None if timeout is None else max(timeout - (core.clock() - started), 0.0)
 
 
 # -- from a thread ------------------------------------------------------------------
-def call(core: ServingCore, item: Any, priority: int, timeout: float | None) -> Any:
+def call(core: Front, item: Any, priority: int, timeout: float | None) -> Any:
     """One item from a thread: block until its result (or error).
 
     Args:
@@ -105,9 +158,7 @@ def call(core: ServingCore, item: Any, priority: int, timeout: float | None) -> 
     return req.outcome()
 
 
-def call_many(
-    core: ServingCore, items: Iterable[Any], priority: int, timeout: float | None
-) -> list[Any]:
+def call_many(core: Front, items: Iterable[Any], priority: int, timeout: float | None) -> list[Any]:
     """Many items from a thread; results in input order. Raises the first failed
     item's error (in input order) once every item has finished.
 
@@ -149,7 +200,7 @@ def call_many(
 
 
 def _withdraw_and_raise(
-    core: ServingCore, reqs: Sequence[Request], error: BaseException, timeout: float | None
+    core: Front, reqs: Sequence[Request], error: BaseException, timeout: float | None
 ) -> NoReturn:
     """Withdraw the items of a `map` admitted before `error` stopped it, and raise.
 
@@ -172,7 +223,7 @@ def _withdraw_and_raise(
 
 
 # -- from asyncio --------------------------------------------------------------------
-async def acall(core: ServingCore, item: Any, priority: int, timeout: float | None) -> Any:
+async def acall(core: Front, item: Any, priority: int, timeout: float | None) -> Any:
     """One item from asyncio: await its result, honouring `timeout` and cancellation.
 
     Args:
@@ -203,7 +254,7 @@ async def acall(core: ServingCore, item: Any, priority: int, timeout: float | No
 
 
 async def amap(
-    core: ServingCore, items: Iterable[Any], priority: int, timeout: float | None
+    core: Front, items: Iterable[Any], priority: int, timeout: float | None
 ) -> list[Any]:
     """`call_many` from asyncio: the same arguments, results and errors; each item
     is awaited on the caller's loop."""
@@ -228,7 +279,7 @@ async def amap(
     return list(outcomes)
 
 
-async def await_request(core: ServingCore, req: Request, timeout: float | None) -> Any:
+async def await_request(core: Front, req: Request, timeout: float | None) -> Any:
     """Await an asyncio request, honouring its timeout and its caller's cancellation.
 
     Args:
@@ -259,12 +310,12 @@ async def await_request(core: ServingCore, req: Request, timeout: float | None) 
             timer.cancel()
 
 
-def _withdraw_cancelled(core: ServingCore, req: Request) -> None:
+def _withdraw_cancelled(core: Front, req: Request) -> None:
     """The caller's task was cancelled: its request is withdrawn if it still waits."""
     core.give_up(req, asyncio.CancelledError(), timed_out=False)
 
 
-def _expire(core: ServingCore, req: Request, timeout: float) -> None:
+def _expire(core: Front, req: Request, timeout: float) -> None:
     core.give_up(req, core.answers.timeout_error(timeout), timed_out=True)
 
 

@@ -15,7 +15,7 @@ import copy
 import math
 import sys
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -91,6 +91,9 @@ class Options:
         batch_timeout: Seconds one call of the function may run; None for no bound.
         max_latency_s: Each request's latency target, from admission to result, in
             seconds (`max_latency_ms` / 1000); None for none.
+        coalesce: Identical requests computed once: False, True (the item is the
+            key) or the key function (see `batchkit.serve.coalesce`).
+        cache: The mapping that keeps results by the same key; None for none.
     """
 
     policy: Batcher
@@ -105,6 +108,8 @@ class Options:
     streaming: bool = False
     batch_timeout: float | None = None
     max_latency_s: float | None = None
+    coalesce: bool | Callable[[Any], Hashable] = False
+    cache: MutableMapping[Hashable, Any] | None = None
 
     def __post_init__(self) -> None:
         # The counts are stored as ints whatever number type they came as (a YAML or

@@ -8,7 +8,7 @@ import copy
 import enum
 import threading
 from collections import defaultdict
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 from batchkit.loops import call_on_loop
@@ -72,6 +72,7 @@ class Request:
         "planned_answer",
         "group",
         "waiter",
+        "on_answer",
     )
 
     item: Any
@@ -96,6 +97,11 @@ class Request:
     # A thread caller's wait: a lock held from creation until the outcome is stored
     # (`deliver` releases it); None for an asyncio or streaming caller.
     waiter: threading.Lock | None
+    # Called, instead of answering a caller, when its outcome is delivered: once per
+    # `deliver` with every request of it that has this same hook. Requests several
+    # callers share (`batchkit.serve.coalesce`) answer them themselves, a batch's at
+    # once. None for a caller's own request.
+    on_answer: Callable[[Sequence[Request]], None] | None
 
     def __init__(
         self,
@@ -120,6 +126,7 @@ class Request:
         self.error = None
         self.loop = loop
         self.channel = channel
+        self.on_answer = None
         if channel is not None or loop is not None:
             # An asyncio caller awaits its future; a streaming caller reads its channel.
             self.future = loop.create_future() if channel is None else None  # type: ignore[union-attr]
@@ -256,14 +263,20 @@ def deliver(requests: Sequence[Request]) -> None:
 
     Thread callers are woken now; a stream's channel ends (with the request's error,
     if any); asyncio futures are resolved on their own loops (one hop per loop; a
-    closed loop has nobody left to answer).
+    closed loop has nobody left to answer); shared requests are handed to their
+    `on_answer`, once per hook, which answers their callers.
 
     Args:
         requests: Requests whose outcome (value or error) is stored.
     """
     by_loop: defaultdict[asyncio.AbstractEventLoop, list[Request]] = defaultdict(list)
+    shared: dict[Callable[[Sequence[Request]], None], list[Request]] | None = None
     for req in requests:
-        if req.channel is not None:
+        if req.on_answer is not None:
+            if shared is None:
+                shared = {}
+            shared.setdefault(req.on_answer, []).append(req)
+        elif req.channel is not None:
             req.channel.finish(req.error)  # (a stream already ended keeps its end)
         elif req.loop is not None:
             by_loop[req.loop].append(req)
@@ -271,3 +284,6 @@ def deliver(requests: Sequence[Request]) -> None:
             req.waiter.release()
     for loop, reqs in by_loop.items():
         call_on_loop(loop, resolve_futures, reqs)
+    if shared is not None:
+        for answer, reqs in shared.items():
+            answer(reqs)

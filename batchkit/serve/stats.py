@@ -104,6 +104,11 @@ class Stats:
             kept (a `RuntimeWarning` the first time one is forgotten).
         latency_model: Under `max_latency_ms`, the learned batch-time model; None
             without a target, or until enough batches have run.
+        coalesced: With `coalesce` (see `@batched`), callers that joined a request
+            of the same key already waiting or running instead of queueing their
+            own (not counted in `requests`).
+        cache_hits: With `cache`, callers answered from the cache, without queueing
+            (not counted in `requests`).
     """
 
     requests: int
@@ -133,6 +138,8 @@ class Stats:
     shed: int = 0
     latency_model: LearnedLatency | None = None
     groups: dict[Hashable, GroupStats] = field(default_factory=dict)
+    coalesced: int = 0
+    cache_hits: int = 0
 
     @property
     def mean_batch_size(self) -> float:
@@ -155,6 +162,11 @@ class Stats:
         }
         rows = [
             ("requests", f"{self.requests} admitted; {_counts(refused) or _NONE_LOST}"),
+        ]
+        if self.coalesced or self.cache_hits:
+            shared = f"coalesced {self.coalesced}, cache hits {self.cache_hits}"
+            rows.append(("shared", f"{shared} (callers answered without a request)"))
+        rows += [
             (
                 "batches",
                 f"{self.batches} (calls {self.calls}), mean size {self.mean_batch_size:.1f}, "
@@ -252,6 +264,8 @@ class StatsRecorder:
     shed: int = 0
     groups: dict[Hashable, _GroupCounts] = field(default_factory=dict)
     groups_forgotten: int = 0  # groups dropped from `groups`, least recently used first
+    coalesced: int = 0
+    cache_hits: int = 0
 
     def record_group_request(self, group: Hashable) -> None:
         """A request of `group` was admitted (grouped functions only).
@@ -365,4 +379,6 @@ class StatsRecorder:
                 g: GroupStats(c.requests, c.batches, Percentiles.of(c.queue_wait))
                 for g, c in self.groups.items()
             },
+            coalesced=self.coalesced,
+            cache_hits=self.cache_hits,
         )

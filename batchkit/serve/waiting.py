@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 
 from batchkit.batchers.groups import GroupedBucket
@@ -97,6 +98,32 @@ class Waiting:
             return False
         self.remove([req])
         return True
+
+    def raise_priority(self, req: Request, priority: int) -> None:
+        """Serve a waiting request at a more urgent `priority` from now on, in its
+        arrival order there (a request several callers share waits at its most urgent
+        caller's). Nothing changes for a request that no longer waits, or that is
+        already as urgent.
+
+        Args:
+            req: A request placed before.
+            priority: The priority it should wait at.
+        """
+        if req.state != WAITING or priority >= req.priority:
+            return
+        bucket = self.buckets[req.bucket]
+        old = bucket.queues[req.priority]
+        old.remove(req)
+        if not old:  # (one deque left keeps the bucket's fast path)
+            del bucket.queues[req.priority]
+        req.priority = priority
+        queue = bucket.queues.setdefault(priority, deque())
+        at = len(queue)
+        while at and queue[at - 1].seq > req.seq:
+            at -= 1
+        queue.insert(at, req)
+        if self.grouped and bucket.head() is req:
+            heapq.heappush(self._heads, (priority, req.seq, next(self._pushes), req.bucket))
 
     def withdraw_all(self) -> list[Request]:
         """Withdraw every waiting request (used when a close times out)."""

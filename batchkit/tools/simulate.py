@@ -45,7 +45,7 @@ from batchkit.batchers.sorted import SortedBatcher
 from batchkit.batchers.static import StaticBatcher
 from batchkit.errors import Overloaded
 from batchkit.serve.options import check_has_wait, check_latency_target, is_positive_finite
-from batchkit.serve.request import DONE, new_request
+from batchkit.serve.request import DONE, RUNNING, WAITING, Request, new_request
 from batchkit.serve.scheduler import FormedBatch, Scheduler, group_bucket
 from batchkit.serve.targets import LearnedLatency
 
@@ -414,11 +414,39 @@ def read_trace_groups(path: str | Path) -> tuple[np.ndarray, list[str]]:
     return shifted, [groups[i] for i in order.tolist()]
 
 
+KEY_COLUMN = "key"  # the header of a trace's coalescing-key column
+
+
+def read_trace_keys(path: str | Path) -> tuple[np.ndarray, list[str]]:
+    """Arrival times and coalescing keys from a CSV trace with a `key` column.
+
+    As `read_trace_groups`, for the column headed `key` (such as `time,length,key`):
+    each request's key as text (a query, a document's hash), for
+    `simulate(duplicates=...)`.
+
+    Args:
+        path: the trace file.
+
+    Raises:
+        ValueError: the file cannot be read, it has no header row naming a `key`
+            column, or a line lacks a time or a key.
+    """
+    times, _, found = _read_trace_rows(path, with_groups=True, column=KEY_COLUMN)
+    order = np.argsort(np.array(times, dtype=np.float64), kind="stable")
+    arr = np.array(times, dtype=np.float64)[order]
+    shifted: np.ndarray = arr - arr[0]
+    return shifted, [found[i] for i in order.tolist()]
+
+
 def _read_trace_rows(
-    path: str | Path, *, with_lengths: bool = False, with_groups: bool = False
+    path: str | Path,
+    *,
+    with_lengths: bool = False,
+    with_groups: bool = False,
+    column: str = GROUP_COLUMN,
 ) -> tuple[list[float], list[int], list[str]]:
     """Each data line's time (with its length, the second column, and its group, the
-    column headed `group`, when asked), in the file's order."""
+    column headed `column`, when asked), in the file's order."""
     try:
         lines = Path(path).read_text().splitlines()
     except (OSError, UnicodeDecodeError) as exc:
@@ -438,8 +466,8 @@ def _read_trace_rows(
         except ValueError:
             if not (times or header) and re.search("[A-Za-z_]", text):
                 header = [f.lower() for f in fields]  # a CSV's header row (docs/cli.md)
-                if GROUP_COLUMN in header:
-                    group_column = header.index(GROUP_COLUMN)
+                if column in header:
+                    group_column = header.index(column)
                 continue
             raise ValueError(f"{path}:{lineno}: not an arrival time in seconds: {text!r}") from None
         if not math.isfinite(t):
@@ -447,8 +475,8 @@ def _read_trace_rows(
         if with_groups and group_column is None:
             named = "has no header row" if header is None else f"header {','.join(header)!r}"
             raise ValueError(
-                f"{path}: no {GROUP_COLUMN!r} column: the trace {named}; a header row such "
-                f"as time,length,{GROUP_COLUMN} names the column of each request's group"
+                f"{path}: no {column!r} column: the trace {named}; a header row such "
+                f"as time,length,{column} names the column of each request's {column}"
             )
         times.append(t)
         if with_lengths:
@@ -458,7 +486,7 @@ def _read_trace_rows(
             group = fields[group_column] if len(fields) > group_column else ""
             if not group:
                 raise ValueError(
-                    f"{path}:{lineno}: no group in column {group_column + 1} ({GROUP_COLUMN!r})"
+                    f"{path}:{lineno}: no {column} in column {group_column + 1} ({column!r})"
                 )
             groups.append(group)
     if not times:
@@ -609,6 +637,34 @@ def sample_groups(
     return [names[k] for k in drawn.tolist()]
 
 
+_DUPLICATE_STREAM = 2  # (the duplicates' draws: independent of the groups' of a seed)
+
+
+def sample_duplicates(keys: int, count: int, seed: int = 0, *, skew: float = 1.0) -> list[int]:
+    """`count` coalescing keys drawn from `keys` distinct ones, key `k` with weight
+    `1 / (k + 1) ** skew` (Zipf: key 0 the most requested), for
+    `simulate(duplicates=...)`. The same seed gives the same keys, drawn independently
+    of the arrivals and groups of that seed.
+
+    Args:
+        keys: how many distinct keys (>= 1).
+        count: how many requests (>= 1).
+        seed: the random seed.
+        skew: the Zipf exponent (a finite number >= 0; default 1).
+
+    Raises:
+        ValueError: a count below 1 or a bad `skew`.
+    """
+    keys = positive_count("keys", keys)
+    count = positive_count("count", count)
+    if not (_is_number(skew) and math.isfinite(skew) and skew >= 0):
+        raise ValueError(f"skew must be a finite number >= 0, got {skew!r}")
+    weights = 1.0 / np.arange(1, keys + 1, dtype=np.float64) ** skew
+    rng = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(_DUPLICATE_STREAM,)))
+    drawn: list[int] = rng.choice(keys, size=count, p=weights / weights.sum()).tolist()
+    return drawn
+
+
 @dataclass(frozen=True)
 class LatencySummary:
     """Percentiles of a latency sample, in milliseconds (NaN when empty)."""
@@ -712,6 +768,10 @@ class SimResult:
             requested first; empty without groups.
         batch_groups: with groups, each batch's number of distinct groups, in the
             order of `batch_log`; empty without groups.
+        coalesced: with `duplicates`, requests that joined one of the same key
+            waiting or running: answered with it, without a row of their own (the
+            device work saved); counted in `served` (or `shed`, with a request that
+            was shed).
     """
 
     requests: int
@@ -746,6 +806,7 @@ class SimResult:
     max_groups_per_batch: int | None = None
     groups: dict[Hashable, GroupSummary] = field(default_factory=dict)
     batch_groups: list[int] = field(default_factory=list, repr=False)
+    coalesced: int = 0
 
     @property
     def groups_per_batch(self) -> dict[int, int]:
@@ -882,6 +943,7 @@ def simulate(
     groups: GroupsLike | None = None,
     group_skew: float | None = None,
     max_groups_per_batch: int | None = None,
+    duplicates: Sequence[Hashable] | None = None,
 ) -> SimResult:
     """Replay arrivals against a batcher and a latency model; see the module docstring.
 
@@ -953,6 +1015,12 @@ def simulate(
             `groups`; default 1, as `group=` without it). A `batcher` given brings
             its own (it must have `group=`; its group function is not called: the
             requests' groups are `groups`).
+        duplicates: each request's coalescing key, in the order of `arrivals`, as
+            `@batched(coalesce=...)` computes it (equal keys, equal results): a
+            request whose key (with its group, if any) is waiting or running joins
+            it and runs no row of its own; it is answered when that request is
+            (`SimResult.coalesced` counts them). None (the default): every request
+            runs.
 
     Raises:
         ValueError: neither `rate` nor `arrivals`, `keys` of another length, a token
@@ -964,8 +1032,9 @@ def simulate(
             bad weights or counts (see `sample_groups`), `group_skew` without an int
             `groups`, `max_groups_per_batch` without `groups` or beside `batcher`,
             a `batcher` with `group=` without `groups` or one without `group=`
-            with them; also when the policy's `select` picks nothing, or a batch's
-            end overflows (the replay could never end).
+            with them; `duplicates` of another length; also when the policy's
+            `select` picks nothing, or a batch's end overflows (the replay could
+            never end).
         TypeError: `groups` of another type, such as a string, or an unhashable group.
 
     Warns:
@@ -1012,6 +1081,8 @@ def simulate(
             raise ValueError("arrivals must be a non-empty 1-D sequence of finite times")
     if keys is not None and len(keys) != len(times):
         raise ValueError(f"keys has {len(keys)} entries for {len(times)} arrivals")
+    if duplicates is not None and len(duplicates) != len(times):
+        raise ValueError(f"duplicates has {len(duplicates)} entries for {len(times)} arrivals")
     request_groups = _request_groups(groups, group_skew, len(times), seed)
     # keys[i] and groups[i] belong to arrivals[i]: sort them together (stable: ties keep
     # the given order).
@@ -1021,6 +1092,10 @@ def simulate(
         keys = [keys[i] for i in order.tolist()]
     if request_groups is not None:
         request_groups = [request_groups[i] for i in order.tolist()]
+    joins = None
+    if duplicates is not None:
+        ordered = [duplicates[i] for i in order.tolist()]
+        joins = _Joins(ordered if request_groups is None else list(zip(request_groups, ordered)))
     policy_obj = batcher or _make_batcher(
         policy,
         max_batch_size,
@@ -1038,9 +1113,15 @@ def simulate(
         max_concurrent_batches=max_concurrent_batches,
         max_latency_s=None if max_latency_ms is None else max_latency_ms / 1e3,
     )
-    replay = _replay(sched, times, model, keys, request_groups)
+    replay = _replay(sched, times, model, keys, request_groups, joins)
+    lost = 0 if joins is None else joins.settle(replay)
     threshold = max_latency_ms if goodput_ms is None else goodput_ms
     result = _summarise(sched, times, replay, model, policy_obj, keys, max_latency_ms, threshold)
+    if joins is not None:
+        # (A request that joined one shed shares its fate: counted as shed too.)
+        result = dataclasses.replace(
+            result, coalesced=len(joins.leader_of), shed=result.shed + lost
+        )
     if request_groups is not None:
         result = dataclasses.replace(
             result,
@@ -1184,12 +1265,49 @@ class _Replay:
     group_batches: dict[Hashable, int]  # per group: the batches that held it
 
 
+class _Joins:
+    """Coalescing in the replay, as `@batched(coalesce=...)` does it: a request whose
+    key is waiting or running joins that request instead of being added.
+
+    Args:
+        keys: each request's coalescing key (with its group), in arrival order.
+    """
+
+    def __init__(self, keys: Sequence[Hashable]) -> None:
+        self.keys = keys
+        self.leader_of: dict[int, int] = {}  # request -> the request it joined
+        self._open: dict[Hashable, Request] = {}  # key -> its latest added request
+
+    def joins(self, i: int) -> bool:
+        """Whether request `i` joins one of its key still waiting or running."""
+        leader = self._open.get(self.keys[i])
+        if leader is None or leader.state not in (WAITING, RUNNING):
+            return False
+        self.leader_of[i] = leader.item
+        return True
+
+    def added(self, req: Request) -> None:
+        """`req` (its item is its index) was added: later ones of its key may join it."""
+        self._open[self.keys[req.item]] = req
+
+    def settle(self, replay: _Replay) -> int:
+        """Give each request that joined its leader's start and end; returns how many
+        joined a request that never ran (shed)."""
+        done_at, started_at = replay.done_at, replay.started_at
+        lost = 0
+        for i, leader in self.leader_of.items():
+            done_at[i], started_at[i] = done_at[leader], started_at[leader]
+            lost += bool(np.isnan(done_at[leader]))
+        return lost
+
+
 def _replay(
     sched: Scheduler,
     times: np.ndarray,
     model: LatencyModel,
     keys: Sequence[float] | None,
     groups: Sequence[Hashable] | None,
+    joins: _Joins | None = None,
 ) -> _Replay:
     """The event loop. At equal times: batches end, then arrivals join, then dispatch."""
     n = len(times)
@@ -1221,6 +1339,9 @@ def _replay(
             for req in batch.requests:
                 req.state = DONE
         while i < n and arrive[i] <= now:
+            if joins is not None and joins.joins(i):
+                i += 1
+                continue
             key = 0.0 if keys is None else float(keys[i])
             if groups is not None:
                 # As a grouped function makes it (serve/core.py, make_request).
@@ -1231,10 +1352,11 @@ def _replay(
                 req = new_request(i, 0.0, None, 0, enqueued_at=arrive[i])
             else:
                 req = new_request(i, key, policy.bucket_of(key), 0, enqueued_at=arrive[i])
-            # A refusal (QueueFull as rejected, its subclass Overloaded as overloaded)
-            # and the waiting requests dropped on the way (shed) are counted by the
+            # A refusal and the waiting requests dropped on the way are counted by the
             # scheduler; their latency stays NaN.
-            sched.add(req)
+            admitted = sched.add(req).refused is None
+            if joins is not None and admitted:
+                joins.added(req)
             i += 1
         while True:
             formed, wake_at, dropped = sched.decide(now)

@@ -323,3 +323,16 @@ def wait_for(cond: Any, timeout: float = 5.0) -> None:
     while not cond():
         assert time.monotonic() < deadline, "condition not reached"
         time.sleep(0.002)
+
+
+def test_coalesced_callers_and_cache_hits_are_exported(
+    registry: Any, exporter: PrometheusMetrics
+) -> None:
+    f = batchkit.batched(double, cache={})
+    lb = {"batcher": exporter.track(f, name="shared")}
+    assert f.map([1, 1, 2, 1]) == [2, 2, 4, 2]  # two callers join 1
+    assert f(2) == 4  # a hit
+    assert value(registry, "inference_coalesced_requests_total", **lb) == 2
+    assert value(registry, "inference_cache_hits_total", **lb) == 1
+    assert value(registry, "inference_requests_total", outcome="ok", **lb) == 2
+    f.close()

@@ -253,9 +253,7 @@ def test_a_latency_target_serves_every_group() -> None:
 
 
 # -- properties: threads and asyncio ---------------------------------------------------
-grouped_calls = st.lists(
-    st.tuples(st.integers(0, 5), st.integers(-1, 1)), min_size=1, max_size=40
-)
+grouped_calls = st.lists(st.tuples(st.integers(0, 5), st.integers(-1, 1)), min_size=1, max_size=40)
 
 
 @settings(max_examples=15, deadline=None)
@@ -266,9 +264,7 @@ def test_threads_every_batch_within_its_group_limit_and_each_caller_its_result(
     batches: list[list[tuple[int, int]]] = []
     lock = threading.Lock()
 
-    @batchkit.batched(
-        max_batch_size=size, max_wait_ms=1, group=by_task, max_groups_per_batch=limit
-    )
+    @batchkit.batched(max_batch_size=size, max_wait_ms=1, group=by_task, max_groups_per_batch=limit)
     def f(items: list[tuple[int, int]]) -> list[tuple[int, int]]:
         with lock:
             batches.append(list(items))
@@ -276,9 +272,7 @@ def test_threads_every_batch_within_its_group_limit_and_each_caller_its_result(
 
     items = [(g, i) for i, (g, _) in enumerate(calls)]
     with ThreadPoolExecutor(8) as pool:
-        futures = [
-            pool.submit(f, item, priority=p) for item, (_, p) in zip(items, calls)
-        ]
+        futures = [pool.submit(f, item, priority=p) for item, (_, p) in zip(items, calls)]
         results = [fut.result(timeout=30) for fut in futures]
     f.close()
     assert results == [(g, i * 2) for g, i in items]
@@ -341,3 +335,17 @@ def test_group_stats_keep_the_most_recent_groups_and_warn_once() -> None:
     assert len(groups) == GROUPS_KEPT and set(groups) == set(range(10, GROUPS_KEPT + 10))
     batch, _ = poll(sched, 0.0)  # the oldest groups' requests, though forgotten: counted again
     assert batch is not None and len(sched.stats.groups) == GROUPS_KEPT
+
+
+def test_raise_priority_puts_another_groups_request_first() -> None:
+    sched = Scheduler(DynamicBatcher(1, max_wait_ms=0, group=by_task))
+    first = add(sched, ("x", 1), 0.0, priority=1)
+    later = add(sched, ("y", 1), 0.0, priority=1)
+    sched.waiting.raise_priority(later, 0)
+    served = []
+    for _ in range(2):
+        batch, _ = poll(sched, 0.0)
+        assert batch is not None
+        served += batch.requests
+        sched.finish(batch, 0.0)
+    assert served == [later, first]

@@ -454,3 +454,20 @@ def test_close_sends_what_waits_at_once_and_a_closed_scheduler_stays_closed() ->
     assert sched.closing
     with pytest.raises(AttributeError):
         sched.closing = False  # type: ignore[misc]
+
+
+def test_raise_priority_serves_a_waiting_request_sooner_in_arrival_order() -> None:
+    sched = Scheduler(DynamicBatcher(1, max_wait_ms=0))
+    a, b, c = (add(sched, x, 0.0, priority=p) for x, p in (("a", 0), ("b", 5), ("c", 0)))
+    sched.waiting.raise_priority(b, 0)  # among the priority-0 requests, by arrival: a, b, c
+    sched.waiting.raise_priority(c, 3)  # not more urgent: nothing changes
+    order = []
+    for _ in range(3):
+        batch, _ = poll(sched, 0.0)
+        assert batch is not None
+        order.append(batch.requests[0].item)
+        sched.finish(batch, 0.0)
+    assert order == ["a", "b", "c"]
+    assert (b.priority, c.priority) == (0, 0)
+    sched.waiting.raise_priority(a, -1)  # no longer waiting: nothing changes
+    assert a.priority == 0 and sched.num_waiting == 0
