@@ -8,7 +8,6 @@ alone, and build a batch of JAX, CuPy or torch arrays on those arrays' device.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 from functools import partial
 from typing import Any, Literal
 
@@ -29,7 +28,7 @@ from batchkit._backend import (
     to_numpy,
 )
 from batchkit.collate.inverse import FeatureBatch, Inverse
-from batchkit.collate.pad import check_side, pad_ragged, real_token_mask
+from batchkit.collate.pad import check_side, pad_ragged, padded_inverse, real_token_mask
 from batchkit.collate.ragged import Ragged, to_ragged
 from batchkit.collate.stack import stack
 from batchkit.collate.varlen import varlen_from_ragged
@@ -79,9 +78,11 @@ def _seq_length(value: Any) -> int | None:
     """The length of ``value``'s first (sequence) axis; None when it has none."""
     if isinstance(value, (list, tuple)):
         return len(value)
-    if is_array(value) and value.ndim >= 1:
-        return int(value.shape[0])
-    return None
+    # Numbers and strings have no shape: only what has one is asked is_array.
+    shape = getattr(value, "shape", None)
+    if shape is None or len(shape) == 0 or not is_array(value):
+        return None
+    return int(shape[0])
 
 
 def _features_kind(first: Mapping[str, Any], requested: str | None) -> tuple[str, Any]:
@@ -225,22 +226,17 @@ class PadCollator:
         reference = self._reference_key(keys, features[0])
         reference_lengths = [_seq_length(f[reference]) for f in features] if reference else []
         batch = FeatureBatch()
-        batch._inverse = Inverse(
-            who="FeatureBatch.split",
-            token_axes=None,  # until a key is padded
-            num_rows=len(features),
-            rows=tuple(range(len(features))),
-            cut_tokens=list,
-        )
         mask_source: Ragged | None = None  # the reference, once padded to ``width``
         width = 0
         for key in keys:
             values = [f[key] for f in features]
             out_key = _out_key(key)
-            unpadded = self._why_not_padded(key, values, reference, reference_lengths)
+            # each key's lengths read once, for the alignment check and the stacking
+            lengths = reference_lengths if key == reference else list(map(_seq_length, values))
+            unpadded = self._why_not_padded(key, lengths, reference, reference_lengths)
             if unpadded is not None:
                 batch[out_key] = _stack_key(
-                    values, key, who, kind, device, unpadded, self.pin_memory
+                    values, lengths, key, who, kind, device, unpadded, self.pin_memory
                 )
                 continue
             ragged = _ragged_for_key(values, key, who, kind)
@@ -262,11 +258,18 @@ class PadCollator:
             batch[out_key] = padded.data
             if key == reference:
                 mask_source, width = ragged, padded.max_length
-                batch._inverse = replace(padded.inverse(), who="FeatureBatch.split")
         if mask_source is not None and "attention_mask" not in batch:
             mask = real_token_mask(mask_source.lengths, width, self.padding_side)
             batch["attention_mask"] = from_host(
                 kind, mask.astype(np.int64), mask_source.device, pin=self.pin_memory
+            )
+        # Built when split asks for it: most batches go to a model and never need it.
+        if mask_source is None:  # nothing padded: no token axes, every leaf by row
+            batch._inverse = partial(_rows_only_inverse, len(features))
+        else:
+            lengths_on_host = tuple(mask_source.lengths.tolist())
+            batch._inverse = partial(
+                padded_inverse, lengths_on_host, width, self.padding_side, "FeatureBatch.split"
             )
         return batch
 
@@ -282,7 +285,11 @@ class PadCollator:
         return None
 
     def _why_not_padded(
-        self, key: str, values: list[Any], reference: str | None, reference_lengths: list[Any]
+        self,
+        key: str,
+        lengths: list[int | None],
+        reference: str | None,
+        reference_lengths: list[int | None],
     ) -> str | None:
         """None when ``key`` is padded; else why it is stacked (for a ragged key's error)."""
         if reference is None:
@@ -292,8 +299,7 @@ class PadCollator:
             )
         if self.pad_values.get(_out_key(reference)) is None:
             return f"{reference!r}, the key padded by, has pad value None: nothing is padded"
-        for i, (value, want) in enumerate(zip(values, reference_lengths, strict=True)):
-            got = _seq_length(value)
+        for i, (got, want) in enumerate(zip(lengths, reference_lengths, strict=True)):
             if got != want:
                 return (
                     f"it is not aligned with {reference!r} (item {i}: length {got}, its "
@@ -308,13 +314,31 @@ class PadCollator:
         return None
 
 
+def _rows_only_inverse(num_items: int) -> Inverse:
+    """The `Inverse` of a batch in which nothing was padded: every leaf is by row."""
+    return Inverse(
+        who="FeatureBatch.split",
+        token_axes=None,
+        num_rows=num_items,
+        rows=tuple(range(num_items)),
+        cut_tokens=list,
+    )
+
+
 def _stack_key(
-    values: list[Any], key: str, who: str, kind: str, device: Any, why: str, pin: bool
+    values: list[Any],
+    lengths: list[int | None],
+    key: str,
+    who: str,
+    kind: str,
+    device: Any,
+    why: str,
+    pin: bool,
 ) -> Any:
-    """A key that is not padded, stacked per item into ``kind`` on ``device`` (None:
-    where the values are, numbers on the default device); a ragged one is refused,
-    naming it and ``why`` it is not padded."""
-    lengths = [_seq_length(v) for v in values]
+    """A key that is not padded (its values' ``lengths``, as `_seq_length` gives them),
+    stacked per item into ``kind`` on ``device`` (None: where the values are, numbers
+    on the default device); a ragged one is refused, naming it and ``why`` it is not
+    padded."""
     if lengths[0] is not None and len(set(lengths)) > 1:
         j = next(i for i, n in enumerate(lengths) if n != lengths[0])
         raise ValueError(
@@ -554,7 +578,7 @@ def _carried(
             return namespace(kind).expand_dims(flat, axis=0)
         return to_kind(flat[None], kind, pin=pin)
     why = "it is not as long as input_ids in every item, so it is not flattened"
-    return _stack_key(values, key, who, kind, device, why, pin)
+    return _stack_key(values, lengths, key, who, kind, device, why, pin)
 
 
 def _seq_len(ids: Any, i: int, who: str) -> int:

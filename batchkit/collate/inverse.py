@@ -265,7 +265,8 @@ class FeatureBatch(dict[str, Any], Layout):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._inverse: Inverse | None = None
+        # The layout, or a picklable function that builds it on first use.
+        self._inverse: Inverse | Callable[[], Inverse] | None = None
 
     def inverse(self) -> Inverse:
         """Where each item went (see [`split`][batchkit.Padded.split]).
@@ -278,6 +279,8 @@ class FeatureBatch(dict[str, Any], Layout):
                 "FeatureBatch.split: this mapping carries no layout (it was rebuilt from "
                 "a collator's output by type(batch)(...)): split the collator's own output"
             )
+        if not isinstance(self._inverse, Inverse):
+            self._inverse = self._inverse()
         return self._inverse
 
     def with_values(self, values: Mapping[str, Any]) -> FeatureBatch:
@@ -295,7 +298,9 @@ class FeatureBatch(dict[str, Any], Layout):
         return (_rebuild_feature_batch, (dict(self), self._inverse))
 
 
-def _rebuild_feature_batch(values: dict[str, Any], inverse: Inverse | None) -> FeatureBatch:
+def _rebuild_feature_batch(
+    values: dict[str, Any], inverse: Inverse | Callable[[], Inverse] | None
+) -> FeatureBatch:
     batch = FeatureBatch(values)
     batch._inverse = inverse
     return batch

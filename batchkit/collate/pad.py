@@ -154,13 +154,28 @@ class Padded(Layout):
     def inverse(self) -> Inverse:
         """Where each item went (see `split`): a per-token leaf
         is ``[B, L, ...]``, a by-row leaf ``[B, ...]``."""
-        return Inverse(
-            who="Padded.split",
-            token_axes=(self.batch_size, self.max_length),
-            num_rows=self.batch_size,
-            rows=tuple(range(self.batch_size)),
-            cut_tokens=partial(real_steps, lengths=self._host_lengths, side=self.side),
-        )
+        return padded_inverse(self._host_lengths, self.max_length, self.side)
+
+
+def padded_inverse(
+    lengths: tuple[int, ...], width: int, side: Side, who: str = "Padded.split"
+) -> Inverse:
+    """The `Inverse` of a padded batch: per-token leaves ``[B, width, ...]`` give each
+    row its real steps, by-row leaves ``[B, ...]`` row ``i`` to item ``i``.
+
+    Args:
+        lengths: Each row's number of real steps (host ints).
+        width: The padded length.
+        side: Where the padding is.
+        who: The split named in errors.
+    """
+    return Inverse(
+        who=who,
+        token_axes=(len(lengths), width),
+        num_rows=len(lengths),
+        rows=tuple(range(len(lengths))),
+        cut_tokens=partial(real_steps, lengths=lengths, side=side),
+    )
 
 
 def real_steps(outputs: Any, lengths: tuple[int, ...], side: Side) -> list[Any]:
