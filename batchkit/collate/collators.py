@@ -28,8 +28,15 @@ from batchkit._backend import (
     to_numpy,
 )
 from batchkit.collate.inverse import FeatureBatch, Inverse
-from batchkit.collate.pad import check_side, pad_ragged, padded_inverse, real_token_mask
+from batchkit.collate.pad import (
+    check_side,
+    pad_ragged,
+    padded_inverse,
+    real_token_mask,
+    with_dummy_rows,
+)
 from batchkit.collate.ragged import Ragged, to_ragged
+from batchkit.collate.shapes import ShapeBuckets
 from batchkit.collate.stack import stack
 from batchkit.collate.varlen import varlen_from_ragged
 
@@ -179,10 +186,17 @@ class PadCollator:
         pin_memory: Allocate every output tensor in page-locked memory (torch output,
             CUDA available), for a ``non_blocking`` copy to the GPU (see
             [`to_device`][batchkit.collate.to_device]).
+        shapes: A [`ShapeBuckets`][batchkit.ShapeBuckets] grid: the batch is
+            padded to the cell the features fall in, its smallest length >= the
+            longest reference and its smallest batch size >= the features (dummy
+            rows, copies of the last feature, after them; `split` leaves them
+            out). Not with ``pad_to_multiple_of``.
 
     Raises:
+        TypeError: ``shapes`` is not a ``ShapeBuckets``.
         ValueError: ``padding_side`` or ``return_tensors`` is not one of its values,
-            or ``pin_memory=True`` with an output other than torch.
+            ``pin_memory=True`` with an output other than torch, or ``shapes``
+            with ``pad_to_multiple_of``.
         RuntimeError: ``pin_memory=True`` without CUDA (raised here, not per batch).
     """
 
@@ -193,8 +207,10 @@ class PadCollator:
         pad_to_multiple_of: int | None = None,
         return_tensors: ReturnTensors = None,
         pin_memory: bool = False,
+        shapes: ShapeBuckets | None = None,
     ) -> None:
         check_side(padding_side)
+        check_shapes(shapes, type(self).__name__, pad_to_multiple_of=pad_to_multiple_of)
         self._requested = _requested_kind(return_tensors, pin_memory)
         check_pin_memory(pin_memory, type(self).__name__, self._requested or "np")
         self.pad_values = {**DEFAULT_PAD_VALUES, **(pad_values or {})}
@@ -202,6 +218,31 @@ class PadCollator:
         self.pad_to_multiple_of = pad_to_multiple_of
         self.return_tensors = return_tensors
         self.pin_memory = pin_memory
+        self.shapes = shapes
+
+    def length_of(self, feature: Mapping[str, Any]) -> int:
+        """The length one feature dict pads by: that of its reference key (see the
+        class docstring); a policy's length key, so the batch a request joins and
+        the width it is padded to are read from the same value.
+
+        Args:
+            feature: One item, as given to the collator.
+
+        Raises:
+            TypeError: ``feature`` is not a dict.
+            ValueError: It has no key to pad by.
+        """
+        who = type(self).__name__
+        if not isinstance(feature, Mapping):
+            raise TypeError(f"{who}: an item is a {type(feature).__name__}, expected a dict")
+        reference = self._reference_key(list(feature), feature)
+        length = None if reference is None else _seq_length(feature[reference])
+        if length is None:
+            raise ValueError(
+                f"{who}: the item has no key to pad by (no 'input_ids', and no other key "
+                f"with a sequence axis and a pad value); its keys: {sorted(map(str, feature))}"
+            )
+        return length
 
     def __call__(self, features: Sequence[Mapping[str, Any]]) -> FeatureBatch:
         """Collate a list of feature dicts into one dict of batched arrays.
@@ -224,7 +265,15 @@ class PadCollator:
         keys = _check_features(features, who)
         kind, device = _features_kind(features[0], self._requested)
         reference = self._reference_key(keys, features[0])
+        num_items = len(features)
+        min_length = 0
+        if self.shapes is not None:
+            features = with_dummy_rows(features, self.shapes, who)
         reference_lengths = [_seq_length(f[reference]) for f in features] if reference else []
+        if self.shapes is not None and reference is not None:
+            real = [n or 0 for n in reference_lengths[:num_items]]
+            # (an item without a length: the alignment check below says why)
+            min_length = self.shapes.check_lengths(real, f"{who}: key {reference!r}")
         batch = FeatureBatch()
         mask_source: Ragged | None = None  # the reference, once padded to ``width``
         width = 0
@@ -248,6 +297,7 @@ class PadCollator:
                     pad_value=self.pad_values[out_key],
                     side=self.padding_side,
                     pad_to_multiple_of=self.pad_to_multiple_of,
+                    min_length=min_length,
                     pin_memory=self.pin_memory,
                     who=f"{who}: key {key!r}",
                 )
@@ -265,11 +315,16 @@ class PadCollator:
             )
         # Built when split asks for it: most batches go to a model and never need it.
         if mask_source is None:  # nothing padded: no token axes, every leaf by row
-            batch._inverse = partial(_rows_only_inverse, len(features))
+            batch._inverse = partial(_rows_only_inverse, num_items, len(features))
         else:
-            lengths_on_host = tuple(mask_source.lengths.tolist())
+            lengths_on_host = tuple(mask_source.lengths[:num_items].tolist())
             batch._inverse = partial(
-                padded_inverse, lengths_on_host, width, self.padding_side, "FeatureBatch.split"
+                padded_inverse,
+                lengths_on_host,
+                width,
+                self.padding_side,
+                "FeatureBatch.split",
+                len(features),
             )
         return batch
 
@@ -314,15 +369,37 @@ class PadCollator:
         return None
 
 
-def _rows_only_inverse(num_items: int) -> Inverse:
+def _rows_only_inverse(num_items: int, num_rows: int) -> Inverse:
     """The `Inverse` of a batch in which nothing was padded: every leaf is by row."""
     return Inverse(
         who="FeatureBatch.split",
         token_axes=None,
-        num_rows=num_items,
+        num_rows=num_rows,
         rows=tuple(range(num_items)),
         cut_tokens=list,
     )
+
+
+def check_shapes(shapes: object, who: str, **exclusive: object) -> None:
+    """Refuse a ``shapes`` that is not a `ShapeBuckets`, or one given beside options
+    that would set the same sizes (``exclusive``: each such option's value).
+
+    Args:
+        shapes: The grid given, or None.
+        who: The collator, named in the errors.
+        **exclusive: Options that must be None when ``shapes`` is given.
+
+    Raises:
+        TypeError: ``shapes`` is neither None nor a ``ShapeBuckets``.
+        ValueError: ``shapes`` beside one of ``exclusive``.
+    """
+    if shapes is None:
+        return
+    if not isinstance(shapes, ShapeBuckets):
+        raise TypeError(f"{who}: shapes must be a ShapeBuckets, got {type(shapes).__name__}")
+    given = sorted(name for name, value in exclusive.items() if value is not None)
+    if given:
+        raise ValueError(f"{who}: shapes sets the padded sizes; pass {given} only without it")
 
 
 def _stack_key(

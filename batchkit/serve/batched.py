@@ -16,6 +16,8 @@ from collections.abc import AsyncIterator, Callable, Hashable, Iterable, Iterato
 from typing import Any, Generic, Literal, Protocol, TypeVar, overload
 
 from batchkit.batchers.base import Batcher
+from batchkit.collate.inverse import PerToken
+from batchkit.collate.shapes import ShapeBuckets
 from batchkit.serve import callers
 from batchkit.serve.core import ServingCore
 from batchkit.serve.event_loop import LoopDriver
@@ -27,6 +29,7 @@ from batchkit.serve.options import (
     Settings,
     SettingsChange,
     check_serving_options,
+    collate_and_policy,
     oom_recovery,
     policy_of,
 )
@@ -577,6 +580,8 @@ def batched(
     clock: Clock | None = None,
     group: Callable[[Any], Hashable] | None = None,
     max_groups_per_batch: int | None = None,
+    shapes: ShapeBuckets | None = None,
+    per_token: PerToken = None,
 ) -> Callable[[Callable[[Any], R]], BatchedFunction[R]]: ...
 
 
@@ -600,6 +605,8 @@ def batched(
     clock: Clock | None = None,
     group: Callable[[Any], Hashable] | None = None,
     max_groups_per_batch: int | None = None,
+    shapes: ShapeBuckets | None = None,
+    per_token: PerToken = None,
 ) -> Any:
     """Decorate a batch function (list of items -> sequence of results).
 
@@ -712,6 +719,20 @@ def batched(
         max_groups_per_batch: The most groups one batch may hold (default 1 with
             `group`); a batch of one group that leaves short is filled from the
             next oldest groups. Only with `group`.
+        shapes: A [`ShapeBuckets`][batchkit.ShapeBuckets] grid of static
+            shapes, declared once: the policy pads each batch up to a grid batch
+            size (repeating its last item) and batches requests by the grid length
+            they pad to; `collate` pads to that cell when it is
+            [`pad`][batchkit.pad], [`pack_varlen`][batchkit.pack_varlen] or a
+            [`PadCollator`][batchkit.PadCollator]; the dummy rows and padding are
+            removed before any caller sees a result, and an item longer than the
+            grid's largest length fails its call with a `ValueError` naming its
+            length. None (the default): no grid, or the `batcher`'s own.
+        per_token: How the layout's inverse reads the function's output (see
+            [`split`][batchkit.Padded.split]): None (the default) by each leaf's
+            shape (warning where a 2-D leaf's shape cannot tell), True every leaf
+            per token, False every leaf by row (pooled), or the keys of a mapping
+            output that are per token.
 
     Returns:
         With `fn`: the [`BatchedFunction`][batchkit.BatchedFunction] wrapping it.
@@ -734,7 +755,7 @@ def batched(
             `max_groups_per_batch` that is not a whole number >= 1 or is given
             without `group`.
     """
-    batcher = policy_of(batcher, max_batch_size, max_wait_ms, group, max_groups_per_batch)
+    batcher = policy_of(batcher, max_batch_size, max_wait_ms, group, max_groups_per_batch, shapes)
     check_serving_options(
         max_queue_size,
         max_concurrent_batches,
@@ -747,6 +768,7 @@ def batched(
     for name, cb in (("collate", collate), ("split", split)):
         if cb is not None and not callable(cb):
             raise TypeError(f"{name} must be callable, got {type(cb).__name__}")
+    batcher, collate = collate_and_policy(batcher, collate)
     options = Options(
         policy=batcher,
         collate=collate,
@@ -759,6 +781,7 @@ def batched(
         max_latency_s=None if max_latency_ms is None else max_latency_ms / 1e3,
         isolate_errors=isolate_errors,
         when_full=when_full,
+        per_token=per_token,
     )
 
     def wrap(func: Callable[[Any], Any]) -> BatchedFunction[Any]:
