@@ -499,6 +499,26 @@ class VarlenCollator:
         self.return_sample_index = return_sample_index
         self.pin_memory = pin_memory
 
+    def length_of(self, feature: Mapping[str, Any]) -> int:
+        """The length of one feature dict: its ``input_ids``' (a policy's length key,
+        so dict features need no ``key=``).
+
+        Args:
+            feature: One item, as given to the collator.
+
+        Raises:
+            TypeError: ``feature`` is not a dict, or its ``input_ids`` have no length.
+            ValueError: It has no ``input_ids``, or they are not 1-D.
+        """
+        who = type(self).__name__
+        if not isinstance(feature, Mapping):
+            raise TypeError(f"{who}: an item is a {type(feature).__name__}, expected a dict")
+        if "input_ids" not in feature:
+            raise ValueError(
+                f"{who}: the item has no 'input_ids'; its keys: {sorted(map(str, feature))}"
+            )
+        return _seq_len(feature["input_ids"], 0, who)
+
     def __call__(self, features: Sequence[Mapping[str, Any]]) -> FeatureBatch:
         """Collate a list of feature dicts (each with ``input_ids``) into one flat row.
 

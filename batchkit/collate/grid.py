@@ -7,7 +7,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from batchkit.collate.collators import PadCollator
+from batchkit.collate.collators import PadCollator, VarlenCollator
 from batchkit.collate.pad import pad
 from batchkit.collate.shapes import ShapeBuckets
 from batchkit.collate.varlen import pack_varlen
@@ -28,7 +28,7 @@ def collate_in_grid(
 
     Raises:
         ValueError: ``collate`` is a collator with other ``shapes``, or with
-            ``pad_to_multiple_of``.
+            ``pad_to_multiple_of``, or a `VarlenCollator` (it has no grid mode).
     """
     if shapes is None or collate is None:
         return collate
@@ -36,6 +36,11 @@ def collate_in_grid(
     if function is pad or function is pack_varlen:  # (a partial: pad with its options)
         bound: Callable[[list[Any]], Any] = partial(collate, shapes=shapes)  # type: ignore[call-arg]
         return bound
+    if isinstance(collate, VarlenCollator):
+        raise ValueError(
+            "VarlenCollator does not pad to a shape grid: under shapes use pack_varlen "
+            "(a fixed token count and segment count per cell) or PadCollator"
+        )
     if isinstance(collate, PadCollator):
         if collate.pad_to_multiple_of is not None:
             raise ValueError(

@@ -723,7 +723,7 @@ def batched(
             shapes, declared once: the policy pads each batch up to a grid batch
             size (repeating its last item) and batches requests by the grid length
             they pad to; `collate` pads to that cell when it is
-            [`pad`][batchkit.pad], [`pack_varlen`][batchkit.pack_varlen] or a
+            [`pad`][batchkit.collate.pad.pad], [`pack_varlen`][batchkit.pack_varlen] or a
             [`PadCollator`][batchkit.PadCollator]; the dummy rows and padding are
             removed before any caller sees a result, and an item longer than the
             grid's largest length fails its call with a `ValueError` naming its

@@ -157,6 +157,11 @@ def test_dict_features_take_their_length_from_the_collator() -> None:
         f.close()
     assert [x.tolist() for x in out] == [[1, 2, 3, 4, 5], [7]]
     assert f.options.policy.key_of({"input_ids": [1] * 6, "label": 1}) == 6
+    varlen = batchkit.batched(
+        batcher=batchkit.BucketedBatcher([4, 8]), collate=batchkit.VarlenCollator()
+    )(lambda batch: batch["input_ids"])
+    varlen.close()
+    assert varlen.options.policy.key_of({"input_ids": [1] * 7, "labels": [1] * 7}) == 7
 
 
 def test_shapes_that_disagree_with_the_batchers_or_the_collators_are_refused() -> None:
@@ -166,3 +171,53 @@ def test_shapes_that_disagree_with_the_batchers_or_the_collators_are_refused() -
         batchkit.batched(batcher=batchkit.BucketedBatcher(shapes=other), shapes=grid)
     with pytest.raises(ValueError, match="give the grid once"):
         batchkit.batched(shapes=grid, collate=batchkit.PadCollator(shapes=other))
+    with pytest.raises(ValueError, match="VarlenCollator does not pad to a shape grid"):
+        batchkit.batched(shapes=grid, collate=batchkit.VarlenCollator())
+
+
+def test_a_compiled_model_compiles_once_per_cell_and_never_after_every_cell_was_seen() -> None:
+    torch = pytest.importorskip("torch")
+    dynamo = pytest.importorskip("torch._dynamo")
+
+    compiled_shapes: list[tuple[int, ...]] = []
+
+    def counting_backend(graph, example_inputs):  # a backend that counts, then runs eagerly
+        ids = next(x for x in example_inputs if not x.dtype.is_floating_point)
+        compiled_shapes.append(tuple(ids.shape))
+        return graph.forward
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(50, 8), torch.nn.Linear(8, 4)).eval()
+    rng = np.random.default_rng(0)
+    warm_up = [int(n) for n in rng.integers(1, 17, size=40)]
+    later = [int(n) for n in rng.integers(1, 17, size=40) if n not in warm_up[:8]]
+    grid = ShapeBuckets(batch_sizes=[2, 4], lengths=[8, 16])
+
+    def serve(shapes: ShapeBuckets | None) -> tuple[int, int, set]:
+        dynamo.reset()
+        compiled_shapes.clear()
+        compiled = torch.compile(model, backend=counting_backend, dynamic=False)
+        options = {"shapes": shapes} if shapes else {"max_batch_size": 4}
+        f = batchkit.batched(
+            collate=functools.partial(batchkit.pad, return_tensors="pt"),
+            max_wait_ms=0,
+            per_token=True,
+            **options,
+        )(lambda batch: compiled(batch.data).detach())
+        try:
+            for cell in grid.cells if shapes else []:  # every cell compiled up front
+                compiled(torch.zeros(cell, dtype=torch.int64))
+            warm = len(compiled_shapes)
+            for lengths in (warm_up, later):
+                items = [torch.randint(0, 50, (n,)) for n in lengths]
+                for item, got in zip(items, f.map(items), strict=True):
+                    torch.testing.assert_close(got, model(item[None])[0].detach())
+        finally:
+            f.close()
+        return warm, len(compiled_shapes), set(compiled_shapes)
+
+    warm, total, shapes_seen = serve(grid)
+    assert warm == len(grid.cells) and total == warm  # none after every cell was seen
+    assert shapes_seen == set(grid.cells)
+    _, total_without, _ = serve(None)
+    assert total_without > len(grid.cells)  # each new (batch, length) recompiles
