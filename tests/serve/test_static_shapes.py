@@ -221,3 +221,17 @@ def test_a_compiled_model_compiles_once_per_cell_and_never_after_every_cell_was_
     assert shapes_seen == set(grid.cells)
     _, total_without, _ = serve(None)
     assert total_without > len(grid.cells)  # each new (batch, length) recompiles
+
+
+def test_a_batch_size_past_the_grid_cannot_be_configured() -> None:
+    grid = ShapeBuckets(batch_sizes=[2, 4], lengths=[4])
+    f = batchkit.batched(batcher=batchkit.BucketedBatcher(shapes=grid), collate=batchkit.pad)(
+        lambda batch: batch.unpad(batch.data)
+    )
+    try:
+        with pytest.raises(ValueError, match=r"max_batch_size=8 exceeds .*\[2, 4\]"):
+            f.configure(max_batch_size=8)
+        f.configure(max_batch_size=2)
+        assert [x.tolist() for x in f.map([[1], [2, 3], [4]])] == [[1], [2, 3], [4]]
+    finally:
+        f.close()
