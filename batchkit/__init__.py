@@ -24,9 +24,11 @@ from batchkit.batchers import (
     StaticBatcher,
 )
 from batchkit.collate import (
+    AmbiguousOutputWarning,
     Packed,
     PadCollator,
     Padded,
+    ShapeBuckets,
     Varlen,
     VarlenCollator,
     pack,
@@ -60,6 +62,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "END",
+    "AmbiguousOutputWarning",
     "Batch",
     "BatchSampler",
     "BatchedFunction",
@@ -87,6 +90,7 @@ __all__ = [
     "QueueFull",
     "RequestTimeout",
     "Settings",
+    "ShapeBuckets",
     "SimResult",
     "SortedBatcher",
     "StaticBatcher",

@@ -24,6 +24,7 @@ from batchkit.batchers.cost import PADDED, BatchCost, CostLike, as_batch_cost
 from batchkit.batchers.groups import GroupFn, check_group_options, checked_group, pools
 from batchkit.batchers.sampler import BatchSampler, check_non_negative_int, check_rank
 from batchkit.batchers.stream import stream_batches
+from batchkit.collate.shapes import ShapeBuckets
 from batchkit.usercode import contained
 
 T = TypeVar("T")
@@ -147,13 +148,19 @@ class Batcher:
             called once per item. None: no groups.
         max_groups_per_batch: the most groups in one batch (a whole number >= 1;
             1 when `group` is given without it). Needs `group`.
+        shapes: a [`ShapeBuckets`][batchkit.ShapeBuckets] grid: an item's key (its
+            length; `len` unless `key` says otherwise) picks the grid length it is
+            padded to, which is its bucket (a batch never spans two); a batch is
+            called at the grid's smallest batch size that holds it (padded up by
+            repeating its last item); a key above the grid's largest length is
+            refused. `max_batch_size` is lowered to the grid's largest batch size.
 
     Raises:
         ValueError: a size, budget, wait or group limit that is not a positive int /
             finite number >= 0, `max_groups_per_batch` without `group`, or an
             unknown `cost` name.
-        TypeError: a `key`, `group` or `cost` that is not callable, or a `cost` that
-            fails on a sample of keys.
+        TypeError: a `key`, `group` or `cost` that is not callable, a `cost` that
+            fails on a sample of keys, or `shapes` that is not a `ShapeBuckets`.
     """
 
     max_batch_size: int
@@ -163,6 +170,8 @@ class Batcher:
     cost: BatchCost
     group: GroupFn | None
     max_groups_per_batch: int | None  # an int exactly when `group` is set
+    shapes: ShapeBuckets | None
+    key_given: bool  # `key` was chosen, not defaulted (a collator's length may replace it)
 
     def __init__(
         self,
@@ -174,8 +183,13 @@ class Batcher:
         cost: CostLike | BatchCost = "padded",
         group: GroupFn | None = None,
         max_groups_per_batch: int | None = None,
+        shapes: ShapeBuckets | None = None,
     ) -> None:
         max_batch_size = positive_count("max_batch_size", max_batch_size)
+        if shapes is not None:
+            if not isinstance(shapes, ShapeBuckets):
+                raise TypeError(f"shapes must be a ShapeBuckets, got {type(shapes).__name__}")
+            max_batch_size = min(max_batch_size, shapes.max_batch_size)
         max_tokens = positive_count("max_tokens", max_tokens, allow_none=True)
         max_groups_per_batch = check_group_options(group, max_groups_per_batch)
         max_wait_ms = wait_ms("max_wait_ms", max_wait_ms, allow_none=True)
@@ -184,7 +198,9 @@ class Batcher:
         self.max_batch_size = max_batch_size
         self.max_wait_s = None if max_wait_ms is None else max_wait_ms / 1000.0
         self.max_tokens = max_tokens
-        self.key = len if key is None and max_tokens is not None else key
+        self.key_given = key is not None
+        self.key = len if key is None and (max_tokens is not None or shapes) else key
+        self.shapes = shapes
         self.cost = as_batch_cost(cost)
         self.group = group
         self.max_groups_per_batch = max_groups_per_batch
@@ -212,6 +228,8 @@ class Batcher:
             # NaN sorts and buckets nowhere consistently; a negative size makes a token
             # budget meaningless (its padded area would be negative).
             raise ValueError(f"key(item) must be a number >= 0, got {value!r}")
+        if self.shapes is not None and key > self.shapes.max_length:
+            self.shapes.length_for(value, item="an item")  # raises, naming its length
         return key
 
     def keys_of(self, items: Sequence[Any]) -> list[float]:
@@ -247,12 +265,13 @@ class Batcher:
         return _each_item(self.group_of, items, "group", type(self).__name__)
 
     def bucket_of(self, key: float) -> Hashable:
-        """Which bucket an item belongs to; a batch never mixes buckets.
+        """Which bucket an item belongs to; a batch never mixes buckets. With
+        `shapes`, the index of the grid length the item is padded to.
 
         Args:
             key: the item's key.
         """
-        return None
+        return None if self.shapes is None else self.shapes.bucket_of(key)
 
     def offline_order(self, keys: Sequence[float]) -> list[list[int]]:
         """Groups of item indices, each in the order batches are cut from it.
@@ -260,7 +279,12 @@ class Batcher:
         Args:
             keys: every item's key, in input order.
         """
-        return [list(range(len(keys)))]
+        if self.shapes is None:
+            return [list(range(len(keys)))]
+        buckets: dict[int, list[int]] = {}  # with shapes, one group per grid length
+        for i, k in enumerate(keys):
+            buckets.setdefault(self.shapes.bucket_of(k), []).append(i)
+        return [buckets[b] for b in sorted(buckets)]
 
     def sampler_order(self, keys: Sequence[float]) -> list[list[int]]:
         """Like [`offline_order`][batchkit.Batcher.offline_order], for keys in a random order.
@@ -289,12 +313,13 @@ class Batcher:
         return list(candidates[:n])
 
     def padded_size(self, size: int) -> int:
-        """The batch size the function is called with for `size` real items.
+        """The batch size the function is called with for `size` real items: `size`,
+        or with `shapes` the grid's smallest batch size >= `size`.
 
         Args:
             size: the real items in the batch.
         """
-        return size
+        return size if self.shapes is None else self.shapes.batch_size_for(size)
 
     def budget_reached(self, keys: Sequence[float]) -> bool:
         """Whether a batch of `keys` uses all of `max_tokens` (False without a budget).

@@ -14,6 +14,7 @@ from batchkit.batchers.checks import is_real_number, positive_count
 from batchkit.batchers.cost import BatchCost, CostLike
 from batchkit.batchers.groups import GroupFn
 from batchkit.batchers.sampler import check_lengths
+from batchkit.collate.shapes import ShapeBuckets
 
 
 class BucketedBatcher(Batcher):
@@ -42,26 +43,43 @@ class BucketedBatcher(Batcher):
             groups.
         max_groups_per_batch: the most groups in one batch (default 1 with `group`;
             needs `group`).
+        shapes: a [`ShapeBuckets`][batchkit.ShapeBuckets] grid: the boundaries
+            are its lengths (give one or the other), an item above the last is
+            refused, and a batch is padded up to the grid's smallest batch size
+            that holds it (by repeating its last item).
 
     Raises:
-        ValueError: empty, non-numeric or not strictly increasing `boundaries`.
+        ValueError: empty, non-numeric or not strictly increasing `boundaries`, or
+            both or neither of `boundaries` and `shapes`.
         TypeError: `boundaries` is not iterable.
     """
 
     def __init__(
         self,
-        boundaries: Iterable[float],
+        boundaries: Iterable[float] | None = None,
         *,
-        key: KeyFn = len,
+        key: KeyFn | None = None,
         max_batch_size: int = 32,
         max_wait_ms: float = 5.0,
         max_tokens: int | None = None,
         cost: CostLike | BatchCost = "padded",
         group: GroupFn | None = None,
         max_groups_per_batch: int | None = None,
+        shapes: ShapeBuckets | None = None,
     ) -> None:
+        if shapes is not None and not isinstance(shapes, ShapeBuckets):
+            raise TypeError(f"shapes must be a ShapeBuckets, got {type(shapes).__name__}")
+        if (boundaries is None) == (shapes is None):
+            raise ValueError(
+                "BucketedBatcher needs boundaries or shapes (whose lengths are the "
+                "boundaries), not both"
+                if shapes is not None
+                else "BucketedBatcher needs boundaries (or shapes)"
+            )
+        given = shapes.lengths if shapes is not None else boundaries
+        assert given is not None  # (one of the two, checked above)
         try:
-            bounds = list(boundaries)
+            bounds = list(given)
         except TypeError:
             raise TypeError(
                 f"boundaries must be an iterable of numbers, got {type(boundaries).__name__}"
@@ -80,11 +98,13 @@ class BucketedBatcher(Batcher):
             max_batch_size=max_batch_size,
             max_wait_ms=max_wait_ms,
             max_tokens=max_tokens,
-            key=key,
+            key=len if key is None else key,
             cost=cost,
             group=group,
             max_groups_per_batch=max_groups_per_batch,
+            shapes=shapes,
         )
+        self.key_given = key is not None
         self.boundaries = tuple(bounds)
 
     @classmethod

@@ -9,6 +9,7 @@ from batchkit.batchers.base import Batcher, C, KeyFn, take_within_budget
 from batchkit.batchers.checks import check_flag, positive_count
 from batchkit.batchers.cost import BatchCost, CostLike
 from batchkit.batchers.groups import GroupFn
+from batchkit.collate.shapes import ShapeBuckets
 
 
 class DynamicBatcher(Batcher):
@@ -48,6 +49,10 @@ class DynamicBatcher(Batcher):
             groups.
         max_groups_per_batch: the most groups in one batch (default 1 with `group`;
             needs `group`).
+        shapes: a [`ShapeBuckets`][batchkit.ShapeBuckets] grid: its batch sizes
+            are the preferred sizes, strictly (not with `preferred_batch_sizes` or
+            `strict_sizes`), and an item's key (`len` by default) picks its grid
+            length, which is its bucket; see [`Batcher`][batchkit.Batcher].
     """
 
     def __init__(
@@ -63,10 +68,18 @@ class DynamicBatcher(Batcher):
         cost: CostLike | BatchCost = "padded",
         group: GroupFn | None = None,
         max_groups_per_batch: int | None = None,
+        shapes: ShapeBuckets | None = None,
     ) -> None:
         max_batch_size = positive_count("max_batch_size", max_batch_size)  # used below
         eager = check_flag("eager", eager)
         strict_sizes = check_flag("strict_sizes", strict_sizes)
+        if isinstance(shapes, ShapeBuckets):
+            if preferred_batch_sizes is not None or strict_sizes:
+                raise ValueError(
+                    "shapes sets the batch sizes (strictly): pass preferred_batch_sizes "
+                    "and strict_sizes only without it"
+                )
+            preferred_batch_sizes, strict_sizes = shapes.batch_sizes, True
         if preferred_batch_sizes is not None and not isinstance(preferred_batch_sizes, Iterable):
             raise TypeError(
                 "preferred_batch_sizes must be an iterable of ints, got "
@@ -96,6 +109,7 @@ class DynamicBatcher(Batcher):
             cost=cost,
             group=group,
             max_groups_per_batch=max_groups_per_batch,
+            shapes=shapes,
         )
         self.preferred_batch_sizes = tuple(sizes)
         self.strict_sizes = strict_sizes

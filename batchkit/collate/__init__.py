@@ -8,19 +8,22 @@ page-locked memory, and `to_device` moves it to a GPU without blocking.
 
 from batchkit.collate.collators import DEFAULT_PAD_VALUES, PadCollator, VarlenCollator
 from batchkit.collate.device import to_device
-from batchkit.collate.inverse import FeatureBatch
+from batchkit.collate.inverse import AmbiguousOutputWarning, FeatureBatch
 from batchkit.collate.pack import Packed, Placement, pack
 from batchkit.collate.pad import Padded, pad
+from batchkit.collate.shapes import ShapeBuckets
 from batchkit.collate.stack import register_leaf, stack, unstack
 from batchkit.collate.varlen import Varlen, pack_varlen
 
 __all__ = [
     "DEFAULT_PAD_VALUES",
+    "AmbiguousOutputWarning",
     "FeatureBatch",
     "PadCollator",
     "Packed",
     "Padded",
     "Placement",
+    "ShapeBuckets",
     "Varlen",
     "VarlenCollator",
     "pack",

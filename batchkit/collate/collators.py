@@ -8,7 +8,6 @@ alone, and build a batch of JAX, CuPy or torch arrays on those arrays' device.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 from functools import partial
 from typing import Any, Literal
 
@@ -29,8 +28,15 @@ from batchkit._backend import (
     to_numpy,
 )
 from batchkit.collate.inverse import FeatureBatch, Inverse
-from batchkit.collate.pad import check_side, pad_ragged, real_token_mask
+from batchkit.collate.pad import (
+    check_side,
+    pad_ragged,
+    padded_inverse,
+    real_token_mask,
+    with_dummy_rows,
+)
 from batchkit.collate.ragged import Ragged, to_ragged
+from batchkit.collate.shapes import ShapeBuckets
 from batchkit.collate.stack import stack
 from batchkit.collate.varlen import varlen_from_ragged
 
@@ -79,9 +85,11 @@ def _seq_length(value: Any) -> int | None:
     """The length of ``value``'s first (sequence) axis; None when it has none."""
     if isinstance(value, (list, tuple)):
         return len(value)
-    if is_array(value) and value.ndim >= 1:
-        return int(value.shape[0])
-    return None
+    # Numbers and strings have no shape: only what has one is asked is_array.
+    shape = getattr(value, "shape", None)
+    if shape is None or len(shape) == 0 or not is_array(value):
+        return None
+    return int(shape[0])
 
 
 def _features_kind(first: Mapping[str, Any], requested: str | None) -> tuple[str, Any]:
@@ -178,10 +186,17 @@ class PadCollator:
         pin_memory: Allocate every output tensor in page-locked memory (torch output,
             CUDA available), for a ``non_blocking`` copy to the GPU (see
             [`to_device`][batchkit.collate.to_device]).
+        shapes: A [`ShapeBuckets`][batchkit.ShapeBuckets] grid: the batch is
+            padded to the cell the features fall in, its smallest length >= the
+            longest reference and its smallest batch size >= the features (dummy
+            rows, copies of the last feature, after them; `split` leaves them
+            out). Not with ``pad_to_multiple_of``.
 
     Raises:
+        TypeError: ``shapes`` is not a ``ShapeBuckets``.
         ValueError: ``padding_side`` or ``return_tensors`` is not one of its values,
-            or ``pin_memory=True`` with an output other than torch.
+            ``pin_memory=True`` with an output other than torch, or ``shapes``
+            with ``pad_to_multiple_of``.
         RuntimeError: ``pin_memory=True`` without CUDA (raised here, not per batch).
     """
 
@@ -192,8 +207,10 @@ class PadCollator:
         pad_to_multiple_of: int | None = None,
         return_tensors: ReturnTensors = None,
         pin_memory: bool = False,
+        shapes: ShapeBuckets | None = None,
     ) -> None:
         check_side(padding_side)
+        check_shapes(shapes, type(self).__name__, pad_to_multiple_of=pad_to_multiple_of)
         self._requested = _requested_kind(return_tensors, pin_memory)
         check_pin_memory(pin_memory, type(self).__name__, self._requested or "np")
         self.pad_values = {**DEFAULT_PAD_VALUES, **(pad_values or {})}
@@ -201,6 +218,31 @@ class PadCollator:
         self.pad_to_multiple_of = pad_to_multiple_of
         self.return_tensors = return_tensors
         self.pin_memory = pin_memory
+        self.shapes = shapes
+
+    def length_of(self, feature: Mapping[str, Any]) -> int:
+        """The length one feature dict pads by: that of its reference key (see the
+        class docstring); a policy's length key, so the batch a request joins and
+        the width it is padded to are read from the same value.
+
+        Args:
+            feature: One item, as given to the collator.
+
+        Raises:
+            TypeError: ``feature`` is not a dict.
+            ValueError: It has no key to pad by.
+        """
+        who = type(self).__name__
+        if not isinstance(feature, Mapping):
+            raise TypeError(f"{who}: an item is a {type(feature).__name__}, expected a dict")
+        reference = self._reference_key(list(feature), feature)
+        length = None if reference is None else _seq_length(feature[reference])
+        if length is None:
+            raise ValueError(
+                f"{who}: the item has no key to pad by (no 'input_ids', and no other key "
+                f"with a sequence axis and a pad value); its keys: {sorted(map(str, feature))}"
+            )
+        return length
 
     def __call__(self, features: Sequence[Mapping[str, Any]]) -> FeatureBatch:
         """Collate a list of feature dicts into one dict of batched arrays.
@@ -223,24 +265,27 @@ class PadCollator:
         keys = _check_features(features, who)
         kind, device = _features_kind(features[0], self._requested)
         reference = self._reference_key(keys, features[0])
+        num_items = len(features)
+        min_length = 0
+        if self.shapes is not None:
+            features = with_dummy_rows(features, self.shapes, who)
         reference_lengths = [_seq_length(f[reference]) for f in features] if reference else []
+        if self.shapes is not None and reference is not None:
+            real = [n or 0 for n in reference_lengths[:num_items]]
+            # (an item without a length: the alignment check below says why)
+            min_length = self.shapes.check_lengths(real, f"{who}: key {reference!r}")
         batch = FeatureBatch()
-        batch._inverse = Inverse(
-            who="FeatureBatch.split",
-            token_axes=None,  # until a key is padded
-            num_rows=len(features),
-            rows=tuple(range(len(features))),
-            cut_tokens=list,
-        )
         mask_source: Ragged | None = None  # the reference, once padded to ``width``
         width = 0
         for key in keys:
             values = [f[key] for f in features]
             out_key = _out_key(key)
-            unpadded = self._why_not_padded(key, values, reference, reference_lengths)
+            # each key's lengths read once, for the alignment check and the stacking
+            lengths = reference_lengths if key == reference else list(map(_seq_length, values))
+            unpadded = self._why_not_padded(key, lengths, reference, reference_lengths)
             if unpadded is not None:
                 batch[out_key] = _stack_key(
-                    values, key, who, kind, device, unpadded, self.pin_memory
+                    values, lengths, key, who, kind, device, unpadded, self.pin_memory
                 )
                 continue
             ragged = _ragged_for_key(values, key, who, kind)
@@ -252,6 +297,7 @@ class PadCollator:
                     pad_value=self.pad_values[out_key],
                     side=self.padding_side,
                     pad_to_multiple_of=self.pad_to_multiple_of,
+                    min_length=min_length,
                     pin_memory=self.pin_memory,
                     who=f"{who}: key {key!r}",
                 )
@@ -262,11 +308,23 @@ class PadCollator:
             batch[out_key] = padded.data
             if key == reference:
                 mask_source, width = ragged, padded.max_length
-                batch._inverse = replace(padded.inverse(), who="FeatureBatch.split")
         if mask_source is not None and "attention_mask" not in batch:
             mask = real_token_mask(mask_source.lengths, width, self.padding_side)
             batch["attention_mask"] = from_host(
                 kind, mask.astype(np.int64), mask_source.device, pin=self.pin_memory
+            )
+        # Built when split asks for it: most batches go to a model and never need it.
+        if mask_source is None:  # nothing padded: no token axes, every leaf by row
+            batch._inverse = partial(_rows_only_inverse, num_items, len(features))
+        else:
+            lengths_on_host = tuple(mask_source.lengths[:num_items].tolist())
+            batch._inverse = partial(
+                padded_inverse,
+                lengths_on_host,
+                width,
+                self.padding_side,
+                "FeatureBatch.split",
+                len(features),
             )
         return batch
 
@@ -282,7 +340,11 @@ class PadCollator:
         return None
 
     def _why_not_padded(
-        self, key: str, values: list[Any], reference: str | None, reference_lengths: list[Any]
+        self,
+        key: str,
+        lengths: list[int | None],
+        reference: str | None,
+        reference_lengths: list[int | None],
     ) -> str | None:
         """None when ``key`` is padded; else why it is stacked (for a ragged key's error)."""
         if reference is None:
@@ -292,8 +354,7 @@ class PadCollator:
             )
         if self.pad_values.get(_out_key(reference)) is None:
             return f"{reference!r}, the key padded by, has pad value None: nothing is padded"
-        for i, (value, want) in enumerate(zip(values, reference_lengths, strict=True)):
-            got = _seq_length(value)
+        for i, (got, want) in enumerate(zip(lengths, reference_lengths, strict=True)):
             if got != want:
                 return (
                     f"it is not aligned with {reference!r} (item {i}: length {got}, its "
@@ -308,13 +369,53 @@ class PadCollator:
         return None
 
 
+def _rows_only_inverse(num_items: int, num_rows: int) -> Inverse:
+    """The `Inverse` of a batch in which nothing was padded: every leaf is by row."""
+    return Inverse(
+        who="FeatureBatch.split",
+        token_axes=None,
+        num_rows=num_rows,
+        rows=tuple(range(num_items)),
+        cut_tokens=list,
+    )
+
+
+def check_shapes(shapes: object, who: str, **exclusive: object) -> None:
+    """Refuse a ``shapes`` that is not a `ShapeBuckets`, or one given beside options
+    that would set the same sizes (``exclusive``: each such option's value).
+
+    Args:
+        shapes: The grid given, or None.
+        who: The collator, named in the errors.
+        **exclusive: Options that must be None when ``shapes`` is given.
+
+    Raises:
+        TypeError: ``shapes`` is neither None nor a ``ShapeBuckets``.
+        ValueError: ``shapes`` beside one of ``exclusive``.
+    """
+    if shapes is None:
+        return
+    if not isinstance(shapes, ShapeBuckets):
+        raise TypeError(f"{who}: shapes must be a ShapeBuckets, got {type(shapes).__name__}")
+    given = sorted(name for name, value in exclusive.items() if value is not None)
+    if given:
+        raise ValueError(f"{who}: shapes sets the padded sizes; pass {given} only without it")
+
+
 def _stack_key(
-    values: list[Any], key: str, who: str, kind: str, device: Any, why: str, pin: bool
+    values: list[Any],
+    lengths: list[int | None],
+    key: str,
+    who: str,
+    kind: str,
+    device: Any,
+    why: str,
+    pin: bool,
 ) -> Any:
-    """A key that is not padded, stacked per item into ``kind`` on ``device`` (None:
-    where the values are, numbers on the default device); a ragged one is refused,
-    naming it and ``why`` it is not padded."""
-    lengths = [_seq_length(v) for v in values]
+    """A key that is not padded (its values' ``lengths``, as `_seq_length` gives them),
+    stacked per item into ``kind`` on ``device`` (None: where the values are, numbers
+    on the default device); a ragged one is refused, naming it and ``why`` it is not
+    padded."""
     if lengths[0] is not None and len(set(lengths)) > 1:
         j = next(i for i, n in enumerate(lengths) if n != lengths[0])
         raise ValueError(
@@ -397,6 +498,26 @@ class VarlenCollator:
         self.return_tensors = return_tensors
         self.return_sample_index = return_sample_index
         self.pin_memory = pin_memory
+
+    def length_of(self, feature: Mapping[str, Any]) -> int:
+        """The length of one feature dict: its ``input_ids``' (a policy's length key,
+        so dict features need no ``key=``).
+
+        Args:
+            feature: One item, as given to the collator.
+
+        Raises:
+            TypeError: ``feature`` is not a dict, or its ``input_ids`` have no length.
+            ValueError: It has no ``input_ids``, or they are not 1-D.
+        """
+        who = type(self).__name__
+        if not isinstance(feature, Mapping):
+            raise TypeError(f"{who}: an item is a {type(feature).__name__}, expected a dict")
+        if "input_ids" not in feature:
+            raise ValueError(
+                f"{who}: the item has no 'input_ids'; its keys: {sorted(map(str, feature))}"
+            )
+        return _seq_len(feature["input_ids"], 0, who)
 
     def __call__(self, features: Sequence[Mapping[str, Any]]) -> FeatureBatch:
         """Collate a list of feature dicts (each with ``input_ids``) into one flat row.
@@ -554,7 +675,7 @@ def _carried(
             return namespace(kind).expand_dims(flat, axis=0)
         return to_kind(flat[None], kind, pin=pin)
     why = "it is not as long as input_ids in every item, so it is not flattened"
-    return _stack_key(values, key, who, kind, device, why, pin)
+    return _stack_key(values, lengths, key, who, kind, device, why, pin)
 
 
 def _seq_len(ids: Any, i: int, who: str) -> int:

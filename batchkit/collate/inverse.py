@@ -17,11 +17,19 @@ must be declared (``per_token=``); see `split_outputs`.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from batchkit._backend import is_array
+
+
+class AmbiguousOutputWarning(UserWarning):
+    """An output leaf of shape ``[B, L]`` was read per token by its shape alone, with
+    nothing in the outputs to tell it from a pooled ``[B, H]`` leaf whose width
+    happens to equal the padded length ``L``: declare ``per_token=``."""
+
 
 PerToken = bool | Collection[str] | None
 """How `Layout.split` reads each leaf: ``None`` by its shape; ``True`` every leaf per
@@ -89,8 +97,32 @@ class Layout:
                 ``L`` (a model width equal to the padded length).
             TypeError: A leaf is not an array, tensor or None, or ``per_token``
                 names keys while ``outputs`` is not a mapping.
+
+        Warns:
+            AmbiguousOutputWarning: With ``per_token=None``, a 2-D ``[B, L]`` leaf
+                is read per token while no leaf of the outputs has a third axis to
+                show the model's widths: a pooled ``[B, H]`` with ``H == L`` would
+                look the same.
         """
         return split_outputs(outputs, self.inverse(), per_token)
+
+
+def check_per_token(per_token: object, who: str) -> None:
+    """Refuse a ``per_token`` that is not None, a bool or a collection of keys.
+
+    Args:
+        per_token: The value given.
+        who: Who took it, named in the error.
+
+    Raises:
+        TypeError: It is none of those (a string is not a collection of keys here).
+    """
+    if per_token is None or isinstance(per_token, bool):
+        return
+    if isinstance(per_token, (str, bytes)) or not isinstance(per_token, Collection):
+        raise TypeError(
+            f"{who}: per_token must be None, a bool or a collection of keys, got {per_token!r}"
+        )
 
 
 def split_outputs(outputs: Any, inverse: Inverse, per_token: PerToken = None) -> list[Any]:
@@ -102,14 +134,10 @@ def split_outputs(outputs: Any, inverse: Inverse, per_token: PerToken = None) ->
         per_token: See `PerToken`.
     """
     declared: dict[str, bool] | bool | None
+    check_per_token(per_token, inverse.who)
     if per_token is None or isinstance(per_token, bool):
         declared = per_token
     else:
-        if isinstance(per_token, str) or not isinstance(per_token, Collection):
-            raise TypeError(
-                f"{inverse.who}: per_token must be None, a bool or a collection of keys, "
-                f"got {per_token!r}"
-            )
         if not isinstance(outputs, Mapping):
             raise TypeError(
                 f"{inverse.who}: per_token names keys {sorted(map(str, per_token))} but the "
@@ -220,8 +248,20 @@ class _Splitter:
                 f"a width of {axes[-1]}, its second axis, is also the width of "
                 f"{self.widths[axes[-1]]}, so it may be pooled"
             )
+        elif len(shape) == 2 and not self.widths:
+            # Nothing shows the model's widths: per token by its shape, said aloud.
+            # (The message names no size, so the warning shows once per leaf.)
+            warnings.warn(
+                f"{self.inverse.who}: leaf {path}, 2-D [batch, padded length], was read "
+                "per token by its shape alone; a pooled [batch, width] output whose "
+                "width equals the padded length looks the same. Declare it with "
+                "per_token= (True, False, or the keys that are per-token)",
+                AmbiguousOutputWarning,
+                stacklevel=2,
+            )
+            return
         else:
-            return  # [B, L, ...], or [B, L] with no width L elsewhere: per token
+            return  # [B, L, ...], or [B, L] beside leaves without width L: per token
         raise ValueError(
             f"{self.inverse.who}: leaf {path} of shape {shape} can be per-token (the "
             f"token axes are {axes}) or by row ({self.inverse.num_rows} rows), and {why}: "
@@ -265,7 +305,8 @@ class FeatureBatch(dict[str, Any], Layout):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._inverse: Inverse | None = None
+        # The layout, or a picklable function that builds it on first use.
+        self._inverse: Inverse | Callable[[], Inverse] | None = None
 
     def inverse(self) -> Inverse:
         """Where each item went (see [`split`][batchkit.Padded.split]).
@@ -278,6 +319,8 @@ class FeatureBatch(dict[str, Any], Layout):
                 "FeatureBatch.split: this mapping carries no layout (it was rebuilt from "
                 "a collator's output by type(batch)(...)): split the collator's own output"
             )
+        if not isinstance(self._inverse, Inverse):
+            self._inverse = self._inverse()
         return self._inverse
 
     def with_values(self, values: Mapping[str, Any]) -> FeatureBatch:
@@ -295,7 +338,9 @@ class FeatureBatch(dict[str, Any], Layout):
         return (_rebuild_feature_batch, (dict(self), self._inverse))
 
 
-def _rebuild_feature_batch(values: dict[str, Any], inverse: Inverse | None) -> FeatureBatch:
+def _rebuild_feature_batch(
+    values: dict[str, Any], inverse: Inverse | Callable[[], Inverse] | None
+) -> FeatureBatch:
     batch = FeatureBatch(values)
     batch._inverse = inverse
     return batch

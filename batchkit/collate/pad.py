@@ -24,6 +24,7 @@ from batchkit._backend import (
 from batchkit.collate.device import pinned_batch
 from batchkit.collate.inverse import Inverse, Layout
 from batchkit.collate.ragged import Ragged, to_ragged
+from batchkit.collate.shapes import ShapeBuckets
 
 Side = Literal["left", "right"]
 
@@ -102,11 +103,15 @@ class Padded(Layout):
     ``data``, ``mask`` and ``lengths`` are in the same backend (and on the same device);
     the lengths are also kept on the host, so `unpad` never reads the device.
 
+    Under a shape grid (``pad(..., shapes=...)``) ``B`` may exceed the number of
+    items: the dummy rows after the items repeat the last item, and `unpad` and
+    `split` leave them out.
+
     Attributes:
         data: ``[B, L, *feat]``, each item's steps followed (or, on the left side,
             preceded) by padding.
         mask: Bool ``[B, L]``, True where a step is real.
-        lengths: Int64 ``[B]``, each item's number of real steps.
+        lengths: Int64 ``[B]``, each row's number of real steps.
         side: ``"right"`` or ``"left"``: where the padding is.
     """
 
@@ -114,12 +119,18 @@ class Padded(Layout):
     mask: Any
     lengths: Any
     side: Side
-    _host_lengths: tuple[int, ...]
+    _host_lengths: tuple[int, ...]  # every row's, dummy rows included
+    _num_items: int | None = None  # None: every row is an item
 
     @property
     def batch_size(self) -> int:
-        """B, the number of items."""
+        """B, the rows of ``data``: the items, and any dummy rows after them."""
         return len(self._host_lengths)
+
+    @property
+    def num_items(self) -> int:
+        """The items of the batch: its first `num_items` rows (B without a shape grid)."""
+        return len(self._host_lengths) if self._num_items is None else self._num_items
 
     @property
     def max_length(self) -> int:
@@ -143,24 +154,47 @@ class Padded(Layout):
 
         Returns:
             Views (no copies) into ``outputs``, in item order, honouring the padding
-            side: item ``i`` is its ``lengths[i]`` real steps.
+            side: item ``i`` is its ``lengths[i]`` real steps (dummy rows left out).
 
         Raises:
             ValueError: ``outputs`` does not start with ``[B, L]`` (both shapes named).
         """
         check_leading_axes(outputs, (self.batch_size, self.max_length), "unpad")
-        return real_steps(outputs, self._host_lengths, self.side)
+        return real_steps(outputs, self._host_lengths[: self.num_items], self.side)
 
     def inverse(self) -> Inverse:
         """Where each item went (see `split`): a per-token leaf
         is ``[B, L, ...]``, a by-row leaf ``[B, ...]``."""
-        return Inverse(
-            who="Padded.split",
-            token_axes=(self.batch_size, self.max_length),
-            num_rows=self.batch_size,
-            rows=tuple(range(self.batch_size)),
-            cut_tokens=partial(real_steps, lengths=self._host_lengths, side=self.side),
+        return padded_inverse(
+            self._host_lengths[: self.num_items], self.max_length, self.side, rows=self.batch_size
         )
+
+
+def padded_inverse(
+    lengths: tuple[int, ...],
+    width: int,
+    side: Side,
+    who: str = "Padded.split",
+    rows: int | None = None,
+) -> Inverse:
+    """The `Inverse` of a padded batch: per-token leaves ``[B, width, ...]`` give each
+    item its real steps, by-row leaves ``[B, ...]`` row ``i`` to item ``i``.
+
+    Args:
+        lengths: Each item's number of real steps (host ints).
+        width: The padded length.
+        side: Where the padding is.
+        who: The split named in errors.
+        rows: B, when dummy rows follow the items (None: one row per item).
+    """
+    num_rows = len(lengths) if rows is None else rows
+    return Inverse(
+        who=who,
+        token_axes=(num_rows, width),
+        num_rows=num_rows,
+        rows=tuple(range(len(lengths))),
+        cut_tokens=partial(real_steps, lengths=lengths, side=side),
+    )
 
 
 def real_steps(outputs: Any, lengths: tuple[int, ...], side: Side) -> list[Any]:
@@ -186,6 +220,7 @@ def pad_ragged(
     min_length: int = 0,
     pin_memory: bool = False,
     who: str = "pad",
+    num_items: int | None = None,
 ) -> Padded:
     """Pad an already-validated `Ragged` (shared by `pad` and the dict collators).
 
@@ -198,6 +233,7 @@ def pad_ragged(
         min_length: The least width, before rounding.
         pin_memory: Allocate every output array in page-locked memory.
         who: The caller, named in the refusal when the batch cannot be pinned.
+        num_items: How many of the rows are items, the rest dummy rows (None: all).
     """
     check_side(side)
     kind, device = ragged.kind, ragged.device
@@ -228,6 +264,7 @@ def pad_ragged(
         lengths=from_host(kind, lengths.copy(), device, pin=pin_memory),
         side=side,
         _host_lengths=tuple(lengths.tolist()),
+        _num_items=num_items,
     )
 
 
@@ -241,10 +278,14 @@ def pad(
     truncate: bool = False,
     return_tensors: ReturnTensors = None,
     pin_memory: bool = False,
+    shapes: ShapeBuckets | None = None,
 ) -> Padded:
     """Pad variable-length items (first axis = sequence) into one ``[B, L, *feat]`` block.
 
-    ``L`` is the longest item, rounded up to ``pad_to_multiple_of``.
+    ``L`` is the longest item, rounded up to ``pad_to_multiple_of``. With ``shapes``
+    the block is a cell of that grid: ``B`` its smallest batch size >= the items
+    (dummy rows repeating the last item after them) and ``L`` its smallest length
+    >= the longest item; `unpad` and `split` give the items alone back.
 
     Args:
         seqs: The items: Python lists, numpy arrays, torch tensors or any Array API
@@ -264,6 +305,9 @@ def pad(
         pin_memory: Allocate every output array in page-locked memory (torch output,
             CUDA available), so [`to_device`][batchkit.collate.to_device] with
             ``non_blocking`` overlaps the copy to the GPU.
+        shapes: A [`ShapeBuckets`][batchkit.ShapeBuckets] grid the block's shape
+            is taken from (not with ``pad_to_multiple_of``, ``max_length`` or
+            ``truncate``).
 
     Returns:
         The batch; [`Padded.unpad`][batchkit.Padded.unpad] gives each item its real
@@ -271,12 +315,20 @@ def pad(
 
     Raises:
         ValueError: An item is longer than ``max_length`` (without ``truncate``; the
-            message names its index), items differ in feature shape, or an option is
-            out of range.
+            message names its index) or than the largest length of ``shapes``, there
+            are more items than its largest batch size, items differ in feature
+            shape, or an option is out of range.
         ValueError: ``pin_memory=True`` for numpy output or items already on a GPU.
         RuntimeError: ``pin_memory=True`` without CUDA, or in a ``DataLoader`` worker.
     """
     check_side(side)
+    if shapes is not None:
+        if pad_to_multiple_of is not None or max_length is not None or truncate:
+            raise ValueError(
+                "pad: shapes sets the padded length; pass pad_to_multiple_of, max_length "
+                "and truncate only without it"
+            )
+        return _pad_in_grid(seqs, shapes, pad_value, side, return_tensors, pin_memory)
     if max_length is not None:
         if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 0:
             raise ValueError(f"max_length must be an int >= 0, got {max_length!r}")
@@ -292,3 +344,49 @@ def pad(
         pad_to_multiple_of=pad_to_multiple_of,
         pin_memory=pin_memory,
     )
+
+
+def _pad_in_grid(
+    seqs: Sequence[Any],
+    shapes: ShapeBuckets,
+    pad_value: Any,
+    side: Side,
+    return_tensors: ReturnTensors,
+    pin_memory: bool,
+) -> Padded:
+    """`pad` into the cell of ``shapes`` the items fall in (see `pad`)."""
+    if not isinstance(shapes, ShapeBuckets):
+        raise TypeError(f"pad: shapes must be a ShapeBuckets, got {type(shapes).__name__}")
+    ragged = to_ragged(with_dummy_rows(seqs, shapes, "pad"), return_tensors=return_tensors)
+    width = shapes.check_lengths(ragged.lengths[: len(seqs)].tolist(), "pad")
+    return pad_ragged(
+        ragged,
+        pad_value=pad_value,
+        side=side,
+        min_length=width,
+        pin_memory=pin_memory,
+        num_items=len(seqs),
+    )
+
+
+def with_dummy_rows(items: Sequence[Any], shapes: ShapeBuckets, who: str) -> list[Any]:
+    """``items`` and, after them, copies of the last one up to the smallest batch size
+    of ``shapes`` that holds them (a copy of a real item: no row the model sees is
+    empty, so none can turn to NaN).
+
+    Args:
+        items: The batch's items.
+        shapes: The grid.
+        who: The collator, named in the error.
+
+    Raises:
+        ValueError: More items than the largest batch size.
+    """
+    items = list(items)
+    if not items:
+        return items
+    try:
+        rows = shapes.batch_size_for(len(items))
+    except ValueError as exc:
+        raise ValueError(f"{who}: {exc}") from None
+    return items + [items[-1]] * (rows - len(items))

@@ -22,8 +22,9 @@ from batchkit._backend import (
 )
 from batchkit.collate.device import pinned_batch
 from batchkit.collate.inverse import Inverse, Layout
-from batchkit.collate.pad import is_positive_int, round_up
+from batchkit.collate.pad import is_positive_int, round_up, with_dummy_rows
 from batchkit.collate.ragged import Ragged, to_ragged
+from batchkit.collate.shapes import ShapeBuckets
 
 
 def positions_restarting(lengths: np.ndarray) -> np.ndarray:
@@ -79,9 +80,10 @@ class Varlen(Layout):
             ``num_segments``, exactly ``num_segments + 1``: empty segments, ``T``
             repeated, after the real ones).
         max_seqlen: The longest segment (the padding segment included, since a
-            kernel sizes its tiles by it).
+            kernel sizes its tiles by it); under a shape grid, the cell's length.
         position_ids: Int64 ``[T]``, restarting at 0 in every segment.
-        seq_lens: Int64 ``[N]``, the items' lengths.
+        seq_lens: Int64 ``[N]``, the items' lengths (under a shape grid, ``[B]``:
+            the dummy segments' too).
     """
 
     values: Any
@@ -89,7 +91,8 @@ class Varlen(Layout):
     max_seqlen: int
     position_ids: Any
     seq_lens: Any
-    _offsets: tuple[int, ...]
+    _offsets: tuple[int, ...]  # the items' boundaries (dummy segments left out)
+    _num_rows: int | None = None  # rows of a by-row leaf, when padding segments add some
 
     @property
     def num_items(self) -> int:
@@ -142,7 +145,7 @@ class Varlen(Layout):
         return Inverse(
             who="Varlen.split",
             token_axes=(self.total_length,),
-            num_rows=self.num_items,
+            num_rows=self.num_items if self._num_rows is None else self._num_rows,
             rows=tuple(range(self.num_items)),
             cut_tokens=partial(segments, offsets=self._offsets),
         )
@@ -169,8 +172,16 @@ def varlen_from_ragged(
     pad_value: Any = 0,
     num_segments: int | None = None,
     pin_memory: bool = False,
+    cell: tuple[int, int] | None = None,
+    num_items: int | None = None,
 ) -> Varlen:
     """Build the varlen layout from validated items (shared with the dict collators).
+
+    With a shape grid's ``cell`` ``(B, L)`` (``ragged`` holding ``B`` segments, the
+    last ``B - num_items`` of them dummies) ``T`` is ``B * L``: the padding after
+    the segments is cut into segments of at most ``L`` steps, ``cu_seqlens`` has
+    exactly ``2 * B + 1`` entries (empty segments last) and ``max_seqlen`` is ``L``,
+    so every array's shape and every int depend on the cell alone.
 
     ``ragged.values`` is the output when no padding tail is appended: allocate it
     pinned up front (``to_ragged(..., pin_memory=True)``), or it is copied to pinned
@@ -184,6 +195,9 @@ def varlen_from_ragged(
         num_segments: Give ``cu_seqlens`` exactly ``num_segments + 1`` entries
             (None: as many as there are segments).
         pin_memory: Allocate every output array in page-locked memory.
+        cell: The shape grid's ``(batch size, length)`` cell (not with
+            ``pad_to_multiple_of`` or ``num_segments``).
+        num_items: How many of the segments are items (None: all).
 
     Raises:
         ValueError: More tokens than an int32 ``cu_seqlens`` can count, or more
@@ -194,7 +208,7 @@ def varlen_from_ragged(
     lengths = ragged.lengths
     offsets = ragged.offsets()
     real_total = int(offsets[-1])
-    total = round_up(real_total, pad_to_multiple_of)
+    total = round_up(real_total, pad_to_multiple_of) if cell is None else cell[0] * cell[1]
     if total > _INT32_MAX:  # int32 cu_seqlens (what the kernels take) would wrap silently
         raise ValueError(
             f"pack_varlen: {total} tokens in one pack; cu_seqlens is int32, so at most "
@@ -206,10 +220,18 @@ def varlen_from_ragged(
     if tail:
         padding = full(kind, (tail, *ragged.feature_shape), pad_value, like=values)
         values = concat([values, padding], pin=pin_memory)
-        offsets = np.append(offsets, total)
-        seg_lengths = np.append(lengths, tail)
+        # one padding segment; in a cell, segments of at most its length, so that
+        # max_seqlen is the cell's
+        step = tail if cell is None else cell[1]
+        pieces = np.full(-(-tail // step), step, dtype=np.int64)
+        pieces[-1] = tail - step * (len(pieces) - 1)
+        offsets = np.append(offsets, real_total + np.cumsum(pieces))
+        seg_lengths = np.append(lengths, pieces)
     elif pin_memory:
         values = to_kind(values, kind, pin=True)  # a no-op when to_ragged pinned it
+    if cell is not None:
+        num_segments = 2 * cell[0]  # B segments, then at most B of padding
+    item_offsets = ragged.offsets().tolist()
     return Varlen(
         values=values,
         cu_seqlens=from_host(
@@ -218,10 +240,12 @@ def varlen_from_ragged(
             device,
             pin=pin_memory,
         ),
-        max_seqlen=int(seg_lengths.max(initial=0)),
+        max_seqlen=int(seg_lengths.max(initial=0)) if cell is None else cell[1],
         position_ids=from_host(kind, positions_restarting(seg_lengths), device, pin=pin_memory),
         seq_lens=from_host(kind, lengths.copy(), device, pin=pin_memory),
-        _offsets=tuple(ragged.offsets().tolist()),
+        _offsets=tuple(item_offsets if num_items is None else item_offsets[: num_items + 1]),
+        # under a cell, a by-row leaf has one row per segment of cu_seqlens
+        _num_rows=None if cell is None else num_segments,
     )
 
 
@@ -233,12 +257,22 @@ def pack_varlen(
     num_segments: int | None = None,
     return_tensors: ReturnTensors = None,
     pin_memory: bool = False,
+    shapes: ShapeBuckets | None = None,
 ) -> Varlen:
     """Concatenate items (first axis = sequence) into the FlashAttention varlen layout.
 
     With ``pad_to_multiple_of``, ``T`` is rounded up by one trailing padding segment
     (filled with ``pad_value``) that ``cu_seqlens`` covers, so kernels leave no rows
     uncovered; ``unpack`` never returns it.
+
+    With ``shapes`` the layout is that of the grid's cell ``(B, L)`` the items fall
+    in (``B`` its smallest batch size >= the items, ``L`` its smallest length >=
+    the longest): ``B`` segments (dummy copies of the last item after the items),
+    a fixed token count ``T = B * L`` whose padding is cut into segments of at most
+    ``L`` steps, ``cu_seqlens`` of exactly ``2 * B + 1`` entries and
+    ``max_seqlen == L``, a Python int; all of it computed on the host from the
+    items' shapes. `unpack` and `split` give the items alone back; a by-row output
+    has one row per segment of ``cu_seqlens`` (``2 * B``), the items' first.
 
     Args:
         seqs: The items: Python lists, numpy arrays, torch tensors or any Array API
@@ -257,14 +291,24 @@ def pack_varlen(
         pin_memory: Allocate every output array in page-locked memory (torch output,
             CUDA available), so [`to_device`][batchkit.collate.to_device] with
             ``non_blocking`` overlaps the copy to the GPU.
+        shapes: A [`ShapeBuckets`][batchkit.ShapeBuckets] grid the layout's sizes
+            are taken from (not with ``pad_to_multiple_of`` or ``num_segments``).
 
     Raises:
         ValueError: Items differ in feature shape, the pack holds more tokens
             than an int32 ``cu_seqlens`` can count, or more segments than
-            ``num_segments``.
+            ``num_segments``; with ``shapes``, an item is longer than its largest
+            length or there are more items than its largest batch size.
         ValueError: ``pin_memory=True`` for numpy output or items already on a GPU.
         RuntimeError: ``pin_memory=True`` without CUDA, or in a ``DataLoader`` worker.
     """
+    if shapes is not None:
+        if pad_to_multiple_of is not None or num_segments is not None:
+            raise ValueError(
+                "pack_varlen: shapes sets the token count and the segments; pass "
+                "pad_to_multiple_of and num_segments only without it"
+            )
+        return _pack_varlen_in_grid(seqs, shapes, pad_value, return_tensors, pin_memory)
     # Without a padding tail the concatenated items are the output: allocate them pinned.
     ragged = to_ragged(
         seqs,
@@ -278,4 +322,26 @@ def pack_varlen(
         pad_value=pad_value,
         num_segments=num_segments,
         pin_memory=pin_memory,
+    )
+
+
+def _pack_varlen_in_grid(
+    seqs: Sequence[Any],
+    shapes: ShapeBuckets,
+    pad_value: Any,
+    return_tensors: ReturnTensors,
+    pin_memory: bool,
+) -> Varlen:
+    """`pack_varlen` into the cell of ``shapes`` the items fall in (see `pack_varlen`)."""
+    if not isinstance(shapes, ShapeBuckets):
+        raise TypeError(f"pack_varlen: shapes must be a ShapeBuckets, got {type(shapes).__name__}")
+    rows = with_dummy_rows(seqs, shapes, "pack_varlen")
+    ragged = to_ragged(rows, return_tensors=return_tensors, who="pack_varlen")
+    length = shapes.check_lengths(ragged.lengths[: len(seqs)].tolist(), "pack_varlen")
+    return varlen_from_ragged(
+        ragged,
+        pad_value=pad_value,
+        pin_memory=pin_memory,
+        cell=(len(rows), length),
+        num_items=len(seqs),
     )

@@ -29,6 +29,8 @@ from typing import Any, Generic, Literal, Protocol, cast
 from typing_extensions import Never, Self, TypeVar, overload
 
 from batchkit.batchers.base import Batcher
+from batchkit.collate.inverse import PerToken
+from batchkit.collate.shapes import ShapeBuckets
 from batchkit.serve import callers
 from batchkit.serve.coalesce import Coalescer, check_sharing
 from batchkit.serve.core import ServingCore
@@ -41,6 +43,7 @@ from batchkit.serve.options import (
     Settings,
     SettingsChange,
     check_serving_options,
+    collate_and_policy,
     oom_recovery,
     policy_of,
 )
@@ -728,6 +731,8 @@ def batched(
     max_groups_per_batch: int | None = None,
     coalesce: bool | Callable[[Any], Hashable] = False,
     cache: MutableMapping[Hashable, Any] | None = None,
+    shapes: ShapeBuckets | None = None,
+    per_token: PerToken = None,
 ) -> BatchedDecorator: ...
 @overload
 def batched(
@@ -750,6 +755,8 @@ def batched(
     max_groups_per_batch: int | None = None,
     coalesce: bool | Callable[[Any], Hashable] = False,
     cache: MutableMapping[Hashable, Any] | None = None,
+    shapes: ShapeBuckets | None = None,
+    per_token: PerToken = None,
 ) -> Callable[[Callable[..., Any]], BatchedFunction[Any, Any, Any]]: ...
 
 
@@ -775,6 +782,8 @@ def batched(
     max_groups_per_batch: int | None = None,
     coalesce: bool | Callable[[Any], Hashable] = False,
     cache: MutableMapping[Hashable, Any] | None = None,
+    shapes: ShapeBuckets | None = None,
+    per_token: PerToken = None,
 ) -> Any:
     """Decorate a batch function (list of items -> sequence of results).
 
@@ -911,6 +920,20 @@ def batched(
             tell them apart. Empty it with
             [`cache_clear`][batchkit.BatchedFunction.cache_clear] or the mapping's
             own API. None (the default) keeps nothing.
+        shapes: A [`ShapeBuckets`][batchkit.ShapeBuckets] grid of static
+            shapes, declared once: the policy pads each batch up to a grid batch
+            size (repeating its last item) and batches requests by the grid length
+            they pad to; `collate` pads to that cell when it is
+            [`pad`][batchkit.collate.pad.pad], [`pack_varlen`][batchkit.pack_varlen] or a
+            [`PadCollator`][batchkit.PadCollator]; the dummy rows and padding are
+            removed before any caller sees a result, and an item longer than the
+            grid's largest length fails its call with a `ValueError` naming its
+            length. None (the default): no grid, or the `batcher`'s own.
+        per_token: How the layout's inverse reads the function's output (see
+            [`split`][batchkit.Padded.split]): None (the default) by each leaf's
+            shape (warning where a 2-D leaf's shape cannot tell), True every leaf
+            per token, False every leaf by row (pooled), or the keys of a mapping
+            output that are per token.
 
     Returns:
         With `fn`: the [`BatchedFunction`][batchkit.BatchedFunction] wrapping it.
@@ -935,7 +958,7 @@ def batched(
             `max_groups_per_batch` that is not a whole number >= 1 or is given
             without `group`.
     """
-    batcher = policy_of(batcher, max_batch_size, max_wait_ms, group, max_groups_per_batch)
+    batcher = policy_of(batcher, max_batch_size, max_wait_ms, group, max_groups_per_batch, shapes)
     check_serving_options(
         max_queue_size,
         max_concurrent_batches,
@@ -948,6 +971,7 @@ def batched(
     for name, cb in (("collate", collate), ("split", split)):
         if cb is not None and not callable(cb):
             raise TypeError(f"{name} must be callable, got {type(cb).__name__}")
+    batcher, collate = collate_and_policy(batcher, collate)
     options = Options(
         policy=batcher,
         collate=collate,
@@ -962,6 +986,7 @@ def batched(
         when_full=when_full,
         coalesce=coalesce,
         cache=cache,
+        per_token=per_token,
     )
 
     def wrap(func: Callable[..., Any]) -> BatchedFunction[Any, Any]:

@@ -35,7 +35,7 @@ from enum import Enum
 from typing import Any
 
 from batchkit._backend import is_array
-from batchkit.collate.inverse import Inverse, Layout, split_outputs
+from batchkit.collate.inverse import Inverse, Layout, PerToken, split_outputs
 from batchkit.collate.stack import unstack
 from batchkit.errors import BatchTimeout
 from batchkit.serve.options import OomRecovery, Options
@@ -97,6 +97,7 @@ class BatchRun:
         "oom",
         "isolate_errors",
         "split",
+        "per_token",
         "todo",
         "values",
         "errors",
@@ -112,6 +113,7 @@ class BatchRun:
         self.oom = options.oom
         self.isolate_errors = options.isolate_errors
         self.split = options.split
+        self.per_token = options.per_token
         self.todo: list[Part] = [(0, len(requests))]  # parts still to run, the next last
         self.values: list[Any] = [None] * len(requests)
         self.errors: dict[int, BaseException] = {}  # position -> that request's error
@@ -153,7 +155,7 @@ class BatchRun:
             layout = None  # (the user's split has made the per-item results)
         else:
             results = output
-        results = results_per_item(results, layout, padded, name)
+        results = results_per_item(results, layout, padded, name, per_token=self.per_token)
         start, stop = part
         chunk = list(itertools.islice(results, stop - start))
         if len(chunk) != stop - start:  # len() said otherwise: e.g. a table iterating columns
@@ -219,7 +221,12 @@ def layout_of(argument: Any) -> Inverse | None:
 
 
 def results_per_item(
-    output: Any, layout: Inverse | None, padded: int, name: str, verb: str = "returned"
+    output: Any,
+    layout: Inverse | None,
+    padded: int,
+    name: str,
+    verb: str = "returned",
+    per_token: PerToken = None,
 ) -> Any:
     """What a batch function returned (or a stream yielded), as a sequence of `padded`
     per-item results.
@@ -238,6 +245,7 @@ def results_per_item(
         padded: The number of items the function was called with.
         name: The function's name, for error messages.
         verb: How the output came, for error messages (``"yielded"`` for a stream).
+        per_token: How the layout reads each leaf (`@batched(per_token=...)`).
 
     Raises:
         TypeError: The results have no `len()`, are a set, or are a `str` or `bytes`.
@@ -252,7 +260,7 @@ def results_per_item(
         )
     if layout is not None and (is_array(results) or isinstance(results, Mapping)):
         try:
-            results = split_outputs(results, layout)
+            results = split_outputs(results, layout, per_token)
         except (TypeError, ValueError) as exc:
             raise type(exc)(f"{name}'s output cannot be split per item: {exc}") from None
     elif isinstance(results, Mapping):

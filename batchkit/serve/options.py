@@ -22,6 +22,9 @@ from typing import Any, Literal
 from batchkit.batchers.base import Batcher
 from batchkit.batchers.checks import check_flag, duration, is_real_number, positive_count, wait_ms
 from batchkit.batchers.dynamic import DynamicBatcher
+from batchkit.collate.grid import collate_in_grid
+from batchkit.collate.inverse import PerToken, check_per_token
+from batchkit.collate.shapes import ShapeBuckets
 
 Clock = Callable[[], float]
 
@@ -94,6 +97,8 @@ class Options:
         coalesce: Identical requests computed once: False, True (the item is the
             key) or the key function (see `batchkit.serve.coalesce`).
         cache: The mapping that keeps results by the same key; None for none.
+        per_token: How a layout's inverse reads the output's leaves (see
+            [`split`][batchkit.Padded.split]); None: by their shapes.
     """
 
     policy: Batcher
@@ -110,6 +115,7 @@ class Options:
     max_latency_s: float | None = None
     coalesce: bool | Callable[[Any], Hashable] = False
     cache: MutableMapping[Hashable, Any] | None = None
+    per_token: PerToken = None
 
     def __post_init__(self) -> None:
         # The counts are stored as ints whatever number type they came as (a YAML or
@@ -118,6 +124,7 @@ class Options:
         concurrent = positive_count("max_concurrent_batches", self.max_concurrent_batches)
         object.__setattr__(self, "max_queue_size", queue)  # frozen: set once, here
         object.__setattr__(self, "max_concurrent_batches", concurrent)
+        check_per_token(self.per_token, "@batched")
 
 
 OnOom = Callable[[], None]
@@ -164,20 +171,32 @@ def policy_of(
     max_wait_ms: float | None,
     group: Callable[[Any], Hashable] | None,
     max_groups_per_batch: int | None,
+    shapes: ShapeBuckets | None = None,
 ) -> Batcher:
     """`@batched`'s policy: `batcher`, or the default `DynamicBatcher` of the sizes,
-    wait and group given to the decorator (which then go nowhere else).
+    wait, group and shape grid given to the decorator (which then go nowhere else;
+    the grid's largest batch size is the default `max_batch_size`).
 
     Raises:
-        ValueError: `batcher` and any of the others, which belong to the batcher.
+        ValueError: `batcher` and any of the others, which belong to the batcher
+            (`shapes` beside a batcher that has other shapes, or none).
         TypeError: `batcher` is not a batchkit `Batcher`.
     """
+    if shapes is not None and not isinstance(shapes, ShapeBuckets):
+        raise TypeError(f"shapes must be a ShapeBuckets, got {type(shapes).__name__}")
     if batcher is None:
+        default_size = 32 if shapes is None else shapes.max_batch_size
         return DynamicBatcher(
-            32 if max_batch_size is None else max_batch_size,
+            default_size if max_batch_size is None else max_batch_size,
             5.0 if max_wait_ms is None else max_wait_ms,
             group=group,
             max_groups_per_batch=max_groups_per_batch,
+            shapes=shapes,
+        )
+    if shapes is not None and batcher.shapes != shapes:
+        raise ValueError(
+            f"shapes={shapes!r} but the batcher has shapes={batcher.shapes!r}: give the "
+            "grid to the batcher alone (@batched then reads it from there)"
         )
     if max_batch_size is not None or max_wait_ms is not None:
         raise ValueError("pass max_batch_size/max_wait_ms to the batcher, not to @batched")
@@ -392,6 +411,8 @@ def reconfigured(policy: Batcher, max_batch_size: int | None, max_wait_ms: float
     kind = type(policy).__name__
     check_has_wait(policy, max_wait_ms)
     sizes: tuple[int, ...] = getattr(policy, "preferred_batch_sizes", ())
+    if policy.shapes is not None:
+        sizes = policy.shapes.batch_sizes
     if max_batch_size is not None and sizes and max_batch_size > sizes[-1]:
         raise ValueError(
             f"max_batch_size={max_batch_size} exceeds the largest of {kind}'s "
@@ -403,3 +424,27 @@ def reconfigured(policy: Batcher, max_batch_size: int | None, max_wait_ms: float
     if max_wait_ms is not None:
         changed.max_wait_s = max_wait_ms / 1000.0
     return changed
+
+
+def collate_and_policy(
+    policy: Batcher, collate: Callable[[list[Any]], Any] | None
+) -> tuple[Batcher, Callable[[list[Any]], Any] | None]:
+    """The policy and collate a function runs with, made to agree: under the
+    policy's shape grid, `collate` pads to its cells (`collate_in_grid`); and a
+    policy whose length key was not chosen reads it from a collator that has
+    `length_of` (a `PadCollator`: dict features need no `key=`), so the bucket a
+    request joins and the length it is padded to come from one value.
+
+    Args:
+        policy: The function's policy (never changed in place: a copy is returned).
+        collate: The function's collate, or None.
+
+    Raises:
+        ValueError: `collate` is a collator with shapes other than the policy's.
+    """
+    collate = collate_in_grid(collate, policy.shapes)
+    length_of = getattr(collate, "length_of", None)
+    if policy.key is not None and not policy.key_given and callable(length_of):
+        policy = copy.copy(policy)
+        policy.key = length_of
+    return policy, collate

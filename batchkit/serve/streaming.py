@@ -128,7 +128,9 @@ class StreamBatch:
             TypeError: `entries` has no `len()`.
             ValueError: It does not hold one entry per item.
         """
-        entries = results_per_item(entries, self.layout, self.padded, self.name, "yielded")
+        entries = results_per_item(
+            entries, self.layout, self.padded, self.name, "yielded", self.run.per_token
+        )
         for position, entry in zip(self.positions, entries):
             channel = self.run.requests[position].channel
             assert channel is not None

@@ -46,6 +46,7 @@ WRONG_TYPE: dict[str, object] = {
     "eager": "yes",
     "boundaries": 16,
     "window": [64],
+    "shapes": (8, 16),
 }
 # A value of the right type out of its range, by name; None: every value of the right
 # type is valid (a callable, a flag).
@@ -64,6 +65,7 @@ WRONG_VALUE: dict[str, object] = {
     "eager": None,
     "boundaries": [16, 8],
     "window": 0,
+    "shapes": None,  # every ShapeBuckets is valid (its own arguments are checked in it)
 }
 
 

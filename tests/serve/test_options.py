@@ -54,6 +54,8 @@ BATCHED_WRONG_TYPE: dict[str, object] = {
     "max_groups_per_batch": "2",
     "coalesce": 5,
     "cache": [],
+    "shapes": (8, 16),
+    "per_token": "tokens",  # one key is not a collection of keys
 }
 # A value of the right type out of its range, by name; None: every value of the right
 # type is valid (a callable, a flag, a policy).
@@ -77,6 +79,8 @@ BATCHED_WRONG_VALUE: dict[str, object] = {
     "max_groups_per_batch": 0,
     "coalesce": None,
     "cache": None,
+    "shapes": None,  # every ShapeBuckets is valid (its own arguments are checked in it)
+    "per_token": None,
 }
 CONFIGURE_WRONG_TYPE: dict[str, object] = {
     "max_batch_size": "8",
