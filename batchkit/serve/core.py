@@ -190,12 +190,15 @@ class ServingCore:
         bucket = group_bucket(policy, key, group)
         return new_request(item, key, bucket, priority, loop, channel, 0.0, group)
 
-    def submit(self, req: Request) -> None:
+    def submit(self, req: Request, *, loop_checked: bool = False) -> None:
         """Enqueue a request, under the lock, from a thread or an event loop alike
         (re-entrant: a blocked admission calls it holding the lock already).
 
         Args:
             req: A request from `make_request`.
+            loop_checked: Its caller's thread and loop were checked (`check_loop`)
+                when it was made: it is submitted later from another thread (a
+                session's next request, from the previous one's settling).
 
         Raises:
             BatcherClosed: The function is closed; nothing was enqueued.
@@ -205,7 +208,7 @@ class ServingCore:
         with self.lock:
             if self.closed:
                 raise BatcherClosed(f"{self.name} is closed")
-            if self.check_loop is not None:
+            if self.check_loop is not None and not loop_checked:
                 self.check_loop(req.loop)
             req.enqueued_at = self.clock()
             self._shed_too_late_locked(req.enqueued_at)

@@ -8,7 +8,7 @@ import copy
 import enum
 import threading
 from collections import defaultdict
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 from batchkit.loops import call_on_loop
@@ -72,6 +72,7 @@ class Request:
         "planned_answer",
         "group",
         "waiter",
+        "on_settled",
     )
 
     item: Any
@@ -96,6 +97,10 @@ class Request:
     # A thread caller's wait: a lock held from creation until the outcome is stored
     # (`deliver` releases it); None for an asyncio or streaming caller.
     waiter: threading.Lock | None
+    # Called with the request once its outcome is stored, before its caller is woken
+    # (a layer above the core that orders requests, e.g. a session's next request);
+    # None for a plain request.
+    on_settled: Callable[[Request], None] | None
 
     def __init__(
         self,
@@ -120,6 +125,7 @@ class Request:
         self.error = None
         self.loop = loop
         self.channel = channel
+        self.on_settled = None
         if channel is not None or loop is not None:
             # An asyncio caller awaits its future; a streaming caller reads its channel.
             self.future = loop.create_future() if channel is None else None  # type: ignore[union-attr]
@@ -228,7 +234,8 @@ def resolve_on_loop(
     awaiting there with `values`, and `deliver` the others (thread callers, streams,
     or callers from another loop).
 
-    A cancelled caller's future is left alone.
+    A request's `on_settled` runs before its future is resolved; a cancelled
+    caller's future is left alone.
 
     Args:
         requests: A batch's requests, every one succeeded.
@@ -238,6 +245,9 @@ def resolve_on_loop(
     others = []
     for req, value in zip(requests, values):
         req.state = DONE
+        if req.on_settled is not None:
+            req.value = value
+            req.on_settled(req)
         future = req.future
         if future is not None and req.loop is loop:
             try:  # noqa: SIM105 - suppress() would cost a context manager per item
@@ -254,15 +264,17 @@ def resolve_on_loop(
 def deliver(requests: Sequence[Request]) -> None:
     """Hand each settled request's outcome to its caller.
 
-    Thread callers are woken now; a stream's channel ends (with the request's error,
-    if any); asyncio futures are resolved on their own loops (one hop per loop; a
-    closed loop has nobody left to answer).
+    A request's `on_settled` runs first. Thread callers are woken now; a stream's
+    channel ends (with the request's error, if any); asyncio futures are resolved on
+    their own loops (one hop per loop; a closed loop has nobody left to answer).
 
     Args:
         requests: Requests whose outcome (value or error) is stored.
     """
     by_loop: defaultdict[asyncio.AbstractEventLoop, list[Request]] = defaultdict(list)
     for req in requests:
+        if req.on_settled is not None:
+            req.on_settled(req)
         if req.channel is not None:
             req.channel.finish(req.error)  # (a stream already ended keeps its end)
         elif req.loop is not None:
