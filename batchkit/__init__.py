@@ -50,6 +50,7 @@ from batchkit.serve import (
     RequestTimeout,
     Settings,
     Stats,
+    TooManySessions,
     batched,
 )
 from batchkit.tools.memory import MemoryPlan, activation_bytes, kv_cache_bytes, memory_plan
@@ -93,6 +94,7 @@ __all__ = [
     "Stats",
     "StepBatch",
     "StepLayout",
+    "TooManySessions",
     "Varlen",
     "VarlenCollator",
     "activation_bytes",

@@ -29,7 +29,9 @@ from batchkit.serve.options import (
     check_serving_options,
     oom_recovery,
     policy_of,
+    session_options,
 )
+from batchkit.serve.sessions import Sessions
 from batchkit.serve.stats import Stats
 from batchkit.serve.threads import ThreadDriver
 
@@ -113,13 +115,26 @@ class BatchedFunction(Generic[R]):
         self._bound_by_instance: weakref.WeakKeyDictionary[Any, BatchedFunction[R]] = (
             weakref.WeakKeyDictionary()
         )
+        # A stateful function (state=): the core runs the session layer's wrapper.
+        self._sessions: Sessions | None = None
+        runs, core_options = fn, options
+        if options.sessions is not None:
+            if self.streams:
+                raise TypeError(
+                    f"{self.__qualname__} is a generator function: state= (sessions) "
+                    "needs a function that returns (results, new_states)"
+                )
+            self._sessions = Sessions(fn, options, self.__qualname__, is_async=self.is_async)
+            runs, core_options = self._sessions.batch_function, self._sessions.core_options(options)
         # Created now (cheap: no thread starts before the first call).
         self._driver: Driver = (
-            LoopDriver(fn, options, self.__qualname__)
+            LoopDriver(runs, core_options, self.__qualname__)
             if self.is_async
-            else ThreadDriver(fn, options, self.__qualname__)
+            else ThreadDriver(runs, core_options, self.__qualname__)
         )
         self._core = self._driver.core
+        if self._sessions is not None:
+            self._sessions.bind(self._core)
         self._warned_on_loop = False
         # Dropped (a function made at run time, an instance's method with its
         # instance), it closes: its workers exit, and the function they hold is
@@ -162,8 +177,17 @@ class BatchedFunction(Generic[R]):
             ) from None
 
     # -- one item ------------------------------------------------------------
-    def __call__(self, item: Any, *, priority: int = 0, timeout: float | None = None) -> Any:
-        """Run one item in a batch: `f(x)`.
+    def __call__(
+        self,
+        item: Any,
+        *,
+        priority: int = 0,
+        timeout: float | None = None,
+        session: Hashable | None = None,
+        end: bool = False,
+    ) -> Any:
+        """Run one item in a batch: `f(x)`, or `f(chunk, session=key)` for a stateful
+        function (`state=`).
 
         A sync function blocks this thread until the result (called on a thread that
         runs an event loop, it warns once: nothing batches while the loop is
@@ -175,7 +199,12 @@ class BatchedFunction(Generic[R]):
                 reach this caller.
             priority: Lower values are served first (then arrival order); an `int`.
             timeout: Seconds the item may wait before its batch starts; None (the
-                default) for no bound.
+                default) for no bound. For a session's request the wait behind its
+                session's earlier requests counts too.
+            session: A stateful function's session key (any hashable but None): the
+                request runs after the session's earlier ones, with its state.
+            end: The session ends once this request has settled (its state is freed;
+                a later call with the key starts a new session).
 
         Returns:
             The item's result (sync), or an awaitable of it (async).
@@ -186,7 +215,10 @@ class BatchedFunction(Generic[R]):
             BatcherClosed: The function is closed, or closed before serving the item.
             BatchTimeout: The item's batch ran past `batch_timeout`.
             TypeError: The function is a generator function (use `stream`),
-                `priority` is not an `int`, or `timeout` is not a number.
+                `priority` is not an `int`, `timeout` is not a number, `session` is
+                missing for a stateful function (or given to a stateless one), or
+                not hashable.
+            TooManySessions: It would start a session past `max_sessions`.
             ValueError: `timeout` is NaN or negative; nothing was queued.
             BatchInterrupted: The batch function raised `SystemExit` or
                 `KeyboardInterrupt` (its `__cause__`) on its worker thread.
@@ -194,11 +226,30 @@ class BatchedFunction(Generic[R]):
         """
         if self.streams:
             raise self._streams_error()
+        if self._sessions is not None or session is not None or end:
+            sessions = self._stateful(session)
+            if self.is_async:
+                return sessions.acall(item, session, end, priority, timeout)
+            return sessions.call(item, session, end, priority, timeout)
         if self.is_async:
             return callers.acall(self._core, item, priority, timeout)
         if not self._warned_on_loop and asyncio._get_running_loop() is not None:
             self._warn_blocking_on_loop()
         return callers.call(self._core, item, priority, timeout)
+
+    def _stateful(self, session: Hashable | None) -> Sessions:
+        """The session layer, for a call with `session` (refused without both)."""
+        name = self.__name__
+        if self._sessions is None:
+            raise TypeError(
+                f"{name} keeps no sessions: session= and end= need @batched(state=...)"
+            )
+        if session is None:
+            raise TypeError(
+                f"{name} keeps sessions (state=): call it with a session key, "
+                f"{name}(chunk, session=key)"
+            )
+        return self._sessions
 
     def _warn_blocking_on_loop(self) -> None:
         self._warned_on_loop = True
@@ -225,11 +276,20 @@ class BatchedFunction(Generic[R]):
         call = f"await {name}.acall(x)" if self.is_async else f"{name}(x) or await {name}.acall(x)"
         return TypeError(f"{name} is not a generator function, so it does not {how}: use {call}")
 
-    async def acall(self, item: Any, *, priority: int = 0, timeout: float | None = None) -> Any:
+    async def acall(
+        self,
+        item: Any,
+        *,
+        priority: int = 0,
+        timeout: float | None = None,
+        session: Hashable | None = None,
+        end: bool = False,
+    ) -> Any:
         """Run one item in a batch, from asyncio (sync or async function alike).
 
         A sync function runs on a worker thread: the loop is never blocked.
-        Cancelling the awaiting task withdraws the item if it has not started.
+        Cancelling the awaiting task withdraws the item if it has not started (a
+        session's request cancelled while it runs does not advance its session).
 
         Args:
             item: The item.
@@ -237,12 +297,15 @@ class BatchedFunction(Generic[R]):
             timeout: Seconds the item may wait before its batch starts, else
                 [`RequestTimeout`][batchkit.RequestTimeout]; None (the default) for
                 no bound.
+            session: A stateful function's session key (see `__call__`).
+            end: The session ends once this request has settled.
 
         Returns:
             The item's result.
 
         Raises:
             RequestTimeout: The item did not start within `timeout`.
+            TooManySessions: It would start a session past `max_sessions`.
             QueueFull: `max_queue_size` requests wait (with `when_full="reject"`).
             BatcherClosed: The function is closed, or closed before serving the item.
             BatchTimeout: The item's batch ran past `batch_timeout`.
@@ -256,6 +319,8 @@ class BatchedFunction(Generic[R]):
         """
         if self.streams:
             raise self._streams_error()
+        if self._sessions is not None or session is not None or end:
+            return await self._stateful(session).acall(item, session, end, priority, timeout)
         return await callers.acall(self._core, item, priority, timeout)
 
     # -- streams ----------------------------------------------------------------
@@ -359,13 +424,16 @@ class BatchedFunction(Generic[R]):
             QueueFull: The items do not all fit in the queue (`max_queue_size`, with
                 `when_full="reject"`): none of them was queued.
             BatcherClosed: The function is closed.
-            TypeError: The function is async (use `amap`) or a generator function,
-                or `timeout` is not a number.
+            TypeError: The function is async (use `amap`), a generator function or
+                a stateful one (`state=`: call it per chunk), or `timeout` is not a
+                number.
             ValueError: `timeout` is NaN or negative; nothing was queued.
             Exception: The first failed item's error, in input order.
         """
         if self.streams:
             raise self._streams_error()
+        if self._sessions is not None:
+            raise self._map_error()
         if self.is_async:
             raise TypeError(f"{self.__name__} is async: use 'await {self.__name__}.amap(items)'")
         return callers.call_many(self._core, items, priority, timeout)
@@ -390,15 +458,58 @@ class BatchedFunction(Generic[R]):
             QueueFull: The items do not all fit in the queue (`max_queue_size`, with
                 `when_full="reject"`): none of them was queued.
             BatcherClosed: The function is closed.
-            TypeError: The function is a generator function, or `timeout` is not a
-                number.
+            TypeError: The function is a generator function or a stateful one
+                (`state=`), or `timeout` is not a number.
             ValueError: `timeout` is NaN or negative; nothing was queued.
             Exception: The first failed item's error, in input order, once every
                 item has finished.
         """
         if self.streams:
             raise self._streams_error()
+        if self._sessions is not None:
+            raise self._map_error()
         return await callers.amap(self._core, items, priority, timeout)
+
+    def _map_error(self) -> TypeError:
+        name = self.__name__
+        return TypeError(
+            f"{name} keeps sessions (state=): call it once per chunk, "
+            f"{name}(chunk, session=key), in the session's order"
+        )
+
+    # -- sessions ------------------------------------------------------------------
+    def end_session(self, key: Hashable) -> bool:
+        """End session `key` of a stateful function (`state=`): its state is freed once
+        the requests it already has have settled (at once if it has none). A later
+        call with `key` starts a new session.
+
+        Args:
+            key: The session's key.
+
+        Returns:
+            True if such a session was live (or waiting for room); False otherwise.
+
+        Raises:
+            TypeError: The function keeps no sessions.
+        """
+        if self._sessions is None:
+            raise TypeError(f"{self.__name__} keeps no sessions: end_session needs state=")
+        return self._sessions.end_session(key)
+
+    def session_state(self, key: Hashable) -> Any:
+        """Session `key`'s current state, as the batch function last returned it (a
+        copy of its row with `stack_states=True`); its next request starts from it.
+
+        Args:
+            key: The session's key.
+
+        Raises:
+            KeyError: No live session has that key.
+            TypeError: The function keeps no sessions.
+        """
+        if self._sessions is None:
+            raise TypeError(f"{self.__name__} keeps no sessions: session_state needs state=")
+        return self._sessions.state_of(key)
 
     # -- introspection and lifetime ---------------------------------------------
     def add_listener(self, listener: Listener) -> None:
@@ -431,7 +542,13 @@ class BatchedFunction(Generic[R]):
             A [`Stats`][batchkit.Stats]: requests, batches, batch sizes, waits,
             latencies, dispatch reasons, and the health of the workers.
         """
-        return self._core.stats()
+        stats = self._core.stats()
+        if self._sessions is None:
+            return stats
+        live, ended, evicted = self._sessions.counts()
+        return dataclasses.replace(
+            stats, sessions=live, sessions_ended=ended, sessions_evicted=evicted
+        )
 
     def configure(
         self,
@@ -498,6 +615,8 @@ class BatchedFunction(Generic[R]):
         Raises:
             RuntimeError: An async function's `close` was called on its own loop.
         """
+        if self._sessions is not None:
+            self._sessions.close()
         self._driver.close(timeout)
 
     async def aclose(self, timeout: float | None = None) -> None:
@@ -513,6 +632,8 @@ class BatchedFunction(Generic[R]):
             RuntimeError: An async function is closed from another loop than the one
                 it serves.
         """
+        if self._sessions is not None:
+            self._sessions.close()
         await self._driver.aclose(timeout)
 
     def __enter__(self) -> BatchedFunction[R]:
@@ -578,10 +699,35 @@ def batched(
     group: Callable[[Any], Hashable] | None = None,
     max_groups_per_batch: int | None = None,
 ) -> Callable[[Callable[[Any], R]], BatchedFunction[R]]: ...
+@overload
+def batched(
+    *,
+    max_batch_size: int | None = 32,
+    max_wait_ms: float | None = 5.0,
+    batcher: Batcher | None = None,
+    collate: Callable[[list[Any]], Any] | None = None,
+    split: Callable[[Any], Sequence[Any]] | None = None,
+    max_queue_size: int | None = None,
+    max_concurrent_batches: int = 1,
+    when_full: Literal["reject", "block"] = "reject",
+    oom_errors: tuple[type[BaseException], ...] | None = None,
+    on_oom: OnOom | Literal[False] | None = None,
+    isolate_errors: bool = False,
+    batch_timeout: float | None = None,
+    max_latency_ms: float | None = None,
+    clock: Clock | None = None,
+    group: Callable[[Any], Hashable] | None = None,
+    max_groups_per_batch: int | None = None,
+    state: Callable[..., Any],
+    session_idle_s: float | None = None,
+    max_sessions: int | None = None,
+    when_sessions_full: Literal["reject", "block"] = "reject",
+    stack_states: bool = False,
+) -> Callable[[Callable[[Any, Any], Any]], BatchedFunction[Any]]: ...
 
 
 def batched(
-    fn: Callable[[Any], Any] | None = None,
+    fn: Callable[..., Any] | None = None,
     /,
     *,
     max_batch_size: int | None = None,
@@ -600,6 +746,11 @@ def batched(
     clock: Clock | None = None,
     group: Callable[[Any], Hashable] | None = None,
     max_groups_per_batch: int | None = None,
+    state: Callable[..., Any] | None = None,
+    session_idle_s: float | None = None,
+    max_sessions: int | None = None,
+    when_sessions_full: Literal["reject", "block"] = "reject",
+    stack_states: bool = False,
 ) -> Any:
     """Decorate a batch function (list of items -> sequence of results).
 
@@ -712,6 +863,31 @@ def batched(
         max_groups_per_batch: The most groups one batch may hold (default 1 with
             `group`); a batch of one group that leaves short is filled from the
             next oldest groups. Only with `group`.
+        state: Makes the function stateful (sessions): `state()` makes a session's
+            first state (`state(key)` if it needs an argument). The function is then called as
+            `fn(batch, states)` (`states` holds one state per item, in the batch's
+            order) and returns `(results, new_states)`, one entry each; callers
+            pass `f(chunk, session=key)` or `await f.acall(chunk, session=key)`.
+            A session's requests run one at a time, in the order they were made;
+            different sessions batch together. A request that fails (its result is
+            an exception, its batch raised or timed out, its caller was cancelled
+            before it settled) leaves its session's state as it was before it.
+            States are values: return new ones rather than change them in place.
+            See the guide's "Stateful sessions".
+        session_idle_s: End a session that has had nothing queued for this many
+            seconds (on `clock`; checked on each call, `end_session` and `stats`);
+            None (the default) for never. Only with `state`.
+        max_sessions: The most live sessions; None (the default) for no bound. Only
+            with `state`.
+        when_sessions_full: What a call that would start a session past
+            `max_sessions` does: `"reject"` (the default) raises
+            [`TooManySessions`][batchkit.TooManySessions]; `"block"` waits, within
+            the caller's `timeout`, until a session ends.
+        stack_states: Keep every session's state as a row of one stacked array
+            (numpy, or a torch tensor on its device): the function gets the batch's
+            rows gathered by index, `(batch, *state_shape)`, and returns new states
+            stacked the same way. False (the default): a list of per-session
+            objects of any type.
 
     Returns:
         With `fn`: the [`BatchedFunction`][batchkit.BatchedFunction] wrapping it.
@@ -732,7 +908,9 @@ def batched(
             longer than the platform's timers take (`threading.TIMEOUT_MAX`
             seconds), `group` or `max_groups_per_batch` beside a `batcher`, or a
             `max_groups_per_batch` that is not a whole number >= 1 or is given
-            without `group`.
+            without `group`, a session option without `state`, `state` with
+            `when_full="block"`, a `session_idle_s` that is not a finite number
+            above 0, or a `max_sessions` below 1.
     """
     batcher = policy_of(batcher, max_batch_size, max_wait_ms, group, max_groups_per_batch)
     check_serving_options(
@@ -759,9 +937,29 @@ def batched(
         max_latency_s=None if max_latency_ms is None else max_latency_ms / 1e3,
         isolate_errors=isolate_errors,
         when_full=when_full,
+        sessions=None
+        if state is None
+        else session_options(
+            state, session_idle_s, max_sessions, when_sessions_full, stack_states
+        ),
     )
+    if state is None and (
+        session_idle_s is not None
+        or max_sessions is not None
+        or when_sessions_full != "reject"
+        or stack_states
+    ):
+        raise ValueError(
+            "session_idle_s, max_sessions, when_sessions_full and stack_states need state="
+        )
+    if state is not None and when_full == "block":
+        raise ValueError(
+            'state= does not take when_full="block": a session\'s next request is '
+            "queued when its previous one settles, which must not wait for room; "
+            "bound the sessions with max_sessions instead"
+        )
 
-    def wrap(func: Callable[[Any], Any]) -> BatchedFunction[Any]:
+    def wrap(func: Callable[..., Any]) -> BatchedFunction[Any]:
         if not callable(func):
             raise TypeError(f"@batched needs a callable, got {type(func).__name__}")
         wrapper: BatchedFunction[Any] = BatchedFunction(func, options)

@@ -104,6 +104,10 @@ class Stats:
             kept (a `RuntimeWarning` the first time one is forgotten).
         latency_model: Under `max_latency_ms`, the learned batch-time model; None
             without a target, or until enough batches have run.
+        sessions: A stateful function's (`state=`) live sessions now (0 for
+            others).
+        sessions_ended: Sessions ended by `end_session` or `end=True`.
+        sessions_evicted: Sessions ended after `session_idle_s` without a request.
     """
 
     requests: int
@@ -133,6 +137,9 @@ class Stats:
     shed: int = 0
     latency_model: LearnedLatency | None = None
     groups: dict[Hashable, GroupStats] = field(default_factory=dict)
+    sessions: int = 0
+    sessions_ended: int = 0
+    sessions_evicted: int = 0
 
     @property
     def mean_batch_size(self) -> float:
