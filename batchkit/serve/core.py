@@ -219,11 +219,13 @@ class ServingCore:
                 raise
             self.wake()
 
-    def submit_many(self, reqs: Sequence[Request]) -> None:
+    def submit_many(self, reqs: Sequence[Request], *, loop_checked: bool = False) -> None:
         """Enqueue several requests atomically: all of them, or none.
 
         Args:
             reqs: Requests from `make_request`, all of one caller (one loop).
+            loop_checked: Their callers were checked when they were made (see
+                `submit`).
 
         Raises:
             BatcherClosed: The function is closed.
@@ -235,7 +237,7 @@ class ServingCore:
                 raise BatcherClosed(f"{self.name} is closed")
             if not reqs:
                 return
-            if self.check_loop is not None:
+            if self.check_loop is not None and not loop_checked:
                 self.check_loop(reqs[0].loop)  # one call's requests share a loop
             now = self.clock()
             for req in reqs:

@@ -97,10 +97,11 @@ class Request:
     # A thread caller's wait: a lock held from creation until the outcome is stored
     # (`deliver` releases it); None for an asyncio or streaming caller.
     waiter: threading.Lock | None
-    # Called with the request once its outcome is stored, before its caller is woken
-    # (a layer above the core that orders requests, e.g. a session's next request);
-    # None for a plain request.
-    on_settled: Callable[[Request], None] | None
+    # Called once the outcome is stored, before the caller is woken, with the settled
+    # requests delivered together (a layer above the core that orders requests: a
+    # session's next request goes in). One function's requests all have the same
+    # hook, or none; None for a plain request.
+    on_settled: Callable[[Sequence[Request]], None] | None
 
     def __init__(
         self,
@@ -234,20 +235,22 @@ def resolve_on_loop(
     awaiting there with `values`, and `deliver` the others (thread callers, streams,
     or callers from another loop).
 
-    A request's `on_settled` runs before its future is resolved; a cancelled
-    caller's future is left alone.
+    The requests' `on_settled` hook runs before any future is resolved; a
+    cancelled caller's future is left alone.
 
     Args:
         requests: A batch's requests, every one succeeded.
         values: Their results, in the same order.
         loop: The running loop, this call's own.
     """
+    hook = requests[0].on_settled if requests else None
+    if hook is not None:
+        for req, value in zip(requests, values):
+            req.state, req.value = DONE, value
+        hook(requests)
     others = []
     for req, value in zip(requests, values):
         req.state = DONE
-        if req.on_settled is not None:
-            req.value = value
-            req.on_settled(req)
         future = req.future
         if future is not None and req.loop is loop:
             try:  # noqa: SIM105 - suppress() would cost a context manager per item
@@ -264,7 +267,8 @@ def resolve_on_loop(
 def deliver(requests: Sequence[Request]) -> None:
     """Hand each settled request's outcome to its caller.
 
-    A request's `on_settled` runs first. Thread callers are woken now; a stream's
+    The requests' `on_settled` hook runs first (see `Request`; it tells requests it
+    has already seen apart). Thread callers are woken now; a stream's
     channel ends (with the request's error, if any); asyncio futures are resolved on
     their own loops (one hop per loop; a closed loop has nobody left to answer).
 
@@ -272,9 +276,10 @@ def deliver(requests: Sequence[Request]) -> None:
         requests: Requests whose outcome (value or error) is stored.
     """
     by_loop: defaultdict[asyncio.AbstractEventLoop, list[Request]] = defaultdict(list)
+    hook = requests[0].on_settled if requests else None
+    if hook is not None:
+        hook(requests)
     for req in requests:
-        if req.on_settled is not None:
-            req.on_settled(req)
         if req.channel is not None:
             req.channel.finish(req.error)  # (a stream already ended keeps its end)
         elif req.loop is not None:

@@ -36,7 +36,7 @@ import dataclasses
 import itertools
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 from batchkit.errors import BatcherClosed, TooManySessions
@@ -388,33 +388,42 @@ class Sessions:
                 self._core().submit(head, loop_checked=True)
             except BaseException as exc:  # noqa: BLE001 - its caller gets it
                 head.error = exc
-                pending += self._advance(head)
-                deliver([head])  # (its hook finds it settled: it only wakes the caller)
+                with self.lock:
+                    pending += self._advance_locked(head)
+                deliver([head])  # (the hook finds it settled: it only wakes the caller)
 
-    def _settled(self, req: Request) -> None:
-        """The core's hook: `req` has its outcome; its session's next request goes in."""
-        heads = self._advance(req)
-        for head in heads:
-            self._submit(head)
-
-    def _advance(self, req: Request) -> list[Request]:
+    def _settled(self, requests: Sequence[Request]) -> None:
+        """The core's hook: `requests` have their outcomes; their sessions' next
+        requests go in, together (one admission for a batch's worth)."""
         with self.lock:
-            item: _Item = req.item
-            if item.settled:
-                return []
-            item.settled = True
-            session = item.session
-            assert session is not None
-            failed = req.error is not None or item.cancelled
-            if item.committed and failed:
-                self.store.put(session.slot, item.previous)  # the state before it
-            item.previous = _UNSET
-            if session.head is req:
-                session.head = None
-                session.last_used = self.clock()
-                if self.sessions.get(session.key) is session:
-                    self.sessions.move_to_end(session.key)
-            return self._next_heads_locked(session, item.end)
+            heads = [head for req in requests for head in self._advance_locked(req)]
+        if not heads:
+            return
+        try:
+            self._core().submit_many(heads, loop_checked=True)
+        except BaseException:  # noqa: BLE001 - one at a time: each gets its own answer
+            for head in heads:
+                self._submit(head)
+
+    def _advance_locked(self, req: Request) -> list[Request]:
+        """`req` settled: put its session's state back if it failed, end the session
+        if it asked to; return the requests to submit next (none if seen before)."""
+        item: _Item = req.item
+        if item.settled:
+            return []
+        item.settled = True
+        session = item.session
+        assert session is not None
+        failed = req.error is not None or item.cancelled
+        if item.committed and failed:
+            self.store.put(session.slot, item.previous)  # the state before it
+        item.previous = _UNSET
+        if session.head is req:
+            session.head = None
+            session.last_used = self.clock()
+            if self.sessions.get(session.key) is session:
+                self.sessions.move_to_end(session.key)
+        return self._next_heads_locked(session, item.end)
 
     def _next_heads_locked(self, session: _Session, ended: bool) -> list[Request]:
         """The session's head settled (ending it if `ended`): its next request, or
