@@ -260,7 +260,7 @@ class Sessions:
                     return await future
                 try:
                     return await asyncio.wait_for(asyncio.shield(future), left)
-                except TimeoutError:
+                except asyncio.TimeoutError:  # (not TimeoutError before Python 3.11)
                     if timeout is not None and core.clock() - started >= timeout:
                         if self._withdraw(req, core.timeout_error(timeout), timed_out=True):
                             raise req.error from None  # type: ignore[misc]
@@ -536,12 +536,15 @@ class Sessions:
         idle = self.settings.idle_s
         if idle is None:
             return []
-        heads: list[Request] = []
-        for session in list(self.sessions.values()):
+        expired = []
+        for session in self.sessions.values():
             if session.last_used + idle > now:
                 break  # (least recently used first: the rest are newer)
             if not session.busy and not session.waiting_for_room:
-                heads += self._end_locked(session, evicted=True)
+                expired.append(session)
+        heads: list[Request] = []
+        for session in expired:
+            heads += self._end_locked(session, evicted=True)
         return heads
 
     def counts(self) -> tuple[int, int, int]:

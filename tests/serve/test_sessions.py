@@ -263,9 +263,9 @@ def test_an_item_whose_result_is_an_exception_keeps_its_state_others_advance() -
     step.close()
 
 
-def test_a_failure_after_the_new_states_were_written_puts_them_back() -> None:
-    # split() fails after the function returned: the core fails the batch, and the
-    # states written for it go back to what they were.
+def test_a_failing_split_leaves_the_state_as_before() -> None:
+    # split() fails after the function returned: the batch fails, and no new state
+    # is kept.
     fail = [False]
 
     def split(results: list[int]) -> list[int]:
@@ -678,3 +678,64 @@ def test_calls_without_a_session_or_to_a_stateless_function_are_refused() -> Non
 
     with pytest.raises(TypeError, match="generator function"):
         batchkit.batched(state=lambda: 0)(gen)
+
+
+def test_asyncio_a_request_timed_out_behind_its_sessions_head_never_runs() -> None:
+    started, release = threading.Event(), threading.Event()
+    ran: list[int] = []
+
+    @batchkit.batched(max_batch_size=4, max_wait_ms=0, state=lambda: 0)
+    def step(chunks: list[int], states: list[int]) -> tuple[list[int], list[int]]:
+        ran.extend(chunks)
+        if 100 in chunks:
+            started.set()
+            release.wait(5)
+        return counter_step(chunks, states)
+
+    async def main() -> None:
+        head = asyncio.ensure_future(step.acall(100, session="s"))
+        await asyncio.get_running_loop().run_in_executor(None, started.wait, 5)
+        with pytest.raises(RequestTimeout):
+            await step.acall(1, session="s", timeout=0.01)
+        release.set()
+        assert await head == 100
+        assert await step.acall(2, session="s") == 102
+
+    asyncio.run(main())
+    assert ran == [100, 2]
+    step.close()
+
+
+def test_a_batch_that_timed_out_keeps_no_state_even_when_it_returns_late() -> None:
+    release = threading.Event()
+
+    @batchkit.batched(max_batch_size=4, max_wait_ms=0, batch_timeout=0.05, state=lambda: 0)
+    def step(chunks: list[int], states: list[int]) -> tuple[list[int], list[int]]:
+        if 100 in chunks:
+            release.wait(5)
+        return counter_step(chunks, states)
+
+    assert step(1, session="s") == 1
+    with pytest.raises(batchkit.BatchTimeout):
+        step(100, session="s")
+    release.set()  # the stuck call returns now; its new state must not be kept
+    wait_until(lambda: step.stats().abandoned_workers == 0)
+    assert step(2, session="s") == 3
+    step.close()
+
+
+def test_asyncio_a_new_session_waits_for_room_when_sessions_are_full() -> None:
+    step = batchkit.batched(
+        max_batch_size=4, state=lambda: 0, max_sessions=1, when_sessions_full="block"
+    )(counter_step)
+
+    async def main() -> None:
+        assert await step.acall(5, session="a") == 5
+        waiting = asyncio.ensure_future(step.acall(7, session="b"))
+        await asyncio.sleep(0.02)
+        assert not waiting.done()
+        step.end_session("a")
+        assert await asyncio.wait_for(waiting, 5) == 7
+
+    asyncio.run(main())
+    step.close()
