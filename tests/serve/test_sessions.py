@@ -739,3 +739,49 @@ def test_asyncio_a_new_session_waits_for_room_when_sessions_are_full() -> None:
 
     asyncio.run(main())
     step.close()
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    chunk_counts=st.lists(st.integers(1, 5), min_size=1, max_size=6),
+    max_sessions=st.integers(1, 3),
+)
+def test_max_sessions_holds_and_waiting_sessions_run_as_if_alone(
+    chunk_counts: list[int], max_sessions: int
+) -> None:
+    watch = Watch()
+    live_seen: list[int] = []
+    model = history_model(watch)
+
+    def step_fn(chunks: list[tuple[int, int, str]], states: list[History]) -> Any:
+        live_seen.append(step.stats().sessions)
+        return model(chunks, states)
+
+    step = batchkit.batched(
+        max_batch_size=4,
+        max_wait_ms=1,
+        state=lambda: (),
+        max_sessions=max_sessions,
+        when_sessions_full="block",
+    )(step_fn)
+    outcomes: dict[int, list[Any]] = {}
+
+    def session(key: int, count: int) -> None:
+        outcomes[key] = [
+            step((key, n, "ok"), session=key, end=n == count - 1) for n in range(count)
+        ]
+
+    threads = [
+        threading.Thread(target=session, args=(k, c)) for k, c in enumerate(chunk_counts)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stats = step.stats()
+    step.close()
+    assert not watch.violations
+    assert max(live_seen) <= max_sessions
+    for key, count in enumerate(chunk_counts):
+        assert outcomes[key] == [tuple(range(n)) for n in range(count)]
+    assert (stats.sessions, stats.sessions_ended) == (0, len(chunk_counts))
