@@ -190,12 +190,12 @@ class Sessions:
             )
         results, new_states = output
         count = len(batch.items)  # (with a strict size's padding)
-        if self.split is not None:
-            results = self.split(results)
+        if self.split is not None:  # (the user's split makes the per-item results)
+            results = results_per_item(self.split(results), None, count, name)
         else:
             results = results_per_item(results, layout_of(batch.argument), count, name)
         results = list(itertools.islice(results, count))
-        if len(results) != count:
+        if len(results) != count:  # len() said otherwise: e.g. a table iterating columns
             raise ValueError(f"{name} returned {len(results)} results for a batch of {count}")
         self.store.check(new_states, count, name)
         slots: list[int] = []
