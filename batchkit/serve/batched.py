@@ -230,6 +230,8 @@ class BatchedFunction(Generic[R]):
             sessions = self._stateful(session)
             if self.is_async:
                 return sessions.acall(item, session, end, priority, timeout)
+            if not self._warned_on_loop and asyncio._get_running_loop() is not None:
+                self._warn_blocking_on_loop()
             return sessions.call(item, session, end, priority, timeout)
         if self.is_async:
             return callers.acall(self._core, item, priority, timeout)
