@@ -432,6 +432,8 @@ class Sessions:
         while True:
             if ended and not queue:
                 return self._end_locked(session, evicted=False)
+            if ended:  # it starts over, with its next request's first state
+                self.ended += 1
             if not queue:
                 return []
             nxt = queue.popleft()

@@ -789,3 +789,28 @@ def test_max_sessions_holds_and_waiting_sessions_run_as_if_alone(
     for key, count in enumerate(chunk_counts):
         assert outcomes[key] == [tuple(range(n)) for n in range(count)]
     assert (stats.sessions, stats.sessions_ended) == (0, len(chunk_counts))
+
+
+def test_a_request_queued_after_an_end_starts_a_new_session_in_its_turn() -> None:
+    firsts: list[str] = []
+
+    def first_state(key: str) -> int:
+        firsts.append(key)
+        return 0
+
+    step = batchkit.batched(max_batch_size=4, max_wait_ms=1, state=first_state)(counter_step)
+
+    async def main() -> list[int]:
+        calls = [
+            step.acall(1, session="s"),
+            step.acall(2, session="s", end=True),
+            step.acall(5, session="s"),  # queued behind the end: a new session
+            step.acall(1, session="s"),
+        ]
+        return list(await asyncio.gather(*calls))
+
+    assert asyncio.run(main()) == [1, 3, 5, 6]
+    assert firsts == ["s", "s"]
+    stats = step.stats()
+    assert (stats.sessions, stats.sessions_ended) == (1, 1)
+    step.close()
