@@ -94,6 +94,9 @@ METRIC_NAMES: dict[str, str] = {
     "inference_batch_timeouts_total": "counter (read at scrape): calls past batch_timeout",
     "inference_abandoned_workers": "gauge (read at scrape): sync workers stuck in a timed-out call",
     "inference_healthy": "gauge (read at scrape): 1, or 0 once stuck workers pass the bound",
+    "inference_sessions": "gauge (read at scrape): a stateful function's live sessions",
+    "inference_sessions_ended_total": "counter (read at scrape): sessions ended by their callers",
+    "inference_sessions_evicted_total": "counter (read at scrape): sessions ended idle",
     # continuous batchers (ContinuousBatcher)
     "generation_time_to_first_token_seconds": "histogram: per request, submit to first token",
     "generation_inter_token_latency_seconds": "histogram: per later token, since the previous one",
@@ -528,8 +531,9 @@ class _Pruner:
 
 
 class _ScrapeTimeGauges:
-    """A custom collector: queue depth, in-flight batches and the watchdog's figures
-    (batch timeouts, stuck workers, health), read when scraped.
+    """A custom collector: queue depth, in-flight batches, the watchdog's figures
+    (batch timeouts, stuck workers, health) and a stateful function's sessions (live,
+    ended, evicted), read when scraped.
 
     A gauge set on every event would be stale between events and cost a lock per
     arrival; reading the runtime's load at scrape time is exact and costs nothing
@@ -544,6 +548,9 @@ class _ScrapeTimeGauges:
         self.timeouts_name = f"{ns}inference_batch_timeouts"
         self.abandoned_name = f"{ns}inference_abandoned_workers"
         self.healthy_name = f"{ns}inference_healthy"
+        self.sessions_name = f"{ns}inference_sessions"
+        self.ended_name = f"{ns}inference_sessions_ended"
+        self.evicted_name = f"{ns}inference_sessions_evicted"
 
     def describe(self) -> Iterable[Metric]:
         """Names for the registry's duplicate check (no samples)."""
@@ -575,6 +582,15 @@ class _ScrapeTimeGauges:
             "1 while stuck workers are replaced; 0 once past the bound (none spawned).",
             labels=["batcher"],
         )
+        sessions = GaugeMetricFamily(
+            self.sessions_name, "A stateful function's live sessions.", labels=["batcher"]
+        )
+        ended = CounterMetricFamily(
+            self.ended_name, "Sessions ended by end_session or end=True.", labels=["batcher"]
+        )
+        evicted = CounterMetricFamily(
+            self.evicted_name, "Sessions ended after session_idle_s idle.", labels=["batcher"]
+        )
         for name, f in tracked.items():
             waiting, running = f.load()
             depth.add_metric([name], waiting)
@@ -583,7 +599,12 @@ class _ScrapeTimeGauges:
             timeouts.add_metric([name], gave_up)
             abandoned.add_metric([name], stuck)
             healthy.add_metric([name], 1.0 if ok else 0.0)
-        return [depth, in_flight, timeouts, abandoned, healthy]
+            if f.options.sessions is not None:  # (only stateful functions have series)
+                live, ended_count, evicted_count = f.session_counts()
+                sessions.add_metric([name], live)
+                ended.add_metric([name], ended_count)
+                evicted.add_metric([name], evicted_count)
+        return [depth, in_flight, timeouts, abandoned, healthy, sessions, ended, evicted]
 
 
 class _GenerationScrapeTime:

@@ -513,6 +513,12 @@ class BatchedFunction(Generic[R]):
             raise TypeError(f"{self.__name__} keeps no sessions: session_state needs state=")
         return self._sessions.state_of(key)
 
+    def session_counts(self) -> tuple[int, int, int]:
+        """`(live, ended, evicted)` sessions now, as `stats` reports them, without its
+        percentiles (what a metrics scrape reads); `(0, 0, 0)` without `state=`. Ends
+        the sessions idle past `session_idle_s` first."""
+        return (0, 0, 0) if self._sessions is None else self._sessions.counts()
+
     # -- introspection and lifetime ---------------------------------------------
     def add_listener(self, listener: Listener) -> None:
         """Observe every batch that ends and every request dropped without running.
