@@ -18,8 +18,10 @@ Scenarios (asyncio callers; every session's chunks are checked to have run in or
 each with the state its previous chunk left):
 
 1. saturation: every session keeps 4 chunks outstanding (it sends the next when one
-   is answered: a stream that arrives faster than it is served); chunks/s, and the
-   fraction of the device's bound ``64 / (a + 64 b)`` (every call full, no gap);
+   is answered: a stream that arrives faster than it is served); chunks/s in the
+   steady state (each device call's chunks over the time from its start to the next
+   call's: the ramp-up and the drain left out), and the fraction of the device's
+   bound ``64 / (a + 64 b)`` (every call full, no gap);
 2. latency: each session sends a chunk every period (random phase per session), for
    a load of 0.5x and 1x the device's bound; p50 and p99 chunk latency, from the
    chunk's arrival to its answer, in milliseconds (``one-at-a-time`` is not run:
@@ -85,7 +87,8 @@ class Server:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self.batches: list[int] = []
+        self.batches: list[int] = []  # each device call's chunks
+        self.started: list[float] = []  # when each device call started
         if name == "sessions":
             self.fn = batchkit.batched(
                 max_batch_size=MAX_BATCH, max_wait_ms=MAX_WAIT_MS, state=lambda: 0
@@ -106,12 +109,14 @@ class Server:
     def _recorded(self, fn: Callable[[list[int], list[int]], Any]) -> Any:
         def recorded(chunks: list[int], states: list[int]) -> Any:
             self.batches.append(len(chunks))
+            self.started.append(time.perf_counter())
             return fn(chunks, states)
 
         return recorded
 
     def _recorded_pairs(self, pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:
         self.batches.append(len(pairs))
+        self.started.append(time.perf_counter())
         results, new = model([c for c, _ in pairs], [s for _, s in pairs])
         return list(zip(results, new))
 
@@ -129,9 +134,10 @@ class Server:
     async def _one_at_a_time(self, session: int, number: int) -> int:
         async with self.one:
             state = self.states.get(session, 0)
+            self.batches.append(1)
+            self.started.append(time.perf_counter())
             results, new = await asyncio.to_thread(model, [number], [state])
             self.states[session] = new[0]
-            self.batches.append(1)
             return results[0]
 
     async def close(self) -> None:
@@ -178,17 +184,17 @@ async def saturation(name: str, chunks_per_session: int) -> tuple[float, float, 
             sent.append(asyncio.ensure_future(one(number)))
         await asyncio.gather(*sent)
 
-    del server.batches[:]
+    del server.batches[:], server.started[:]
     gc.collect()
-    started = time.perf_counter()
     await asyncio.gather(*(stream(s) for s in range(SESSIONS)))
-    elapsed = time.perf_counter() - started
-    batches = list(server.batches)
+    batches, started = list(server.batches), list(server.started)
     await server.close()
     for r in results.values():
         r.sort()  # (answers of one session may be appended out of order by the loop)
-    total = SESSIONS * chunks_per_session
-    return total / elapsed, total / max(len(batches), 1), in_order(results)
+    # The steady state: each call's chunks over the time to the next call's start
+    # (the ramp-up before the first call and the drain after the last left out).
+    rate = sum(batches[:-1]) / (started[-1] - started[0])
+    return rate, sum(batches) / len(batches), in_order(results)
 
 
 async def latency(name: str, load: float, seconds: float, seed: int) -> tuple[list[float], bool]:
@@ -232,7 +238,7 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=None)
     args = p.parse_args()
     repeats = args.repeats or (2 if args.quick else 5)
-    chunks = 20 if args.quick else 40
+    chunks = 20 if args.quick else 60
     seconds = 1.0 if args.quick else 2.0
     print(
         f"# {SESSIONS} sessions, device {A * 1e3:g} ms + {B * 1e3:g} ms/chunk (a full call "
