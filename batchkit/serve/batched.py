@@ -945,27 +945,10 @@ def batched(
         max_latency_s=None if max_latency_ms is None else max_latency_ms / 1e3,
         isolate_errors=isolate_errors,
         when_full=when_full,
-        sessions=None
-        if state is None
-        else session_options(
-            state, session_idle_s, max_sessions, when_sessions_full, stack_states
+        sessions=session_options(
+            state, session_idle_s, max_sessions, when_sessions_full, stack_states, when_full
         ),
     )
-    if state is None and (
-        session_idle_s is not None
-        or max_sessions is not None
-        or when_sessions_full != "reject"
-        or stack_states
-    ):
-        raise ValueError(
-            "session_idle_s, max_sessions, when_sessions_full and stack_states need state="
-        )
-    if state is not None and when_full == "block":
-        raise ValueError(
-            'state= does not take when_full="block": a session\'s next request is '
-            "queued when its previous one settles, which must not wait for room; "
-            "bound the sessions with max_sessions instead"
-        )
 
     def wrap(func: Callable[..., Any]) -> BatchedFunction[Any]:
         if not callable(func):

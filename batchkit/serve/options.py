@@ -123,20 +123,35 @@ def _init_takes_key(init: Callable[..., Any]) -> bool:
 
 
 def session_options(
-    state: Callable[..., Any],
+    state: Callable[..., Any] | None,
     session_idle_s: float | None,
     max_sessions: int | None,
     when_sessions_full: str,
     stack_states: bool,
-) -> SessionOptions:
-    """`@batched`'s session options, checked.
+    when_full: str = "reject",
+) -> SessionOptions | None:
+    """`@batched`'s session options, checked; None without `state`.
 
     Raises:
         TypeError: `state` is not callable (or takes neither no argument nor one),
             an option has the wrong type.
-        ValueError: `session_idle_s` is not a finite number above 0,
-            `max_sessions` is below 1, or `when_sessions_full` is unknown.
+        ValueError: A session option without `state`, `state` with
+            `when_full="block"`, a `session_idle_s` that is not a finite number
+            above 0, a `max_sessions` below 1, or an unknown `when_sessions_full`.
     """
+    if state is None:
+        given = (session_idle_s, max_sessions, when_sessions_full != "reject" or None, stack_states)
+        if any(option is not None and option is not False for option in given):
+            raise ValueError(
+                "session_idle_s, max_sessions, when_sessions_full and stack_states need state="
+            )
+        return None
+    if when_full == "block":
+        raise ValueError(
+            'state= does not take when_full="block": a session\'s next request is queued '
+            "when its previous one settles, which must not wait for room; bound the "
+            "sessions with max_sessions instead"
+        )
     if not callable(state):
         raise TypeError(
             f"state must be a callable that makes a session's first state (init(key) or "
