@@ -223,7 +223,9 @@ class ServingCore:
         """Enqueue several requests atomically: all of them, or none.
 
         Args:
-            reqs: Requests from `make_request`, all of one caller (one loop).
+            reqs: Requests from `make_request`, all of one caller (one loop); with
+                `loop_checked`, they may be of several callers (the next requests
+                of a batch's sessions).
             loop_checked: Their callers were checked when they were made (see
                 `submit`).
 
