@@ -52,6 +52,7 @@ from batchkit.serve import (
     RequestTimeout,
     Settings,
     Stats,
+    TooManySessions,
     batched,
 )
 from batchkit.tools.memory import MemoryPlan, activation_bytes, kv_cache_bytes, memory_plan
@@ -97,6 +98,7 @@ __all__ = [
     "Stats",
     "StepBatch",
     "StepLayout",
+    "TooManySessions",
     "Varlen",
     "VarlenCollator",
     "activation_bytes",

@@ -57,3 +57,10 @@ class Overloaded(QueueFull):
         super().__init__(message)
         self.predicted_s = predicted_s
         self.target_s = target_s
+
+
+class TooManySessions(QueueFull):
+    """`max_sessions` sessions are live: this call would start a new session, and it
+    was not queued (with `when_sessions_full="reject"`, the default). The live
+    sessions go on; ending one (`end_session`, `end=True`, or `session_idle_s`) makes
+    room. A [`QueueFull`][batchkit.QueueFull]: `except QueueFull` handles both."""

@@ -98,6 +98,9 @@ METRIC_NAMES: dict[str, str] = {
     "inference_coalesced_requests_total": "counter (read at scrape): callers that joined a "
     "request of the same key (coalesce=)",
     "inference_cache_hits_total": "counter (read at scrape): callers answered from the cache",
+    "inference_sessions": "gauge (read at scrape): a stateful function's live sessions",
+    "inference_sessions_ended_total": "counter (read at scrape): sessions ended by their callers",
+    "inference_sessions_evicted_total": "counter (read at scrape): sessions ended idle",
     # continuous batchers (ContinuousBatcher)
     "generation_time_to_first_token_seconds": "histogram: per request, submit to first token",
     "generation_inter_token_latency_seconds": "histogram: per later token, since the previous one",
@@ -532,9 +535,10 @@ class _Pruner:
 
 
 class _ScrapeTimeGauges:
-    """A custom collector: queue depth, in-flight batches and the watchdog's figures
-    (batch timeouts, stuck workers, health) and the callers served without a request
-    of their own (coalesced, cache hits), read when scraped.
+    """A custom collector: queue depth, in-flight batches, the watchdog's figures
+    (batch timeouts, stuck workers, health), the callers served without a request of
+    their own (coalesced, cache hits) and a stateful function's sessions (live, ended,
+    evicted), read when scraped.
 
     A gauge set on every event would be stale between events and cost a lock per
     arrival; reading the runtime's load at scrape time is exact and costs nothing
@@ -551,6 +555,9 @@ class _ScrapeTimeGauges:
         self.healthy_name = f"{ns}inference_healthy"
         self.coalesced_name = f"{ns}inference_coalesced_requests"
         self.cache_hits_name = f"{ns}inference_cache_hits"
+        self.sessions_name = f"{ns}inference_sessions"
+        self.ended_name = f"{ns}inference_sessions_ended"
+        self.evicted_name = f"{ns}inference_sessions_evicted"
 
     def describe(self) -> Iterable[Metric]:
         """Names for the registry's duplicate check (no samples)."""
@@ -592,6 +599,15 @@ class _ScrapeTimeGauges:
             "Callers answered from the result cache (cache=), without queueing.",
             labels=["batcher"],
         )
+        sessions = GaugeMetricFamily(
+            self.sessions_name, "A stateful function's live sessions.", labels=["batcher"]
+        )
+        ended = CounterMetricFamily(
+            self.ended_name, "Sessions ended by end_session or end=True.", labels=["batcher"]
+        )
+        evicted = CounterMetricFamily(
+            self.evicted_name, "Sessions ended after session_idle_s idle.", labels=["batcher"]
+        )
         for name, f in tracked.items():
             waiting, running = f.load()
             depth.add_metric([name], waiting)
@@ -603,7 +619,23 @@ class _ScrapeTimeGauges:
             joined, hits = sharing_counts(f.runtime.core)
             coalesced.add_metric([name], joined)
             cache_hits.add_metric([name], hits)
-        return [depth, in_flight, timeouts, abandoned, healthy, coalesced, cache_hits]
+            if f.options.sessions is not None:  # (only stateful functions have series)
+                live, ended_count, evicted_count = f.session_counts()
+                sessions.add_metric([name], live)
+                ended.add_metric([name], ended_count)
+                evicted.add_metric([name], evicted_count)
+        return [
+            depth,
+            in_flight,
+            timeouts,
+            abandoned,
+            healthy,
+            coalesced,
+            cache_hits,
+            sessions,
+            ended,
+            evicted,
+        ]
 
 
 class _GenerationScrapeTime:

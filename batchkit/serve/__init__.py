@@ -9,6 +9,7 @@ from batchkit.errors import (
     Overloaded,
     QueueFull,
     RequestTimeout,
+    TooManySessions,
 )
 from batchkit.percentiles import Percentiles
 from batchkit.serve.batched import BatchedFunction, batched
@@ -39,5 +40,6 @@ __all__ = [
     "Scheduler",
     "Settings",
     "Stats",
+    "TooManySessions",
     "batched",
 ]

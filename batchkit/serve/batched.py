@@ -46,7 +46,9 @@ from batchkit.serve.options import (
     collate_and_policy,
     oom_recovery,
     policy_of,
+    session_options,
 )
+from batchkit.serve.sessions import Sessions
 from batchkit.serve.stats import Stats
 from batchkit.serve.threads import ThreadDriver
 
@@ -146,11 +148,27 @@ class BatchedFunction(Generic[ItemT_contra, ResultT_co, CallT_co]):
         self._bound_by_instance: weakref.WeakKeyDictionary[
             Any, BatchedFunction[ItemT_contra, ResultT_co, CallT_co]
         ] = weakref.WeakKeyDictionary()
+        # A stateful function (state=): the core runs the session layer's wrapper.
+        self._sessions: Sessions | None = None
+        runs, core_options = fn, options
+        if options.sessions is not None:
+            if self.streams:
+                raise TypeError(
+                    f"{self.__qualname__} is a generator function: state= (sessions) "
+                    "needs a function that returns (results, new_states)"
+                )
+            if options.coalesce is not False or options.cache is not None:
+                raise ValueError(
+                    f"{self.__qualname__}: state= (sessions) takes no coalesce= or cache=: "
+                    "each chunk advances its session, so equal chunks are not one request"
+                )
+            self._sessions = Sessions(fn, options, self.__qualname__, is_async=self.is_async)
+            runs, core_options = self._sessions.batch_function, self._sessions.core_options(options)
         # Created now (cheap: no thread starts before the first call).
         self._driver: Driver = (
-            LoopDriver(fn, options, self.__qualname__)
+            LoopDriver(runs, core_options, self.__qualname__)
             if self.is_async
-            else ThreadDriver(fn, options, self.__qualname__)
+            else ThreadDriver(runs, core_options, self.__qualname__)
         )
         self._core = self._driver.core
         # Where plain callers go: the core, or the coalescing layer in front of it.
@@ -161,6 +179,8 @@ class BatchedFunction(Generic[ItemT_contra, ResultT_co, CallT_co]):
                 self._core, options.coalesce, options.cache, shares_loop=self.is_async
             )
             self._front = self._coalescer
+        if self._sessions is not None:
+            self._sessions.bind(self._core)
         self._warned_on_loop = False
         # Dropped (a function made at run time, an instance's method with its
         # instance), it closes: its workers exit, and the function they hold is
@@ -209,9 +229,16 @@ class BatchedFunction(Generic[ItemT_contra, ResultT_co, CallT_co]):
 
     # -- one item ------------------------------------------------------------
     def __call__(
-        self, item: ItemT_contra, *, priority: int = 0, timeout: float | None = None
+        self,
+        item: ItemT_contra,
+        *,
+        priority: int = 0,
+        timeout: float | None = None,
+        session: Hashable | None = None,
+        end: bool = False,
     ) -> CallT_co:
-        """Run one item in a batch: `f(x)`.
+        """Run one item in a batch: `f(x)`, or `f(chunk, session=key)` for a stateful
+        function (`state=`).
 
         A sync function blocks this thread until the result (called on a thread that
         runs an event loop, it warns once: nothing batches while the loop is
@@ -223,7 +250,12 @@ class BatchedFunction(Generic[ItemT_contra, ResultT_co, CallT_co]):
                 reach this caller.
             priority: Lower values are served first (then arrival order); an `int`.
             timeout: Seconds the item may wait before its batch starts; None (the
-                default) for no bound.
+                default) for no bound. For a session's request the wait behind its
+                session's earlier requests counts too.
+            session: A stateful function's session key (any hashable but None): the
+                request runs after the session's earlier ones, with its state.
+            end: The session ends once this request has settled (its state is freed;
+                a later call with the key starts a new session).
 
         Returns:
             The item's result (sync), or an awaitable of it (async).
@@ -234,7 +266,10 @@ class BatchedFunction(Generic[ItemT_contra, ResultT_co, CallT_co]):
             BatcherClosed: The function is closed, or closed before serving the item.
             BatchTimeout: The item's batch ran past `batch_timeout`.
             TypeError: The function is a generator function (use `stream`),
-                `priority` is not an `int`, or `timeout` is not a number.
+                `priority` is not an `int`, `timeout` is not a number, `session` is
+                missing for a stateful function (or given to a stateless one), or
+                not hashable.
+            TooManySessions: It would start a session past `max_sessions`.
             ValueError: `timeout` is NaN or negative; nothing was queued.
             BatchInterrupted: The batch function raised `SystemExit` or
                 `KeyboardInterrupt` (its `__cause__`) on its worker thread.
@@ -242,12 +277,34 @@ class BatchedFunction(Generic[ItemT_contra, ResultT_co, CallT_co]):
         """
         if self.streams:
             raise self._streams_error()
+        if self._sessions is not None or session is not None or end:
+            sessions = self._stateful(session)
+            if self.is_async:
+                return cast(CallT_co, sessions.acall(item, session, end, priority, timeout))
+            if not self._warned_on_loop and asyncio._get_running_loop() is not None:
+                self._warn_blocking_on_loop()
+            answer: CallT_co = sessions.call(item, session, end, priority, timeout)
+            return answer
         if self.is_async:
             return cast(CallT_co, callers.acall(self._front, item, priority, timeout))
         if not self._warned_on_loop and asyncio._get_running_loop() is not None:
             self._warn_blocking_on_loop()
         result: CallT_co = callers.call(self._front, item, priority, timeout)
         return result
+
+    def _stateful(self, session: Hashable | None) -> Sessions:
+        """The session layer, for a call with `session` (refused without both)."""
+        name = self.__name__
+        if self._sessions is None:
+            raise TypeError(
+                f"{name} keeps no sessions: session= and end= need @batched(state=...)"
+            )
+        if session is None:
+            raise TypeError(
+                f"{name} keeps sessions (state=): call it with a session key, "
+                f"{name}(chunk, session=key)"
+            )
+        return self._sessions
 
     def _warn_blocking_on_loop(self) -> None:
         self._warned_on_loop = True
@@ -275,12 +332,19 @@ class BatchedFunction(Generic[ItemT_contra, ResultT_co, CallT_co]):
         return TypeError(f"{name} is not a generator function, so it does not {how}: use {call}")
 
     async def acall(
-        self, item: ItemT_contra, *, priority: int = 0, timeout: float | None = None
+        self,
+        item: ItemT_contra,
+        *,
+        priority: int = 0,
+        timeout: float | None = None,
+        session: Hashable | None = None,
+        end: bool = False,
     ) -> ResultT_co:
         """Run one item in a batch, from asyncio (sync or async function alike).
 
         A sync function runs on a worker thread: the loop is never blocked.
-        Cancelling the awaiting task withdraws the item if it has not started.
+        Cancelling the awaiting task withdraws the item if it has not started (a
+        session's request cancelled while it runs does not advance its session).
 
         Args:
             item: The item.
@@ -288,12 +352,15 @@ class BatchedFunction(Generic[ItemT_contra, ResultT_co, CallT_co]):
             timeout: Seconds the item may wait before its batch starts, else
                 [`RequestTimeout`][batchkit.RequestTimeout]; None (the default) for
                 no bound.
+            session: A stateful function's session key (see `__call__`).
+            end: The session ends once this request has settled.
 
         Returns:
             The item's result.
 
         Raises:
             RequestTimeout: The item did not start within `timeout`.
+            TooManySessions: It would start a session past `max_sessions`.
             QueueFull: `max_queue_size` requests wait (with `when_full="reject"`).
             BatcherClosed: The function is closed, or closed before serving the item.
             BatchTimeout: The item's batch ran past `batch_timeout`.
@@ -307,6 +374,10 @@ class BatchedFunction(Generic[ItemT_contra, ResultT_co, CallT_co]):
         """
         if self.streams:
             raise self._streams_error()
+        if self._sessions is not None or session is not None or end:
+            stateful = self._stateful(session)
+            answer: ResultT_co = await stateful.acall(item, session, end, priority, timeout)
+            return answer
         result: ResultT_co = await callers.acall(self._front, item, priority, timeout)
         return result
 
@@ -411,13 +482,16 @@ class BatchedFunction(Generic[ItemT_contra, ResultT_co, CallT_co]):
             QueueFull: The items do not all fit in the queue (`max_queue_size`, with
                 `when_full="reject"`): none of them was queued.
             BatcherClosed: The function is closed.
-            TypeError: The function is async (use `amap`) or a generator function,
-                or `timeout` is not a number.
+            TypeError: The function is async (use `amap`), a generator function or
+                a stateful one (`state=`: call it per chunk), or `timeout` is not a
+                number.
             ValueError: `timeout` is NaN or negative; nothing was queued.
             Exception: The first failed item's error, in input order.
         """
         if self.streams:
             raise self._streams_error()
+        if self._sessions is not None:
+            raise self._map_error()
         if self.is_async:
             raise TypeError(f"{self.__name__} is async: use 'await {self.__name__}.amap(items)'")
         return callers.call_many(self._front, items, priority, timeout)
@@ -442,15 +516,64 @@ class BatchedFunction(Generic[ItemT_contra, ResultT_co, CallT_co]):
             QueueFull: The items do not all fit in the queue (`max_queue_size`, with
                 `when_full="reject"`): none of them was queued.
             BatcherClosed: The function is closed.
-            TypeError: The function is a generator function, or `timeout` is not a
-                number.
+            TypeError: The function is a generator function or a stateful one
+                (`state=`), or `timeout` is not a number.
             ValueError: `timeout` is NaN or negative; nothing was queued.
             Exception: The first failed item's error, in input order, once every
                 item has finished.
         """
         if self.streams:
             raise self._streams_error()
+        if self._sessions is not None:
+            raise self._map_error()
         return await callers.amap(self._front, items, priority, timeout)
+
+    def _map_error(self) -> TypeError:
+        name = self.__name__
+        return TypeError(
+            f"{name} keeps sessions (state=): call it once per chunk, "
+            f"{name}(chunk, session=key), in the session's order"
+        )
+
+    # -- sessions ------------------------------------------------------------------
+    def end_session(self, key: Hashable) -> bool:
+        """End session `key` of a stateful function (`state=`): its state is freed once
+        the requests it already has have settled (at once if it has none). A later
+        call with `key` starts a new session.
+
+        Args:
+            key: The session's key.
+
+        Returns:
+            True if such a session was live (or waiting for room); False otherwise.
+
+        Raises:
+            TypeError: The function keeps no sessions.
+        """
+        if self._sessions is None:
+            raise TypeError(f"{self.__name__} keeps no sessions: end_session needs state=")
+        return self._sessions.end_session(key)
+
+    def session_state(self, key: Hashable) -> Any:
+        """Session `key`'s current state, as the batch function last returned it (a
+        copy of its row with `stack_states=True`); its next request starts from it.
+
+        Args:
+            key: The session's key.
+
+        Raises:
+            KeyError: No live session has that key.
+            TypeError: The function keeps no sessions.
+        """
+        if self._sessions is None:
+            raise TypeError(f"{self.__name__} keeps no sessions: session_state needs state=")
+        return self._sessions.state_of(key)
+
+    def session_counts(self) -> tuple[int, int, int]:
+        """`(live, ended, evicted)` sessions now, as `stats` reports them, without its
+        percentiles (what a metrics scrape reads); `(0, 0, 0)` without `state=`. Ends
+        the sessions idle past `session_idle_s` first."""
+        return (0, 0, 0) if self._sessions is None else self._sessions.counts()
 
     # -- introspection and lifetime ---------------------------------------------
     def add_listener(self, listener: Listener) -> None:
@@ -483,7 +606,13 @@ class BatchedFunction(Generic[ItemT_contra, ResultT_co, CallT_co]):
             A [`Stats`][batchkit.Stats]: requests, batches, batch sizes, waits,
             latencies, dispatch reasons, and the health of the workers.
         """
-        return self._core.readings.stats()
+        stats = self._core.readings.stats()
+        if self._sessions is None:
+            return stats
+        live, ended, evicted = self._sessions.counts()
+        return dataclasses.replace(
+            stats, sessions=live, sessions_ended=ended, sessions_evicted=evicted
+        )
 
     def cache_clear(self) -> None:
         """Empty the result cache given as `cache=` (results still being computed
@@ -561,6 +690,8 @@ class BatchedFunction(Generic[ItemT_contra, ResultT_co, CallT_co]):
         Raises:
             RuntimeError: An async function's `close` was called on its own loop.
         """
+        if self._sessions is not None:
+            self._sessions.close()
         self._driver.close(timeout)
 
     async def aclose(self, timeout: float | None = None) -> None:
@@ -576,6 +707,8 @@ class BatchedFunction(Generic[ItemT_contra, ResultT_co, CallT_co]):
             RuntimeError: An async function is closed from another loop than the one
                 it serves.
         """
+        if self._sessions is not None:
+            self._sessions.close()
         await self._driver.aclose(timeout)
 
     def __enter__(self) -> Self:
@@ -733,6 +866,11 @@ def batched(
     cache: MutableMapping[Hashable, Any] | None = None,
     shapes: ShapeBuckets | None = None,
     per_token: PerToken = None,
+    state: None = None,
+    session_idle_s: float | None = None,
+    max_sessions: int | None = None,
+    when_sessions_full: Literal["reject", "block"] = "reject",
+    stack_states: bool = False,
 ) -> BatchedDecorator: ...
 @overload
 def batched(
@@ -757,7 +895,41 @@ def batched(
     cache: MutableMapping[Hashable, Any] | None = None,
     shapes: ShapeBuckets | None = None,
     per_token: PerToken = None,
+    state: None = None,
+    session_idle_s: float | None = None,
+    max_sessions: int | None = None,
+    when_sessions_full: Literal["reject", "block"] = "reject",
+    stack_states: bool = False,
 ) -> Callable[[Callable[..., Any]], BatchedFunction[Any, Any, Any]]: ...
+@overload
+def batched(
+    *,
+    max_batch_size: int | None = 32,
+    max_wait_ms: float | None = 5.0,
+    batcher: Batcher | None = None,
+    collate: Callable[[list[Any]], Any] | None = None,
+    split: Callable[[Any], Sequence[Any]] | None = None,
+    max_queue_size: int | None = None,
+    max_concurrent_batches: int = 1,
+    when_full: Literal["reject", "block"] = "reject",
+    oom_errors: tuple[type[BaseException], ...] | None = None,
+    on_oom: OnOom | Literal[False] | None = None,
+    isolate_errors: bool = False,
+    batch_timeout: float | None = None,
+    max_latency_ms: float | None = None,
+    clock: Clock | None = None,
+    group: Callable[[Any], Hashable] | None = None,
+    max_groups_per_batch: int | None = None,
+    coalesce: bool | Callable[[Any], Hashable] = False,
+    cache: MutableMapping[Hashable, Any] | None = None,
+    shapes: ShapeBuckets | None = None,
+    per_token: PerToken = None,
+    state: Callable[..., Any],
+    session_idle_s: float | None = None,
+    max_sessions: int | None = None,
+    when_sessions_full: Literal["reject", "block"] = "reject",
+    stack_states: bool = False,
+) -> Callable[[Callable[[Any, Any], Any]], BatchedFunction[Any, Any, Any]]: ...
 
 
 def batched(
@@ -784,6 +956,11 @@ def batched(
     cache: MutableMapping[Hashable, Any] | None = None,
     shapes: ShapeBuckets | None = None,
     per_token: PerToken = None,
+    state: Callable[..., Any] | None = None,
+    session_idle_s: float | None = None,
+    max_sessions: int | None = None,
+    when_sessions_full: Literal["reject", "block"] = "reject",
+    stack_states: bool = False,
 ) -> Any:
     """Decorate a batch function (list of items -> sequence of results).
 
@@ -934,6 +1111,31 @@ def batched(
             shape (warning where a 2-D leaf's shape cannot tell), True every leaf
             per token, False every leaf by row (pooled), or the keys of a mapping
             output that are per token.
+        state: Makes the function stateful (sessions): `state()` makes a session's
+            first state (`state(key)` if it needs an argument). The function is then called as
+            `fn(batch, states)` (`states` holds one state per item, in the batch's
+            order) and returns `(results, new_states)`, one entry each; callers
+            pass `f(chunk, session=key)` or `await f.acall(chunk, session=key)`.
+            A session's requests run one at a time, in the order they were made;
+            different sessions batch together. A request that fails (its result is
+            an exception, its batch raised or timed out, its caller was cancelled
+            before it settled) leaves its session's state as it was before it.
+            States are values: return new ones rather than change them in place.
+            See the guide's "Stateful sessions".
+        session_idle_s: End a session that has had nothing queued for this many
+            seconds (on `clock`; checked on each call, `end_session` and `stats`);
+            None (the default) for never. Only with `state`.
+        max_sessions: The most live sessions; None (the default) for no bound. Only
+            with `state`.
+        when_sessions_full: What a call that would start a session past
+            `max_sessions` does: `"reject"` (the default) raises
+            [`TooManySessions`][batchkit.TooManySessions]; `"block"` waits, within
+            the caller's `timeout`, until a session ends.
+        stack_states: Keep every session's state as a row of one stacked array
+            (numpy, or a torch tensor on its device): the function gets the batch's
+            rows gathered by index, `(batch, *state_shape)`, and returns new states
+            stacked the same way. False (the default): a list of per-session
+            objects of any type.
 
     Returns:
         With `fn`: the [`BatchedFunction`][batchkit.BatchedFunction] wrapping it.
@@ -956,7 +1158,9 @@ def batched(
             longer than the platform's timers take (`threading.TIMEOUT_MAX`
             seconds), `group` or `max_groups_per_batch` beside a `batcher`, or a
             `max_groups_per_batch` that is not a whole number >= 1 or is given
-            without `group`.
+            without `group`, a session option without `state`, `state` with
+            `when_full="block"`, a `session_idle_s` that is not a finite number
+            above 0, or a `max_sessions` below 1.
     """
     batcher = policy_of(batcher, max_batch_size, max_wait_ms, group, max_groups_per_batch, shapes)
     check_serving_options(
@@ -987,6 +1191,9 @@ def batched(
         coalesce=coalesce,
         cache=cache,
         per_token=per_token,
+        sessions=session_options(
+            state, session_idle_s, max_sessions, when_sessions_full, stack_states, when_full
+        ),
     )
 
     def wrap(func: Callable[..., Any]) -> BatchedFunction[Any, Any]:

@@ -178,12 +178,15 @@ class ServingCore:
         bucket = group_bucket(policy, key, group)
         return new_request(item, key, bucket, priority, loop, channel, 0.0, group)
 
-    def submit(self, req: Request) -> None:
+    def submit(self, req: Request, *, loop_checked: bool = False) -> None:
         """Enqueue a request, under the lock, from a thread or an event loop alike
         (re-entrant: backpressure calls it holding the lock already).
 
         Args:
             req: A request from `make_request`.
+            loop_checked: Its caller's thread and loop were checked (`Driver.check_loop_locked`)
+                when it was made: it is submitted later from another thread (a
+                session's next request, from the previous one's settling).
 
         Raises:
             BatcherClosed: The function is closed; nothing was enqueued.
@@ -193,15 +196,20 @@ class ServingCore:
         with self.lock:
             if self.closed:
                 raise BatcherClosed(f"{self.name} is closed")
-            self.driver.check_loop_locked(req.loop)
+            if not loop_checked:
+                self.driver.check_loop_locked(req.loop)
             req.enqueued_at = self.clock()
             self._admitted_locked(self.sched.add(req), 1)
 
-    def submit_many(self, reqs: Sequence[Request]) -> None:
+    def submit_many(self, reqs: Sequence[Request], *, loop_checked: bool = False) -> None:
         """Enqueue several requests atomically: all of them, or none.
 
         Args:
-            reqs: Requests from `make_request`, all of one caller (one loop).
+            reqs: Requests from `make_request`, all of one caller (one loop); with
+                `loop_checked`, they may be of several callers (the next requests
+                of a batch's sessions).
+            loop_checked: Their callers were checked when they were made (see
+                `submit`).
 
         Raises:
             BatcherClosed: The function is closed.
@@ -213,7 +221,8 @@ class ServingCore:
                 raise BatcherClosed(f"{self.name} is closed")
             if not reqs:
                 return
-            self.driver.check_loop_locked(reqs[0].loop)  # one call's requests share a loop
+            if not loop_checked:  # one call's requests share a loop
+                self.driver.check_loop_locked(reqs[0].loop)
             now = self.clock()
             for req in reqs:
                 req.enqueued_at = now

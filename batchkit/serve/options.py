@@ -12,6 +12,7 @@ changed copy (`reconfigured`).
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 import sys
 import time
@@ -75,6 +76,117 @@ class OomRecovery:
 
 
 @dataclass(frozen=True)
+class SessionOptions:
+    """How a stateful function keeps its sessions (`@batched(state=...)`), validated.
+
+    Attributes:
+        init: Makes a session's first state: called with no argument if it can be,
+            else with the session's key.
+        init_takes_key: Whether `init` is called with the key.
+        idle_s: Seconds after which a session with nothing queued is ended; None
+            for never.
+        max_sessions: The most live sessions; None for no bound.
+        when_full: What a call that would start a session past `max_sessions`
+            does: `"reject"` (raise `TooManySessions`) or `"block"` (wait).
+        stack_states: Keep the states as rows of one stacked array
+            (`StackedStates`) instead of per session objects.
+    """
+
+    init: Callable[..., Any]
+    init_takes_key: bool = True
+    idle_s: float | None = None
+    max_sessions: int | None = None
+    when_full: Literal["reject", "block"] = "reject"
+    stack_states: bool = False
+
+
+def _init_takes_key(init: Callable[..., Any]) -> bool:
+    """Whether `init` is called with the session key: only when it cannot be called
+    without an argument (so `state=dict` or a class with defaults gets none).
+
+    Raises:
+        TypeError: It takes neither no argument nor one.
+    """
+    try:
+        signature = inspect.signature(init)
+    except (TypeError, ValueError):  # (a builtin without a signature: called bare)
+        return False
+    try:
+        signature.bind()
+        return False
+    except TypeError:
+        pass
+    try:
+        signature.bind(None)
+    except TypeError:
+        raise TypeError(
+            f"state={init!r} must take one argument (the session key) or none"
+        ) from None
+    return True
+
+
+def session_options(
+    state: Callable[..., Any] | None,
+    session_idle_s: float | None,
+    max_sessions: int | None,
+    when_sessions_full: str,
+    stack_states: bool,
+    when_full: str = "reject",
+) -> SessionOptions | None:
+    """`@batched`'s session options, checked; None without `state`.
+
+    Raises:
+        TypeError: `state` is not callable (or takes neither no argument nor one),
+            an option has the wrong type.
+        ValueError: A session option without `state`, `state` with
+            `when_full="block"`, a `session_idle_s` that is not a finite number
+            above 0, a `max_sessions` below 1, or an unknown `when_sessions_full`.
+    """
+    if state is None:
+        given = (session_idle_s, max_sessions, when_sessions_full != "reject" or None, stack_states)
+        if any(option is not None and option is not False for option in given):
+            raise ValueError(
+                "session_idle_s, max_sessions, when_sessions_full and stack_states need state="
+            )
+        return None
+    if when_full == "block":
+        raise ValueError(
+            'state= does not take when_full="block": a session\'s next request is queued '
+            "when its previous one settles, which must not wait for room; bound the "
+            "sessions with max_sessions instead"
+        )
+    if not callable(state):
+        raise TypeError(
+            f"state must be a callable that makes a session's first state (init(key) or "
+            f"init()), got {type(state).__name__}"
+        )
+    takes_key = _init_takes_key(state)
+    if session_idle_s is not None:
+        duration("session_idle_s", session_idle_s, unit="s")
+    limit = positive_count("max_sessions", max_sessions, allow_none=True)
+    if not isinstance(when_sessions_full, str):
+        raise TypeError(
+            f'when_sessions_full must be "reject" or "block", got '
+            f"{type(when_sessions_full).__name__}"
+        )
+    if when_sessions_full not in ("reject", "block"):
+        raise ValueError(
+            f'when_sessions_full must be "reject" or "block", got {when_sessions_full!r}'
+        )
+    if when_sessions_full == "block" and max_sessions is None:
+        raise ValueError('when_sessions_full="block" needs a max_sessions')
+    check_flag("stack_states", stack_states)
+    return SessionOptions(
+        init=state,
+        init_takes_key=takes_key,
+        idle_s=None if session_idle_s is None else float(session_idle_s),
+        max_sessions=limit,
+        when_full=when_sessions_full,  # type: ignore[arg-type]
+        stack_states=stack_states,
+    )
+
+
+@dataclass(frozen=True)
 class Options:
     """How a batched function is run: the options of
     [`batched`][batchkit.serve.batched.batched], validated.
@@ -99,6 +211,8 @@ class Options:
         cache: The mapping that keeps results by the same key; None for none.
         per_token: How a layout's inverse reads the output's leaves (see
             [`split`][batchkit.Padded.split]); None: by their shapes.
+        sessions: A stateful function's session options (`state=`); None for a
+            stateless one.
     """
 
     policy: Batcher
@@ -116,6 +230,7 @@ class Options:
     coalesce: bool | Callable[[Any], Hashable] = False
     cache: MutableMapping[Hashable, Any] | None = None
     per_token: PerToken = None
+    sessions: SessionOptions | None = None
 
     def __post_init__(self) -> None:
         # The counts are stored as ints whatever number type they came as (a YAML or

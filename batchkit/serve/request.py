@@ -73,6 +73,7 @@ class Request:
         "group",
         "waiter",
         "on_answer",
+        "on_settled",
     )
 
     item: Any
@@ -102,6 +103,11 @@ class Request:
     # callers share (`batchkit.serve.coalesce`) answer them themselves, a batch's at
     # once. None for a caller's own request.
     on_answer: Callable[[Sequence[Request]], None] | None
+    # Called once the outcome is stored, before the caller is woken, with the settled
+    # requests delivered together (a layer above the core that orders requests: a
+    # session's next request goes in). One function's requests all have the same
+    # hook, or none; None for a plain request.
+    on_settled: Callable[[Sequence[Request]], None] | None
 
     def __init__(
         self,
@@ -127,6 +133,7 @@ class Request:
         self.loop = loop
         self.channel = channel
         self.on_answer = None
+        self.on_settled = None
         if channel is not None or loop is not None:
             # An asyncio caller awaits its future; a streaming caller reads its channel.
             self.future = loop.create_future() if channel is None else None  # type: ignore[union-attr]
@@ -235,13 +242,19 @@ def resolve_on_loop(
     awaiting there with `values`, and `deliver` the others (thread callers, streams,
     or callers from another loop).
 
-    A cancelled caller's future is left alone.
+    The requests' `on_settled` hook runs before any future is resolved; a
+    cancelled caller's future is left alone.
 
     Args:
         requests: A batch's requests, every one succeeded.
         values: Their results, in the same order.
         loop: The running loop, this call's own.
     """
+    hook = requests[0].on_settled if requests else None
+    if hook is not None:
+        for req, value in zip(requests, values):
+            req.state, req.value = DONE, value
+        hook(requests)
     others = []
     for req, value in zip(requests, values):
         req.state = DONE
@@ -261,16 +274,21 @@ def resolve_on_loop(
 def deliver(requests: Sequence[Request]) -> None:
     """Hand each settled request's outcome to its caller.
 
-    Thread callers are woken now; a stream's channel ends (with the request's error,
-    if any); asyncio futures are resolved on their own loops (one hop per loop; a
-    closed loop has nobody left to answer); shared requests are handed to their
-    `on_answer`, once per hook, which answers their callers.
+    The requests' `on_settled` hook runs first (see `Request`; it tells requests it
+    has already seen apart). Thread callers are woken now; a stream's channel ends
+    (with the request's error, if any); asyncio futures are resolved on their own
+    loops (one hop per loop; a closed loop has nobody left to answer); shared
+    requests are handed to their `on_answer`, once per hook, which answers their
+    callers.
 
     Args:
         requests: Requests whose outcome (value or error) is stored.
     """
     by_loop: defaultdict[asyncio.AbstractEventLoop, list[Request]] = defaultdict(list)
     shared: dict[Callable[[Sequence[Request]], None], list[Request]] | None = None
+    hook = requests[0].on_settled if requests else None
+    if hook is not None:
+        hook(requests)
     for req in requests:
         if req.on_answer is not None:
             if shared is None:

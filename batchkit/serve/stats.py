@@ -109,6 +109,10 @@ class Stats:
             own (not counted in `requests`).
         cache_hits: With `cache`, callers answered from the cache, without queueing
             (not counted in `requests`).
+        sessions: A stateful function's (`state=`) live sessions now (0 for
+            others).
+        sessions_ended: Sessions ended by `end_session` or `end=True`.
+        sessions_evicted: Sessions ended after `session_idle_s` without a request.
     """
 
     requests: int
@@ -140,6 +144,9 @@ class Stats:
     groups: dict[Hashable, GroupStats] = field(default_factory=dict)
     coalesced: int = 0
     cache_hits: int = 0
+    sessions: int = 0
+    sessions_ended: int = 0
+    sessions_evicted: int = 0
 
     @property
     def mean_batch_size(self) -> float:

@@ -104,6 +104,31 @@ def test_the_watchdog_is_exported_at_scrape_time(
     f.close()
 
 
+def test_a_stateful_functions_sessions_are_exported_at_scrape_time(
+    registry: Any, exporter: PrometheusMetrics
+) -> None:
+    clock = [0.0]
+
+    @batchkit.batched(
+        max_batch_size=4, state=lambda: 0, session_idle_s=10.0, clock=lambda: clock[0]
+    )
+    def total(chunks: list[int], states: list[int]) -> tuple[list[int], list[int]]:
+        sums = [s + c for c, s in zip(chunks, states)]
+        return sums, sums
+
+    exporter.track(total, name="sums")
+    lb = {"batcher": "sums"}
+    for key in ("a", "b", "c"):
+        total(1, session=key)
+    total(1, session="a", end=True)
+    assert value(registry, "inference_sessions", **lb) == 2
+    assert value(registry, "inference_sessions_ended_total", **lb) == 1
+    clock[0] = 11.0  # "b" and "c" have been idle past session_idle_s
+    assert value(registry, "inference_sessions", **lb) == 0
+    assert value(registry, "inference_sessions_evicted_total", **lb) == 2
+    total.close()
+
+
 def test_failed_items_count_as_errors(registry: Any, exporter: PrometheusMetrics) -> None:
     def model(xs: list[int]) -> list[Any]:
         return [ValueError("odd") if x % 2 else x for x in xs]

@@ -32,6 +32,10 @@ LONGER_THAN_TIMERS_TAKE = 1e300  # seconds or milliseconds: past threading.TIMEO
 NEEDS: dict[str, dict[str, Any]] = {
     "max_groups_per_batch": {"group": by_task},
     "when_full": {"max_queue_size": 4},
+    "session_idle_s": {"state": dict},
+    "max_sessions": {"state": dict},
+    "when_sessions_full": {"state": dict, "max_sessions": 2},
+    "stack_states": {"state": dict},
 }
 # A value of the wrong type for each option of @batched, by name.
 BATCHED_WRONG_TYPE: dict[str, object] = {
@@ -56,6 +60,11 @@ BATCHED_WRONG_TYPE: dict[str, object] = {
     "cache": [],
     "shapes": (8, 16),
     "per_token": "tokens",  # one key is not a collection of keys
+    "state": 5,
+    "session_idle_s": "10",
+    "max_sessions": "2",
+    "when_sessions_full": 1,
+    "stack_states": "yes",
 }
 # A value of the right type out of its range, by name; None: every value of the right
 # type is valid (a callable, a flag, a policy).
@@ -81,6 +90,11 @@ BATCHED_WRONG_VALUE: dict[str, object] = {
     "cache": None,
     "shapes": None,  # every ShapeBuckets is valid (its own arguments are checked in it)
     "per_token": None,
+    "state": None,
+    "session_idle_s": -1.0,
+    "max_sessions": 0,
+    "when_sessions_full": "drop",
+    "stack_states": None,
 }
 CONFIGURE_WRONG_TYPE: dict[str, object] = {
     "max_batch_size": "8",
