@@ -32,10 +32,8 @@ from batchkit.batchers.base import Batcher
 from batchkit.collate.inverse import PerToken
 from batchkit.collate.shapes import ShapeBuckets
 from batchkit.serve import callers
-from batchkit.serve.coalesce import Coalescer, check_sharing
-from batchkit.serve.core import ServingCore
-from batchkit.serve.event_loop import LoopDriver
 from batchkit.serve.events import Listener
+from batchkit.serve.layers import Driver, build_layers
 from batchkit.serve.options import (
     Clock,
     OnOom,
@@ -50,7 +48,6 @@ from batchkit.serve.options import (
 )
 from batchkit.serve.sessions import Sessions
 from batchkit.serve.stats import Stats
-from batchkit.serve.threads import ThreadDriver
 
 # A batched function's types: what one caller passes (an item of the function's list),
 # what it gets back (an entry of the returned sequence; a chunk, for a stream), and what
@@ -61,38 +58,6 @@ CallT_co = TypeVar("CallT_co", covariant=True, default=ResultT_co)
 # The same, as `batched` reads them off the function it decorates.
 ItemT = TypeVar("ItemT")
 ResultT = TypeVar("ResultT")
-
-
-class Driver(Protocol):
-    """What runs a batched function's batches: worker threads
-    (`batchkit.serve.threads.ThreadDriver`) or one event loop
-    (`batchkit.serve.event_loop.LoopDriver`), each over the serving core it made.
-    Callers reach the core through `batchkit.serve.callers`, not through the driver."""
-
-    core: ServingCore
-
-    def close(self, timeout: float | None = None) -> None:
-        """Stop accepting, drain, then fail what is left after `timeout`.
-
-        Args:
-            timeout: Seconds to wait before failing what is left with
-                `BatcherClosed`; None waits for everything.
-        """
-        ...
-
-    async def aclose(self, timeout: float | None = None) -> None:
-        """`close` from asyncio.
-
-        Args:
-            timeout: Seconds to wait before failing what is left with
-                `BatcherClosed`; None waits for everything.
-        """
-        ...
-
-    def close_nowait(self) -> None:
-        """Stop accepting and return at once: what is queued and running is served,
-        then the workers exit (run when the function is dropped)."""
-        ...
 
 
 class BatchedFunction(Generic[ItemT_contra, ResultT_co, CallT_co]):
@@ -139,7 +104,6 @@ class BatchedFunction(Generic[ItemT_contra, ResultT_co, CallT_co]):
             inspect.iscoroutinefunction(f) or inspect.isasyncgenfunction(f) for f in (fn, call)
         )
         self.options = options = dataclasses.replace(options, streaming=self.streams)
-        check_sharing(options.coalesce, options.cache, streams=self.streams)
         self.__name__ = getattr(fn, "__name__", "batched")
         self.__qualname__ = getattr(fn, "__qualname__", self.__name__)
         self.__doc__ = getattr(fn, "__doc__", None)
@@ -148,49 +112,18 @@ class BatchedFunction(Generic[ItemT_contra, ResultT_co, CallT_co]):
         self._bound_by_instance: weakref.WeakKeyDictionary[
             Any, BatchedFunction[ItemT_contra, ResultT_co, CallT_co]
         ] = weakref.WeakKeyDictionary()
-        # A stateful function (state=): the core runs the session layer's wrapper.
-        self._sessions: Sessions | None = None
-        runs, core_options = fn, options
-        if options.sessions is not None:
-            if self.streams:
-                raise TypeError(
-                    f"{self.__qualname__} is a generator function: state= (sessions) "
-                    "needs a function that returns (results, new_states)"
-                )
-            if options.coalesce is not False or options.cache is not None:
-                raise ValueError(
-                    f"{self.__qualname__}: state= (sessions) takes no coalesce= or cache=: "
-                    "each chunk advances its session, so equal chunks are not one request"
-                )
-            self._sessions = Sessions(fn, options, self.__qualname__, is_async=self.is_async)
-            runs, core_options = self._sessions.batch_function, self._sessions.core_options(options)
         # Created now (cheap: no thread starts before the first call).
-        self._driver: Driver = (
-            LoopDriver(runs, core_options, self.__qualname__)
-            if self.is_async
-            else ThreadDriver(runs, core_options, self.__qualname__)
-        )
-        self._core = self._driver.core
-        # Where plain callers go: the core, or the coalescing layer in front of it.
-        self._coalescer: Coalescer | None = None
-        self._front: callers.Front = self._core
-        if options.coalesce is not False or options.cache is not None:
-            self._coalescer = Coalescer(
-                self._core, options.coalesce, options.cache, shares_loop=self.is_async
-            )
-            self._front = self._coalescer
-        if self._sessions is not None:
-            self._sessions.bind(self._core)
+        self._layers = build_layers(fn, options, self.__qualname__, is_async=self.is_async)
         self._warned_on_loop = False
         # Dropped (a function made at run time, an instance's method with its
         # instance), it closes: its workers exit, and the function they hold is
         # freed. Nothing the driver holds refers back to this wrapper.
-        weakref.finalize(self, self._driver.close_nowait).atexit = False
+        weakref.finalize(self, self._layers.driver.close_nowait).atexit = False
 
     @property
     def runtime(self) -> Driver:
         """The driver behind this function: its workers, and its queue (`runtime.core`)."""
-        return self._driver
+        return self._layers.driver
 
     # -- methods: one queue per instance --------------------------------------
     def __set_name__(self, owner: type, name: str) -> None:
@@ -276,9 +209,9 @@ class BatchedFunction(Generic[ItemT_contra, ResultT_co, CallT_co]):
             Exception: Whatever the batch function raised for this item.
         """
         if self.streams:
-            raise self._streams_error()
-        if self._sessions is not None or session is not None or end:
-            sessions = self._stateful(session)
+            raise streams_error(self.__name__, is_async=self.is_async)
+        if self._layers.sessions is not None or session is not None or end:
+            sessions = session_layer(self._layers.sessions, self.__name__, session)
             if self.is_async:
                 return cast(CallT_co, sessions.acall(item, session, end, priority, timeout))
             if not self._warned_on_loop and asyncio._get_running_loop() is not None:
@@ -286,25 +219,11 @@ class BatchedFunction(Generic[ItemT_contra, ResultT_co, CallT_co]):
             answer: CallT_co = sessions.call(item, session, end, priority, timeout)
             return answer
         if self.is_async:
-            return cast(CallT_co, callers.acall(self._front, item, priority, timeout))
+            return cast(CallT_co, callers.acall(self._layers.front, item, priority, timeout))
         if not self._warned_on_loop and asyncio._get_running_loop() is not None:
             self._warn_blocking_on_loop()
-        result: CallT_co = callers.call(self._front, item, priority, timeout)
+        result: CallT_co = callers.call(self._layers.front, item, priority, timeout)
         return result
-
-    def _stateful(self, session: Hashable | None) -> Sessions:
-        """The session layer, for a call with `session` (refused without both)."""
-        name = self.__name__
-        if self._sessions is None:
-            raise TypeError(
-                f"{name} keeps no sessions: session= and end= need @batched(state=...)"
-            )
-        if session is None:
-            raise TypeError(
-                f"{name} keeps sessions (state=): call it with a session key, "
-                f"{name}(chunk, session=key)"
-            )
-        return self._sessions
 
     def _warn_blocking_on_loop(self) -> None:
         self._warned_on_loop = True
@@ -316,20 +235,6 @@ class BatchedFunction(Generic[ItemT_contra, ResultT_co, CallT_co]):
             RuntimeWarning,
             stacklevel=3,
         )
-
-    def _streams_error(self) -> TypeError:
-        name = self.__name__
-        if self.is_async:
-            return TypeError(f"{name} streams: use 'async for chunk in {name}.astream(x)'")
-        return TypeError(
-            f"{name} streams: use 'for chunk in {name}.stream(x)' (or "
-            f"'async for chunk in {name}.astream(x)' from asyncio)"
-        )
-
-    def _plain_error(self, how: str) -> TypeError:
-        name = self.__name__
-        call = f"await {name}.acall(x)" if self.is_async else f"{name}(x) or await {name}.acall(x)"
-        return TypeError(f"{name} is not a generator function, so it does not {how}: use {call}")
 
     async def acall(
         self,
@@ -373,12 +278,12 @@ class BatchedFunction(Generic[ItemT_contra, ResultT_co, CallT_co]):
                 `KeyboardInterrupt` (its `__cause__`) on its worker thread.
         """
         if self.streams:
-            raise self._streams_error()
-        if self._sessions is not None or session is not None or end:
-            stateful = self._stateful(session)
+            raise streams_error(self.__name__, is_async=self.is_async)
+        if self._layers.sessions is not None or session is not None or end:
+            stateful = session_layer(self._layers.sessions, self.__name__, session)
             answer: ResultT_co = await stateful.acall(item, session, end, priority, timeout)
             return answer
-        result: ResultT_co = await callers.acall(self._front, item, priority, timeout)
+        result: ResultT_co = await callers.acall(self._layers.front, item, priority, timeout)
         return result
 
     # -- streams ----------------------------------------------------------------
@@ -416,12 +321,12 @@ class BatchedFunction(Generic[ItemT_contra, ResultT_co, CallT_co]):
             ValueError: `timeout` is NaN or negative; nothing was queued.
         """
         if not self.streams:
-            raise self._plain_error("stream")
+            raise plain_error(self.__name__, "stream", is_async=self.is_async)
         if self.is_async:
             raise TypeError(
                 f"{self.__name__} is an async generator function: use '{self.__name__}.astream(x)'"
             )
-        return callers.ThreadStream(self._core, item, priority, timeout)
+        return callers.ThreadStream(self._layers.core, item, priority, timeout)
 
     def astream(
         self, item: ItemT_contra, *, priority: int = 0, timeout: float | None = None
@@ -454,8 +359,8 @@ class BatchedFunction(Generic[ItemT_contra, ResultT_co, CallT_co]):
             ValueError: `timeout` is NaN or negative; nothing was queued.
         """
         if not self.streams:
-            raise self._plain_error("astream")
-        return callers.LoopStream(self._core, item, priority, timeout)
+            raise plain_error(self.__name__, "astream", is_async=self.is_async)
+        return callers.LoopStream(self._layers.core, item, priority, timeout)
 
     # -- many items ------------------------------------------------------------
     def map(
@@ -489,12 +394,12 @@ class BatchedFunction(Generic[ItemT_contra, ResultT_co, CallT_co]):
             Exception: The first failed item's error, in input order.
         """
         if self.streams:
-            raise self._streams_error()
-        if self._sessions is not None:
-            raise self._map_error()
+            raise streams_error(self.__name__, is_async=self.is_async)
+        if self._layers.sessions is not None:
+            raise sessions_map_error(self.__name__)
         if self.is_async:
             raise TypeError(f"{self.__name__} is async: use 'await {self.__name__}.amap(items)'")
-        return callers.call_many(self._front, items, priority, timeout)
+        return callers.call_many(self._layers.front, items, priority, timeout)
 
     async def amap(
         self, items: Iterable[ItemT_contra], *, priority: int = 0, timeout: float | None = None
@@ -523,17 +428,10 @@ class BatchedFunction(Generic[ItemT_contra, ResultT_co, CallT_co]):
                 item has finished.
         """
         if self.streams:
-            raise self._streams_error()
-        if self._sessions is not None:
-            raise self._map_error()
-        return await callers.amap(self._front, items, priority, timeout)
-
-    def _map_error(self) -> TypeError:
-        name = self.__name__
-        return TypeError(
-            f"{name} keeps sessions (state=): call it once per chunk, "
-            f"{name}(chunk, session=key), in the session's order"
-        )
+            raise streams_error(self.__name__, is_async=self.is_async)
+        if self._layers.sessions is not None:
+            raise sessions_map_error(self.__name__)
+        return await callers.amap(self._layers.front, items, priority, timeout)
 
     # -- sessions ------------------------------------------------------------------
     def end_session(self, key: Hashable) -> bool:
@@ -550,9 +448,9 @@ class BatchedFunction(Generic[ItemT_contra, ResultT_co, CallT_co]):
         Raises:
             TypeError: The function keeps no sessions.
         """
-        if self._sessions is None:
+        if self._layers.sessions is None:
             raise TypeError(f"{self.__name__} keeps no sessions: end_session needs state=")
-        return self._sessions.end_session(key)
+        return self._layers.sessions.end_session(key)
 
     def session_state(self, key: Hashable) -> Any:
         """Session `key`'s current state, as the batch function last returned it (a
@@ -565,15 +463,15 @@ class BatchedFunction(Generic[ItemT_contra, ResultT_co, CallT_co]):
             KeyError: No live session has that key.
             TypeError: The function keeps no sessions.
         """
-        if self._sessions is None:
+        if self._layers.sessions is None:
             raise TypeError(f"{self.__name__} keeps no sessions: session_state needs state=")
-        return self._sessions.state_of(key)
+        return self._layers.sessions.state_of(key)
 
     def session_counts(self) -> tuple[int, int, int]:
         """`(live, ended, evicted)` sessions now, as `stats` reports them, without its
         percentiles (what a metrics scrape reads); `(0, 0, 0)` without `state=`. Ends
         the sessions idle past `session_idle_s` first."""
-        return (0, 0, 0) if self._sessions is None else self._sessions.counts()
+        return (0, 0, 0) if self._layers.sessions is None else self._layers.sessions.counts()
 
     # -- introspection and lifetime ---------------------------------------------
     def add_listener(self, listener: Listener) -> None:
@@ -587,7 +485,7 @@ class BatchedFunction(Generic[ItemT_contra, ResultT_co, CallT_co]):
                 function's lock: keep them fast and non-blocking. An exception they
                 raise is logged, never passed on.
         """
-        self._core.answers.add_listener(listener)
+        self._layers.core.answers.add_listener(listener)
 
     def remove_listener(self, listener: Listener) -> None:
         """Stop observing.
@@ -597,7 +495,7 @@ class BatchedFunction(Generic[ItemT_contra, ResultT_co, CallT_co]):
                 [`add_listener`][batchkit.BatchedFunction.add_listener] (compared by
                 identity; one not added is ignored).
         """
-        self._core.answers.remove_listener(listener)
+        self._layers.core.answers.remove_listener(listener)
 
     def stats(self) -> Stats:
         """A snapshot of the counters and latencies since the function was made.
@@ -606,10 +504,10 @@ class BatchedFunction(Generic[ItemT_contra, ResultT_co, CallT_co]):
             A [`Stats`][batchkit.Stats]: requests, batches, batch sizes, waits,
             latencies, dispatch reasons, and the health of the workers.
         """
-        stats = self._core.readings.stats()
-        if self._sessions is None:
+        stats = self._layers.core.readings.stats()
+        if self._layers.sessions is None:
             return stats
-        live, ended, evicted = self._sessions.counts()
+        live, ended, evicted = self._layers.sessions.counts()
         return dataclasses.replace(
             stats, sessions=live, sessions_ended=ended, sessions_evicted=evicted
         )
@@ -621,9 +519,9 @@ class BatchedFunction(Generic[ItemT_contra, ResultT_co, CallT_co]):
         Raises:
             TypeError: The function has no cache, or its mapping has no `clear()`.
         """
-        if self._coalescer is None:
+        if self._layers.coalescer is None:
             raise TypeError(f"{self.__name__} has no cache to clear (see @batched(cache=...))")
-        self._coalescer.cache_clear()
+        self._layers.coalescer.cache_clear()
 
     def configure(
         self,
@@ -666,11 +564,11 @@ class BatchedFunction(Generic[ItemT_contra, ResultT_co, CallT_co]):
         changes = SettingsChange(
             max_batch_size, max_wait_ms, max_concurrent_batches, max_queue_size, max_latency_ms
         )
-        return self._core.configure(changes)
+        return self._layers.core.configure(changes)
 
     def load(self) -> tuple[int, int]:
         """`(queue depth, batches in flight)` now, cheaply (what a metrics scrape reads)."""
-        return self._core.readings.load()
+        return self._layers.core.readings.load()
 
     def close(self, timeout: float | None = None) -> None:
         """Stop accepting, serve what is queued and running, and wait for it.
@@ -690,9 +588,7 @@ class BatchedFunction(Generic[ItemT_contra, ResultT_co, CallT_co]):
         Raises:
             RuntimeError: An async function's `close` was called on its own loop.
         """
-        if self._sessions is not None:
-            self._sessions.close()
-        self._driver.close(timeout)
+        self._layers.close(timeout)
 
     async def aclose(self, timeout: float | None = None) -> None:
         """[`close`][batchkit.BatchedFunction.close] from asyncio, without blocking the
@@ -707,9 +603,7 @@ class BatchedFunction(Generic[ItemT_contra, ResultT_co, CallT_co]):
             RuntimeError: An async function is closed from another loop than the one
                 it serves.
         """
-        if self._sessions is not None:
-            self._sessions.close()
-        await self._driver.aclose(timeout)
+        await self._layers.aclose(timeout)
 
     def __enter__(self) -> Self:
         return self
@@ -1204,3 +1098,40 @@ def batched(
         return wrapper
 
     return wrap(fn) if fn is not None else wrap
+
+
+def streams_error(name: str, *, is_async: bool) -> TypeError:
+    """The error for a generator function called as a plain one."""
+    if is_async:
+        return TypeError(f"{name} streams: use 'async for chunk in {name}.astream(x)'")
+    return TypeError(
+        f"{name} streams: use 'for chunk in {name}.stream(x)' (or "
+        f"'async for chunk in {name}.astream(x)' from asyncio)"
+    )
+
+
+def plain_error(name: str, how: str, *, is_async: bool) -> TypeError:
+    """The error for a plain function read as a stream (`how`: stream or astream)."""
+    call = f"await {name}.acall(x)" if is_async else f"{name}(x) or await {name}.acall(x)"
+    return TypeError(f"{name} is not a generator function, so it does not {how}: use {call}")
+
+
+def sessions_map_error(name: str) -> TypeError:
+    """The error for `map`/`amap` on a stateful function."""
+    return TypeError(
+        f"{name} keeps sessions (state=): call it once per chunk, "
+        f"{name}(chunk, session=key), in the session's order"
+    )
+
+
+def session_layer(sessions: Sessions | None, name: str, session: Hashable | None) -> Sessions:
+    """The session layer, for a call with `session` (refused unless the function
+    keeps sessions and the call names one)."""
+    if sessions is None:
+        raise TypeError(f"{name} keeps no sessions: session= and end= need @batched(state=...)")
+    if session is None:
+        raise TypeError(
+            f"{name} keeps sessions (state=): call it with a session key, "
+            f"{name}(chunk, session=key)"
+        )
+    return sessions

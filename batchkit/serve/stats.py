@@ -158,6 +158,11 @@ class Stats:
 
         Every figure is also a field (`repr()` lists them all as they are).
         """
+        rows = self._count_rows() + self._time_rows()
+        width = max(len(name) for name, _ in rows) + 2
+        return "\n".join(["Stats"] + [f"  {name:<{width}}{value}".rstrip() for name, value in rows])
+
+    def _count_rows(self) -> list[tuple[str, str]]:
         refused = {
             "rejected": self.rejected,
             "overloaded": self.overloaded,
@@ -173,6 +178,14 @@ class Stats:
         if self.coalesced or self.cache_hits:
             shared = f"coalesced {self.coalesced}, cache hits {self.cache_hits}"
             rows.append(("shared", f"{shared} (callers answered without a request)"))
+        if self.sessions or self.sessions_ended or self.sessions_evicted:
+            rows.append(
+                (
+                    "sessions",
+                    f"{self.sessions} live, {self.sessions_ended} ended, "
+                    f"{self.sessions_evicted} evicted",
+                )
+            )
         rows += [
             (
                 "batches",
@@ -193,7 +206,10 @@ class Stats:
             rows.append(
                 ("errors", f"oom splits {self.oom_splits}, isolated {self.isolated}, caps {caps}")
             )
-        rows.append(("", f"{'p50':>9}{'p90':>9}{'p99':>9}{'max':>9}  (ms; count)"))
+        return rows
+
+    def _time_rows(self) -> list[tuple[str, str]]:
+        rows = [("", f"{'p50':>9}{'p90':>9}{'p99':>9}{'max':>9}  (ms; count)")]
         rows.append(("queue wait", _percentiles(self.queue_wait)))
         rows.append(("batch latency", _percentiles(self.batch_latency)))
         if self.time_to_first_chunk.count:
@@ -204,8 +220,7 @@ class Stats:
         for group, g in self.groups.items():
             rows.append((f"group {group!r}", f"{g.requests} requests, {g.batches} batches"))
             rows.append(("  queue wait", _percentiles(g.queue_wait)))
-        width = max(len(name) for name, _ in rows) + 2
-        return "\n".join(["Stats"] + [f"  {name:<{width}}{value}".rstrip() for name, value in rows])
+        return rows
 
 
 _NONE_LOST = "none refused, timed out or failed"

@@ -495,7 +495,7 @@ class Ledger:
 
     def _check_callers(self, xs: list[int]) -> None:
         assert self.f is not None
-        front = self.f._coalescer
+        front = self.f._layers.coalescer
         assert front is not None
         with self.f.runtime.core.lock:  # (callers detach only under it)
             for x in xs:

@@ -824,3 +824,16 @@ def test_a_stateful_function_refuses_coalescing_and_a_cache(sharing: dict[str, A
         @batchkit.batched(state=lambda: 0, **sharing)
         def step(items: list[int], states: list[int]) -> tuple[list[int], list[int]]:
             return items, states
+
+
+def test_printed_stats_show_the_sessions() -> None:
+    @batchkit.batched(state=lambda: 0, max_wait_ms=0)
+    def count(items: list[int], states: list[int]) -> tuple[list[int], list[int]]:
+        new = [s + i for i, s in zip(items, states)]
+        return new, new
+
+    with count:
+        count(1, session="a")
+        count(2, session="b", end=True)
+        rows = [" ".join(line.split()) for line in str(count.stats()).splitlines()]
+        assert "sessions 1 live, 1 ended, 0 evicted" in rows
