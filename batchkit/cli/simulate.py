@@ -204,7 +204,15 @@ def _grid(args: argparse.Namespace) -> ShapeBuckets | None:
                        "are the buckets; give --grid-lengths alone")  # fmt: skip
     if not (args.lengths or args.length_dist or args.trace_lengths):
         raise CliError(f"a shape grid pads each request to a grid length: give {LENGTH_OPTIONS}")
-    return ShapeBuckets(batch_sizes=sizes, lengths=lengths)
+    grid = ShapeBuckets(batch_sizes=sizes, lengths=lengths)
+    below = [size for size in args.max_batch_size or () if size < grid.max_batch_size]
+    if below:
+        raise CliError(
+            f"--max-batch-size {below[0]} is below the grid's largest batch size "
+            f"({grid.max_batch_size}): the grid's batch sizes set the largest batch (leave "
+            "--max-batch-size out)"
+        )
+    return grid
 
 
 def _duplicates(args: argparse.Namespace, count: int) -> tuple[list[Hashable] | None, str]:

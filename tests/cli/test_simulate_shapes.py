@@ -197,6 +197,7 @@ def test_simulate_command_sweeps_each_setting_without_and_with_the_grid(
         (("--policy", "static", *GRID_OPTIONS), "not static"),
         (("--policy", "bucketed", "--buckets", "2", *GRID_OPTIONS), "--buckets"),
         (("--grid-lengths", "64,128", "--grid-batch-sizes", "1,2"), "has length"),
+        (("--max-batch-size", "8,16", *GRID_OPTIONS), "--max-batch-size 8 is below"),
     ],
 )
 def test_simulate_command_refuses_a_grid_it_cannot_use(
