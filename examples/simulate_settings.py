@@ -23,6 +23,12 @@
    small; every adapter a batch pays for the switching. Same as ``batchkit simulate
    --rate 600 --groups 12 --group-skew 1.1 --switch-ms 2 --max-groups-per-batch
    1,2,4,8,12``.
+5. A static shape grid for a compiled model (``ShapeBuckets``), on the traffic of 3 at
+   60 requests/s: each grid's shapes compiled (cells reached) and padding (padded
+   over real tokens) beside the run without a grid, and the grid of fewest shapes
+   whose p99 stays within 1.5 times the run without one. Same as ``batchkit simulate
+   --rate 60 --latency-ms 5 --per-item-ms 0.5 --per-cost-ms 0.02 --length-dist
+   lognormal:128,0.8 --grid-batch-sizes 1,2,4,8,16 --grid-lengths 128,512,2048``.
 
     python examples/simulate_settings.py
 """
@@ -31,6 +37,7 @@ from __future__ import annotations
 
 import itertools
 
+from batchkit import ShapeBuckets
 from batchkit.tools.simulate import (
     POLICIES,
     LatencyModel,
@@ -142,11 +149,42 @@ def choose_max_groups_per_batch() -> None:
     )
 
 
+def choose_a_shape_grid() -> None:
+    count = 6000
+    lengths = sample_lengths("lognormal:128,0.8", count, seed=0)
+    arrivals = poisson_arrivals(rate=60, num_requests=count, seed=0)
+    print("\n5 ms + 0.5 ms x batch size + 0.02 ms x padded tokens; lognormal lengths, 60 req/s")
+    header = ("grid lengths", "shapes", "padded", "dummy", "p50 ms", "p99 ms")
+    print("".join(f"{h:>{w}}" for h, w in zip(header, (22, 9, 8, 7, 8, 8))))
+    model = (5.0, 0.5, 0.02)
+    plain = simulate(model, arrivals=arrivals, keys=lengths, max_batch_size=16)
+    runs = {(): plain}
+    for grid_lengths in ((64, 128, 256, 512, 2048), (128, 512, 2048), (256, 2048)):
+        grid = ShapeBuckets(batch_sizes=(1, 2, 4, 8, 16), lengths=grid_lengths)
+        runs[grid_lengths] = simulate(model, arrivals=arrivals, keys=lengths, shapes=grid)
+    costs = {g: r.shape_cost for g, r in runs.items() if r.shape_cost is not None}  # (all)
+    for grid_lengths, r in runs.items():
+        cost = costs[grid_lengths]
+        name = ",".join(map(str, grid_lengths)) or "no grid"
+        shapes = f"{cost.compiled}" if cost.cells is None else f"{cost.compiled}/{cost.cells}"
+        print(
+            f"{name:>22}{shapes:>9}{cost.padding:>7.2f}x{cost.dummy_rows:>7}"
+            f"{r.latency.p50:>8.1f}{r.latency.p99:>8.1f}"
+        )
+    # The fewest compilations whose p99 stays within 1.5 times the run without a grid.
+    fits = [g for g, r in runs.items() if g and r.latency.p99 <= 1.5 * plain.latency.p99]
+    if not fits:
+        raise SystemExit("no grid keeps p99 within 1.5x of the run without one: add lengths")
+    best = min(fits, key=lambda g: costs[g].compiled)
+    print(f"choose lengths={best}: {costs[best].compiled} shapes to compile")
+
+
 def main() -> None:
     choose_settings()
     goodput_past_capacity()
     policies_with_a_cost_term()
     choose_max_groups_per_batch()
+    choose_a_shape_grid()
 
 
 if __name__ == "__main__":

@@ -25,11 +25,13 @@ from batchkit.cli._args import (
     positive_float,
     positive_int,
 )
+from batchkit.collate.shapes import ShapeBuckets
 from batchkit.tools.progress import Progress
 from batchkit.tools.simulate import (
     DEFAULT_MAX_WAIT_MS,
     POLICIES,
     LatencyModel,
+    ShapeCost,
     SimResult,
     SimulationWarning,
     poisson_arrivals,
@@ -59,7 +61,9 @@ def add_parser(commands: Any) -> None:
             "--rate, or the times in --trace), batches run for a + b x size + c x cost ms "
             "(or as a profile file says). Prints throughput, p50/p99/p99.9 latency and the "
             "batch-size histogram; with --max-latency-ms, the requests refused or shed and "
-            "the goodput; with --groups, the groups per batch and each group's p99. "
+            "the goodput; with --groups, the groups per batch and each group's p99; with "
+            "--grid-batch-sizes and --grid-lengths, the shapes compiled and the padding paid "
+            "beside the same run without the grid. "
             "Comma-separated --max-batch-size/--max-wait-ms/--max-concurrent-batches/"
             "--max-groups-per-batch values give one table row per combination."
         ),
@@ -74,7 +78,8 @@ def add_parser(commands: Any) -> None:
     p.add_argument("--policy", choices=POLICIES, default="dynamic",
                    help="DynamicBatcher, StaticBatcher, BucketedBatcher or SortedBatcher "
                         "(default dynamic; bucketed and sorted need request lengths)")  # fmt: skip
-    p.add_argument("--max-batch-size", type=int_list, default=[32], help="default 32")
+    p.add_argument("--max-batch-size", type=int_list,
+                   help="default 32 (with a shape grid, its largest batch size)")  # fmt: skip
     p.add_argument("--max-wait-ms", type=float_list,
                    help="default 5 (not for --policy static, which waits until full)")  # fmt: skip
     p.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True,
@@ -129,6 +134,7 @@ def add_parser(commands: Any) -> None:
                          help="the most groups in one batch (default 1; comma-separated "
                               "values sweep)")  # fmt: skip
     _add_duplicate_options(p)
+    _add_grid_options(p)
     model = p.add_argument_group("latency model (default 5 ms + 0.5 ms x batch size)")
     model.add_argument("--latency-ms", type=non_negative_float, help="a: fixed cost of a batch")
     model.add_argument("--per-item-ms", type=non_negative_float, help="b: cost per item")
@@ -161,6 +167,52 @@ def _add_duplicate_options(p: argparse.ArgumentParser) -> None:
     shared.add_argument("--duplicate-skew", type=non_negative_float, metavar="SKEW",
                         help="--duplicates N: key k is drawn with weight 1 / (k + 1)^SKEW "
                              "(Zipf; default 1)")  # fmt: skip
+
+
+def _add_grid_options(p: argparse.ArgumentParser) -> None:
+    """The options of a static shape grid (`@batched(shapes=ShapeBuckets(...))`)."""
+    grid = p.add_argument_group(
+        "static shapes (a ShapeBuckets grid: the shapes compiled against the padding paid)"
+    )
+    grid.add_argument("--grid-batch-sizes", type=int_list, metavar="B,B,...",
+                      help="the grid's batch sizes, such as 1,2,4,8: each batch is padded "
+                           "up to one (needs --grid-lengths)")  # fmt: skip
+    grid.add_argument("--grid-lengths", type=int_list, metavar="L,L,...",
+                      help="the grid's lengths, such as 64,128,256: a request joins the "
+                           "bucket of the length it pads to (needs request lengths)")  # fmt: skip
+
+
+def _grid(args: argparse.Namespace) -> ShapeBuckets | None:
+    """The shape grid of ``--grid-batch-sizes`` and ``--grid-lengths``; None without."""
+    sizes, lengths = args.grid_batch_sizes, args.grid_lengths
+    if sizes is None and lengths is None:
+        return None
+    if sizes is None or lengths is None:
+        given, missing = (
+            ("--grid-lengths", "--grid-batch-sizes")
+            if sizes is None
+            else ("--grid-batch-sizes", "--grid-lengths")
+        )
+        raise CliError(f"{given} is one axis of a shape grid: give {missing} too")
+    if args.policy not in ("dynamic", "bucketed"):
+        raise CliError(
+            f"a shape grid is for --policy dynamic or bucketed, not {args.policy} (the grid "
+            "sets the batch sizes and the length buckets)"
+        )
+    if args.buckets is not None:
+        raise CliError("--buckets and a shape grid both cut the lengths: the grid's lengths "
+                       "are the buckets; give --grid-lengths alone")  # fmt: skip
+    if not (args.lengths or args.length_dist or args.trace_lengths):
+        raise CliError(f"a shape grid pads each request to a grid length: give {LENGTH_OPTIONS}")
+    grid = ShapeBuckets(batch_sizes=sizes, lengths=lengths)
+    below = [size for size in args.max_batch_size or () if size < grid.max_batch_size]
+    if below:
+        raise CliError(
+            f"--max-batch-size {below[0]} is below the grid's largest batch size "
+            f"({grid.max_batch_size}): the grid's batch sizes set the largest batch (leave "
+            "--max-batch-size out)"
+        )
+    return grid
 
 
 def _duplicates(args: argparse.Namespace, count: int) -> tuple[list[Hashable] | None, str]:
@@ -361,6 +413,7 @@ def run(args: argparse.Namespace) -> int:
         CliError: Conflicting options (e.g. ``--profile`` with ``--latency-ms``).
     """
     _check_options(args)
+    grid = _grid(args)
     model = _latency_model(args)
     traced: list[int] | None = None
     if args.trace is not None:
@@ -387,10 +440,13 @@ def run(args: argparse.Namespace) -> int:
     if args.policy == "static":
         waits = [None]  # it has none (a wait given was refused above)
     limits: list[int | None] = list(args.max_groups_per_batch or [None])  # None: the default, 1
+    sizes = args.max_batch_size or [32 if grid is None else grid.max_batch_size]
+    # With a grid, each setting runs without it, then with it: the cost of the grid.
+    grids = [None] if grid is None else [None, grid]
     settings = list(
-        itertools.product(args.max_batch_size, waits, args.max_concurrent_batches, limits)
+        itertools.product(sizes, waits, args.max_concurrent_batches, limits, grids)
     )
-    combos = [(size, wait, slots) for size, wait, slots, _ in settings]
+    combos = [(size, wait, slots) for size, wait, slots, _, _ in settings]
     results = []
     with (
         Progress("simulating", len(combos), enabled=sys.stderr.isatty() and len(combos) > 1) as bar,
@@ -399,7 +455,7 @@ def run(args: argparse.Namespace) -> int:
         # Printed below, once, in the report itself (SimResult.warnings), not as Python's
         # warning lines on stderr for every row of a sweep.
         warnings.simplefilter("ignore", SimulationWarning)
-        for size, wait, slots, limit in settings:
+        for size, wait, slots, limit, shapes in settings:
             results.append(
                 simulate(
                     model,
@@ -416,6 +472,7 @@ def run(args: argparse.Namespace) -> int:
                         # (Never called: simulate gives each request its group.)
                         group=None if groups is None else groups.__getitem__,
                         max_groups_per_batch=limit,
+                        shapes=shapes,
                     ),
                     policy=args.policy,
                     max_batch_size=size,
@@ -431,6 +488,7 @@ def run(args: argparse.Namespace) -> int:
                     groups=groups,
                     max_groups_per_batch=limit if args.eager else None,
                     duplicates=duplicates,
+                    shapes=shapes if args.eager else None,
                 )
             )
             bar.advance()
@@ -454,8 +512,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"warning: {noisy}")
     for message in dict.fromkeys(w for r in results for w in r.warnings):
         print(f"warning: {message}")
-    if len(results) == 1:
-        print(format_result(results[0]))
+    if grid is not None:
+        print(f"shape grid {_grid_name(grid)}: {len(grid.cells)} cells")
+    if len(results) == 1 or (grid is not None and len(results) == 2):
+        print(format_result(results[-1]))
+        if grid is not None:
+            print("\n".join(format_shapes(results[0], results[1])))
     else:
         print(format_table(combos, results))
     return 0
@@ -467,7 +529,9 @@ def format_table(combos: list[tuple[int, float | None, int]], results: list[SimR
     With a latency target or a goodput threshold, each row adds the goodput (req/s
     and % of offered) and the requests refused and shed. With groups, each row adds
     its `max_groups_per_batch` (after the slots), the mean groups per batch, and the
-    worst group's p99 and name (last).
+    worst group's p99 and name (last). With a shape grid, each setting has a row
+    without the grid and one with it (``grid`` no / yes), each with the shapes its
+    batches were called with and the padded tokens over the real ones.
 
     Args:
         combos: ``(max_batch_size, max_wait_ms, max_concurrent_batches)`` per run
@@ -476,10 +540,15 @@ def format_table(combos: list[tuple[int, float | None, int]], results: list[SimR
     """
     good = any(r.goodput_ms is not None for r in results)
     grouped = any(r.max_groups_per_batch is not None for r in results)
+    gridded = any(r.shape_cost is not None and r.shape_cost.grid for r in results)
     head = f"{'max_batch':>9}{'wait ms':>8}{'slots':>6}"
     if grouped:
         head += f"{'groups':>7}"
+    if gridded:
+        head += f"{'grid':>5}"
     head += f"{'req/s':>9}{'p50 ms':>8}{'p99 ms':>8}{'p99.9 ms':>9}{'batch':>7}{'busy':>6}"
+    if gridded:
+        head += f"{'shapes':>8}{'padded':>8}"
     if good:
         head += f"{'goodput':>9}{'good':>6}{'refused':>9}{'shed':>7}"
     if grouped:
@@ -491,12 +560,16 @@ def format_table(combos: list[tuple[int, float | None, int]], results: list[SimR
         row = f"{size:>9}{shown:>8}{slots:>6}"
         if grouped:
             row += f"{r.max_groups_per_batch:>7}"
+        if gridded:
+            row += f"{'no' if r.shape_cost is None or r.shape_cost.grid is None else 'yes':>5}"
         settings_width = len(row)
         row += (
             f"{r.throughput:>9,.0f}{r.latency.p50:>8.1f}"
             f"{r.latency.p99:>8.1f}{r.latency.p999:>9.1f}{r.mean_batch_size:>7.1f}"
             f"{r.utilization:>6.0%}"
         )
+        if gridded and r.shape_cost is not None:
+            row += f"{r.shape_cost.compiled:>8,}{r.shape_cost.padding:>7.2f}x"
         if good:
             row += f"{r.goodput:>9,.0f}{r.goodput_fraction:>6.0%}{r.overloaded:>9,}{r.shed:>7,}"
         if grouped:
@@ -557,6 +630,50 @@ def _why_identical(combos: list[tuple[int, float | None, int]], results: list[Si
     return f"identical figures at {settings}"
 
 
+def _grid_name(grid: ShapeBuckets) -> str:
+    """``batch sizes 1,2,4,8 x lengths 64,128,256``."""
+    return (
+        f"batch sizes {','.join(map(str, grid.batch_sizes))} x lengths "
+        f"{','.join(map(str, grid.lengths))}"
+    )
+
+
+def format_shapes(without: SimResult, with_grid: SimResult) -> list[str]:
+    """What a shape grid costs, beside the same run without it: the shapes a
+    compiled model is called with (each a compilation), the padded tokens over the
+    real ones, the dummy rows, and the throughput and latency of each run.
+
+    Args:
+        without: The run without the grid (each batch padded to its longest).
+        with_grid: The same arrivals and settings under the grid.
+
+    Raises:
+        ValueError: A run without lengths (no shapes to report), or a second run
+            without a grid.
+    """
+    plain, cells = without.shape_cost, with_grid.shape_cost
+    if plain is None or cells is None or cells.grid is None:
+        raise ValueError("format_shapes needs two runs with lengths, the second under a grid")
+    lines = [
+        "static shapes  shapes  padded/real  dummy rows    req/s  p50 ms  p99 ms",
+        _shape_row("no grid", f"{plain.compiled:,}", plain, without),
+        _shape_row("grid", f"{cells.compiled} of {cells.cells}", cells, with_grid),
+    ]
+    unreached = [cell for cell in cells.grid.cells if cell not in cells.shapes]
+    if unreached:
+        shown = ", ".join(f"{b}x{n}" for b, n in unreached[:8])
+        more = f" and {len(unreached) - 8} more" if len(unreached) > 8 else ""
+        lines.append(f"cells never reached: {shown}{more}")
+    return lines
+
+
+def _shape_row(name: str, shapes: str, cost: ShapeCost, r: SimResult) -> str:
+    return (
+        f"  {name:<9}{shapes:>11}{cost.padding:>12.2f}x{cost.dummy_rows:>12,}"
+        f"{r.throughput:>9,.0f}{r.latency.p50:>8.1f}{r.latency.p99:>8.1f}"
+    )
+
+
 def _overload_mark(r: SimResult) -> str:
     return "  (!)" if r.offered_rate > r.capacity else ""
 
@@ -608,7 +725,9 @@ def format_result(r: SimResult) -> str:
         + ", ".join(f"{k} {v:,}" for k, v in sorted(r.dispatch_reasons.items())),
     ]
     if not math.isnan(r.mean_batch_cost):
-        lines.append(f"batch cost    mean {r.mean_batch_cost:,.1f} (by the policy's cost)")
+        gridded = r.shape_cost is not None and r.shape_cost.grid is not None
+        counted = "its cell's batch size x length" if gridded else "by the policy's cost"
+        lines.append(f"batch cost    mean {r.mean_batch_cost:,.1f} ({counted})")
     if r.max_groups_per_batch is not None:
         lines += _group_lines(r)
     if r.coalesced:

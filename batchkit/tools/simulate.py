@@ -14,6 +14,12 @@ group column) the policy gets `group=` and `max_groups_per_batch=`, grouped requ
 go through the scheduler as `@batched(group=...)` sends them, a batch of `g` groups
 runs `switch_ms * (g - 1)` longer, and the result holds each group's latency.
 
+With `keys`, the result holds the shapes the batches were called with and the
+padding they carried (`SimResult.shape_cost`): with `shapes` (a `ShapeBuckets`
+grid) the grid cells reached, else each batch padded to its longest key; replaying
+the same arrivals with and without a grid shows what the grid costs in padding
+against the shapes a compiled model is built for.
+
 Each of the `max_concurrent_batches` slots is assumed to run its batch as if
 alone (replicas, or streams that do not slow each other down).
 """
@@ -32,7 +38,7 @@ import warnings
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -43,6 +49,7 @@ from batchkit.batchers.cost import BatchCost, CostLike, as_batch_cost
 from batchkit.batchers.dynamic import DynamicBatcher
 from batchkit.batchers.sorted import SortedBatcher
 from batchkit.batchers.static import StaticBatcher
+from batchkit.collate.shapes import ShapeBuckets
 from batchkit.errors import Overloaded
 from batchkit.serve.options import check_has_wait, check_latency_target, is_positive_finite
 from batchkit.serve.request import DONE, RUNNING, WAITING, Request, new_request
@@ -711,6 +718,52 @@ class GroupSummary:
 
 
 @dataclass(frozen=True)
+class ShapeCost:
+    """The shapes a simulated run's batches were called with, and their padding
+    (`SimResult.shape_cost`): what a compiled model pays for them.
+
+    A shape is `(batch size, length)`: with a grid, the cell a batch was padded to
+    (its grid batch size, the grid length of its longest key); without one, its
+    real size and its longest key (rounded up), as `pad` lays it out. Each shape is
+    a compilation (or a captured graph) for a model built for static shapes.
+
+    Attributes:
+        grid: the [`ShapeBuckets`][batchkit.ShapeBuckets] the policy padded to;
+            None without a grid.
+        shapes: each shape called -> the batches called with it, ascending.
+        real_tokens: the keys (lengths) of the requests that ran, summed.
+        padded_tokens: batch size x length of every batch, summed: the slots the
+            function computes over, dummy rows and padding included.
+        dummy_rows: rows added to batches to reach a grid batch size.
+    """
+
+    grid: ShapeBuckets | None
+    shapes: dict[tuple[int, int], int]
+    real_tokens: float
+    padded_tokens: int
+    dummy_rows: int
+
+    @property
+    def compiled(self) -> int:
+        """How many distinct shapes the batches were called with (grid cells
+        reached, with a grid)."""
+        return len(self.shapes)
+
+    @property
+    def cells(self) -> int | None:
+        """How many cells the grid has; None without a grid."""
+        return None if self.grid is None else len(self.grid.cells)
+
+    @property
+    def padding(self) -> float:
+        """Padded slots over real tokens (1.0: no padding; inf when every key is 0
+        and something was padded; NaN when nothing ran)."""
+        if self.real_tokens:
+            return self.padded_tokens / self.real_tokens
+        return math.inf if self.padded_tokens else math.nan
+
+
+@dataclass(frozen=True)
 class SimResult:
     """What a simulated run measured. Latencies run from arrival to batch end.
 
@@ -746,7 +799,8 @@ class SimResult:
         batches: batches run.
         mean_batch_size: real items per batch, averaged.
         mean_batch_cost: a batch's cost by the policy's `cost` (its padded area by
-            default, its total tokens under `"sum"`), averaged; NaN without `keys`.
+            default, its total tokens under `"sum"`; under `shapes`, its cell's
+            area: what the function computes over), averaged; NaN without `keys`.
         batch_sizes: real items per batch -> number of batches.
         dispatch_reasons: why batches left (`"full"`, `"idle"`, `"deadline"`, ...)
             -> how many.
@@ -772,6 +826,9 @@ class SimResult:
             waiting or running: answered with it, without a row of their own (the
             device work saved); counted in `served` (or `shed`, with a request that
             was shed).
+        shape_cost: with `keys`, the shapes the batches were called with and the
+            padding they carried ([`ShapeCost`][batchkit.tools.simulate.ShapeCost]):
+            the grid's cells under `shapes`; None without keys.
     """
 
     requests: int
@@ -807,6 +864,7 @@ class SimResult:
     groups: dict[Hashable, GroupSummary] = field(default_factory=dict)
     batch_groups: list[int] = field(default_factory=list, repr=False)
     coalesced: int = 0
+    shape_cost: ShapeCost | None = None
 
     @property
     def groups_per_batch(self) -> dict[int, int]:
@@ -847,15 +905,20 @@ def describe_batcher(policy: Batcher) -> str:
     tokens = "" if policy.max_tokens is None else f", max_tokens={policy.max_tokens}"
     if policy.max_tokens is not None and policy.cost.name != "padded":
         tokens += f", cost={policy.cost!r}"
-    buckets = (
-        f", boundaries={list(policy.boundaries)}" if isinstance(policy, BucketedBatcher) else ""
-    )
+    if policy.shapes is not None:  # (a bucketed policy's boundaries are the grid's lengths)
+        grid = policy.shapes
+        buckets = f", shapes={list(grid.batch_sizes)}x{list(grid.lengths)}"
+    elif isinstance(policy, BucketedBatcher):
+        buckets = f", boundaries={list(policy.boundaries)}"
+    else:
+        buckets = ""
     if policy.group is not None:
         buckets += f", max_groups_per_batch={policy.max_groups_per_batch}"
     return f"{type(policy).__name__}(max_batch_size={policy.max_batch_size}{wait}{tokens}{buckets})"
 
 
 POLICIES = ("dynamic", "static", "bucketed", "sorted")
+GRID_POLICIES = ("dynamic", "bucketed")  # the built policies that take a ShapeBuckets
 DEFAULT_BUCKETS = 4  # equal-token buckets of a bucketed policy, at most one per length
 DEFAULT_MAX_WAIT_MS = 5.0  # a built policy's wait when none is given (as @batched's)
 
@@ -870,18 +933,31 @@ def _make_batcher(
     buckets: int | Sequence[float] | None,
     groups: Sequence[Hashable] | None,
     max_groups_per_batch: int | None,
+    shapes: ShapeBuckets | None = None,
 ) -> Batcher:
     """The policy named, with the key `@batched(key=len)` would give it when there are keys.
 
     With a key the scheduler knows each request's length, so a latency target learns
     the cost term of the batch times too. With groups its `group` maps a request (its
     index in the arrivals, the simulated item) to its group, as `group=` maps an item
-    online.
+    online. With `shapes` the dynamic or bucketed policy takes the grid (the bucketed
+    one's boundaries are its lengths).
     """
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {', '.join(map(repr, POLICIES))}, got {policy!r}")
     if buckets is not None and policy != "bucketed":
         raise ValueError(f"buckets is for policy='bucketed', not {policy!r}")
+    if shapes is not None:
+        if policy not in GRID_POLICIES:
+            raise ValueError(
+                f"shapes is for policy='dynamic' or 'bucketed' (which take a ShapeBuckets), "
+                f"not {policy!r}"
+            )
+        if buckets is not None:
+            raise ValueError(
+                "buckets and shapes both cut the lengths: the grid's lengths are the "
+                "bucketed policy's boundaries, give shapes alone"
+            )
     key = None if keys is None else len
     if policy in ("bucketed", "sorted") and keys is None:
         raise ValueError(f"policy={policy!r} groups requests by length: pass keys=")
@@ -889,6 +965,8 @@ def _make_batcher(
     grouping: dict[str, Any] = {}
     if groups is not None:
         grouping = {"group": groups.__getitem__, "max_groups_per_batch": max_groups_per_batch}
+    if shapes is not None:
+        grouping["shapes"] = shapes
     if policy == "dynamic":
         return DynamicBatcher(
             max_batch_size, wait, max_tokens=max_tokens, cost=cost, key=key, **grouping
@@ -912,6 +990,8 @@ def _make_batcher(
     if policy == "sorted":
         return SortedBatcher(batch_size=max_batch_size, **options)
     assert keys is not None
+    if shapes is not None:
+        return BucketedBatcher(max_batch_size=max_batch_size, **options)
     if buckets is None or isinstance(buckets, int):
         lengths = [math.ceil(k) for k in keys]
         count = min(DEFAULT_BUCKETS, len(set(lengths))) if buckets is None else buckets
@@ -930,7 +1010,7 @@ def simulate(
     seed: int = 0,
     batcher: Batcher | None = None,
     policy: str = "dynamic",
-    max_batch_size: int = 32,
+    max_batch_size: int | None = None,
     max_wait_ms: float | None = None,
     max_concurrent_batches: int = 1,
     max_queue_size: int | None = None,
@@ -944,6 +1024,7 @@ def simulate(
     group_skew: float | None = None,
     max_groups_per_batch: int | None = None,
     duplicates: Sequence[Hashable] | None = None,
+    shapes: ShapeBuckets | None = None,
 ) -> SimResult:
     """Replay arrivals against a batcher and a latency model; see the module docstring.
 
@@ -966,6 +1047,14 @@ def simulate(
     per batch (`mean_groups_per_batch`): simulate a few `max_groups_per_batch`
     values to choose one.
 
+    With `shapes` (a [`ShapeBuckets`][batchkit.ShapeBuckets] grid, and `keys`) the
+    policy pads each batch up to a grid batch size and batches requests by the grid
+    length they pad to, as `@batched(shapes=...)` does; a batch runs for its cell
+    (`latency.seconds(batch size, batch size x length)`: the cost term counts the
+    cell's area). `SimResult.shape_cost` holds the cells reached and the padding
+    paid; replay the same arrivals without `shapes` for the shapes and padding of a
+    run without a grid (each batch padded to its longest key).
+
     Args:
         latency: `(fixed_ms, per_item_ms)` or `(fixed_ms, per_item_ms, per_cost_ms)`,
             a [`LatencyModel`][batchkit.LatencyModel], a learned model
@@ -983,7 +1072,8 @@ def simulate(
             ([`SortedBatcher`][batchkit.SortedBatcher]); the last two need `keys`.
             Built with `keys`, the policy has a key (as `@batched(key=len)`), so a
             latency target learns the cost term too.
-        max_batch_size: the built policy's largest batch.
+        max_batch_size: the built policy's largest batch; None (the default): 32, or
+            with `shapes` the grid's largest batch size.
         max_wait_ms: the built policy's wait, in milliseconds; None (the default):
             5 ms for a policy that waits. Refused for `"static"` (a static batch
             waits until full) and beside `batcher`, rather than ignored.
@@ -1021,6 +1111,10 @@ def simulate(
             it and runs no row of its own; it is answered when that request is
             (`SimResult.coalesced` counts them). None (the default): every request
             runs.
+        shapes: a [`ShapeBuckets`][batchkit.ShapeBuckets] grid for the built policy
+            (`"dynamic"` or `"bucketed"`, whose boundaries are its lengths); needs
+            `keys`. Beside `batcher` it must be the batcher's own (a batcher built
+            with `shapes=` brings it). None (the default): no grid.
 
     Raises:
         ValueError: neither `rate` nor `arrivals`, `keys` of another length, a token
@@ -1032,10 +1126,15 @@ def simulate(
             bad weights or counts (see `sample_groups`), `group_skew` without an int
             `groups`, `max_groups_per_batch` without `groups` or beside `batcher`,
             a `batcher` with `group=` without `groups` or one without `group=`
-            with them; `duplicates` of another length; also when the policy's
+            with them; `duplicates` of another length; `shapes` without `keys`,
+            with a `max_batch_size` below its largest batch size,
+            for a static or sorted policy, beside `buckets` or beside a batcher
+            with other shapes, or a key longer than the grid's largest length
+            (naming the request); also when the policy's
             `select` picks nothing, or a batch's end overflows (the replay could
             never end).
-        TypeError: `groups` of another type, such as a string, or an unhashable group.
+        TypeError: `groups` of another type, such as a string, or an unhashable
+            group; `shapes` that is not a `ShapeBuckets`.
 
     Warns:
         SimulationWarning: `max_latency_ms` or `goodput_ms` is shorter than the
@@ -1046,6 +1145,15 @@ def simulate(
     # JSON config may come as 4.0: taken, and used as ints from here on.)
     max_concurrent_batches = positive_count("max_concurrent_batches", max_concurrent_batches)
     max_queue_size = positive_count("max_queue_size", max_queue_size, allow_none=True)
+    grid = _grid_of(shapes, batcher, keys)
+    if max_batch_size is None:
+        max_batch_size = 32 if grid is None else grid.max_batch_size
+    elif shapes is not None and max_batch_size < shapes.max_batch_size:
+        raise ValueError(
+            f"max_batch_size={max_batch_size} is below the grid's largest batch size "
+            f"({shapes.max_batch_size}): the grid's batch sizes set the largest batch "
+            f"(leave max_batch_size out, or drop the sizes above {max_batch_size} from it)"
+        )
     max_batch_size = positive_count("max_batch_size", max_batch_size)
     max_tokens = positive_count("max_tokens", max_tokens, allow_none=True)
     check_latency_target(max_latency_ms)  # (the check of @batched and configure())
@@ -1106,6 +1214,7 @@ def simulate(
         buckets,
         request_groups,
         max_groups_per_batch,
+        shapes,
     )
     sched = Scheduler(
         policy_obj,
@@ -1135,6 +1244,32 @@ def simulate(
     for message in found:
         warnings.warn(message, SimulationWarning, stacklevel=2)
     return dataclasses.replace(result, latencies_s=given, warnings=found)
+
+
+def _grid_of(
+    shapes: ShapeBuckets | None, batcher: Batcher | None, keys: Sequence[float] | None
+) -> ShapeBuckets | None:
+    """The grid the run pads to (`shapes`, or the batcher's own), checked against the
+    batcher and the keys: every key must fit its largest length."""
+    if shapes is not None and not isinstance(shapes, ShapeBuckets):
+        raise TypeError(f"shapes must be a ShapeBuckets, got {type(shapes).__name__}")
+    if batcher is not None and shapes is not None and batcher.shapes != shapes:
+        raise ValueError(
+            f"shapes={shapes!r} but the batcher given has shapes={batcher.shapes!r}: give "
+            "the grid to the batcher alone (simulate then reads it from there)"
+        )
+    grid = shapes if batcher is None else batcher.shapes
+    if grid is None:
+        return None
+    if keys is None:
+        raise ValueError(
+            "shapes needs keys= (each request's length): the grid length a request is "
+            "padded to comes from it"
+        )
+    for i, key in enumerate(keys):
+        if key > grid.max_length:
+            grid.length_for(math.ceil(key), item=f"request {i} (keys[{i}])")  # raises
+    return grid
 
 
 def _check_group_options(
@@ -1234,7 +1369,7 @@ def _target_warnings(
 ) -> tuple[str, ...]:
     """A warning for each threshold shorter than the quickest batch: one request alone,
     the cheapest there is. Below it nothing can be in time, whatever the load."""
-    cheapest = 0.0 if keys is None else policy.cost.of([min(keys)])
+    cheapest = 0.0 if keys is None else _run_cost(policy, [min(keys)])
     quickest_ms = model.seconds(policy.padded_size(1), cheapest) * 1e3
     found = []
     for name, what, value in (
@@ -1253,6 +1388,15 @@ def _is_number(value: object) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
+class _BatchShape(NamedTuple):
+    """One batch as the function is called with it."""
+
+    size: int  # its batch size, dummy rows included
+    length: int  # the length it is padded to
+    rows: int  # its real requests
+    real_tokens: float  # their keys, summed
+
+
 @dataclass
 class _Replay:
     """What the event loop recorded."""
@@ -1263,6 +1407,7 @@ class _Replay:
     costs: list[float]  # per batch: its cost by the policy's cost (with keys only)
     batch_groups: list[int]  # per batch: its distinct groups (with groups only)
     group_batches: dict[Hashable, int]  # per group: the batches that held it
+    shapes: list[_BatchShape]  # per batch: its shape and real rows and tokens (keys only)
 
 
 class _Joins:
@@ -1320,6 +1465,7 @@ def _replay(
     costs: list[float] = []
     batch_groups: list[int] = []
     group_batches: dict[Hashable, int] = {}
+    shapes: list[_BatchShape] = []
     policy = sched.policy
     inf = math.inf
     i, wake, now = 0, inf, 0.0
@@ -1365,7 +1511,12 @@ def _replay(
                     raise req.error  # type: ignore[misc]  # a policy's failing select
             if formed is None:
                 break
-            cost = 0.0 if keys is None else policy.cost.of([r.key for r in formed.requests])
+            cost = 0.0
+            if keys is not None:
+                batch_keys = [r.key for r in formed.requests]
+                cost = _run_cost(policy, batch_keys)
+                size, length = _shape_of(policy, batch_keys)
+                shapes.append(_BatchShape(size, length, len(batch_keys), math.fsum(batch_keys)))
             distinct = 1
             if groups is not None:
                 held = {r.group for r in formed.requests}
@@ -1389,7 +1540,41 @@ def _replay(
                 done_at[req.item] = end
         # A wake-up never lies in the past, even when float rounding says the due time is now.
         wake = inf if wake_at is None else max(wake_at, math.nextafter(now, inf))
-    return _Replay(np.array(done_at), np.array(started_at), log, costs, batch_groups, group_batches)
+    return _Replay(
+        np.array(done_at), np.array(started_at), log, costs, batch_groups, group_batches, shapes
+    )
+
+
+def _shape_of(policy: Batcher, keys: Sequence[float]) -> tuple[int, int]:
+    """The `(batch size, length)` a batch of these keys is called with: its grid cell,
+    or its (padded) size and its longest key rounded up, as `pad` lays it out."""
+    longest = math.ceil(max(keys, default=0.0))
+    size = policy.padded_size(len(keys))
+    return size, longest if policy.shapes is None else policy.shapes.length_for(longest)
+
+
+def _run_cost(policy: Batcher, keys: Sequence[float]) -> float:
+    """What the latency model's cost term counts for a batch of these keys: the
+    policy's cost, or under a grid its cell's area (what the function computes over,
+    padding and dummy rows included)."""
+    if policy.shapes is None:
+        return policy.cost.of(keys)
+    size, length = _shape_of(policy, keys)
+    return float(size * length)
+
+
+def _shape_cost(grid: ShapeBuckets | None, batches: Sequence[_BatchShape]) -> ShapeCost:
+    """The shapes and padding of the batches run."""
+    called: dict[tuple[int, int], int] = {}
+    for b in batches:
+        called[b.size, b.length] = called.get((b.size, b.length), 0) + 1
+    return ShapeCost(
+        grid=grid,
+        shapes=dict(sorted(called.items())),
+        real_tokens=math.fsum(b.real_tokens for b in batches),
+        padded_tokens=sum(b.size * b.length for b in batches),
+        dummy_rows=sum(b.size - b.rows for b in batches),
+    )
 
 
 def _full_batch_seconds(
@@ -1409,7 +1594,7 @@ def _full_batch_seconds(
         for group in by_bucket.values()
         for lo in range(0, len(group) - size + 1, size)
     ] or [list(keys)]  # fewer than a full batch of keys: all of them
-    return model.seconds(full, statistics.fmean(policy.cost.of(c) for c in chunks))
+    return model.seconds(full, statistics.fmean(_run_cost(policy, c) for c in chunks))
 
 
 def _summarise(
@@ -1471,4 +1656,5 @@ def _summarise(
         max_concurrent_batches=slots,
         latencies_s=latencies,
         batch_log=log,
+        shape_cost=None if keys is None else _shape_cost(policy.shapes, replay.shapes),
     )
