@@ -10,6 +10,7 @@ request (``batchkit.metrics`` exports them to Prometheus). ``submit(..., samplin
 samples a request with its own generator; step functions pick tokens with
 ``next_tokens``. ``submit(..., group=...)`` tags a request with a group (an adapter,
 a task), and ``max_groups_per_step`` bounds how many groups one step mixes.
+``step_sizes`` pads every step to a size of a set, for a captured model.
 """
 
 from batchkit.generate.batcher import ContinuousBatcher

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
+from batchkit.collate.shapes import ShapeBuckets
 from batchkit.errors import BatcherClosed, QueueFull
 from batchkit.generate.driver import StepDriver, StepFn, StepLoopDriver, StepThreadDriver
 from batchkit.generate.handle import GenerationHandle
@@ -79,6 +80,13 @@ class ContinuousBatcher:
         max_groups_per_step: The most groups (``submit(..., group=...)``) one step
             may hold, all running sequences together; a whole number >= 1. ``None``:
             no limit.
+        step_sizes: The row counts a step may have, for a model captured for
+            those sizes (CUDA graphs, ``torch.compile``): positive ints, or a
+            [`ShapeBuckets`][batchkit.ShapeBuckets] (its ``batch_sizes``), the
+            largest at least ``max_num_seqs``. Every ``batch.seqs`` is padded up to
+            the smallest size that holds its sequences with padding rows
+            (``seq.is_padding``: one token each, no request's; their entries in the
+            result are ignored). ``None``: no padding.
         eos_token_id: A token (or several: an iterable of ids, as a Hugging Face
             ``generation_config`` may list) that ends every request, added to each
             request's ``stop_token_ids``; ``None``: none.
@@ -90,8 +98,11 @@ class ContinuousBatcher:
     Raises:
         ValueError: A limit is not a positive int (``max_groups_per_step`` may be a
             whole-number float), ``max_prefill_chunk`` exceeds
-            ``max_num_batched_tokens``, or an ``eos_token_id`` is outside ``[0, 2**63)``.
-        TypeError: An ``eos_token_id`` is not an integer.
+            ``max_num_batched_tokens``, an ``eos_token_id`` is outside ``[0, 2**63)``,
+            or ``step_sizes`` is empty, holds a size below 1 or none as large as
+            ``max_num_seqs``.
+        TypeError: An ``eos_token_id`` is not an integer, or ``step_sizes`` is not
+            an iterable of ints.
     """
 
     def __init__(
@@ -106,6 +117,7 @@ class ContinuousBatcher:
         max_prefill_chunk: int | None = None,
         max_queue_size: int | None = None,
         max_groups_per_step: int | None = None,
+        step_sizes: Iterable[int] | ShapeBuckets | None = None,
         name: str | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -125,6 +137,7 @@ class ContinuousBatcher:
             max_model_len=max_model_len,
             max_prefill_chunk=max_prefill_chunk,
             max_groups_per_step=max_groups_per_step,
+            step_sizes=step_sizes,
         )
         self._waiters = Waiters()
         self._lock = self._waiters.lock  # guards the scheduler, the driver and the handles

@@ -181,7 +181,7 @@ class StepDriver:
             produced = []
             sched.fail_step(batch)
         if error is not None:
-            for s in batch.seqs:
+            for s in batch.requests:
                 if s.seq.finish_reason == "error":
                     self.finish_locked(s.seq, error)
         for seq in sched.take_errored():  # bad results of single sequences: only theirs fail

@@ -23,6 +23,10 @@ of other groups join as running groups drain, oldest first, with backfilling beh
 the first one the limit stops (`batchkit.generate.groups` states the rule and its
 bound).
 
+With ``step_sizes``, each batch is padded with padding rows up to the smallest size
+of the set that holds its sequences (for a model captured per batch size); their
+results are ignored.
+
 `StepScheduler.update` takes the step's sampled tokens and retires sequences that
 hit a stop token or their length limit. The rows and blocks themselves are taken and
 given back by its `SeqResources`; the drivers
@@ -31,11 +35,15 @@ given back by its `SeqResources`; the drivers
 
 from __future__ import annotations
 
+import bisect
 import heapq
+import numbers
 import operator
 from collections import deque
+from collections.abc import Iterable
 
 from batchkit.batchers.checks import positive_count
+from batchkit.collate.shapes import ShapeBuckets
 from batchkit.generate.groups import GroupGate, blocked_by_limit, group_to_free
 from batchkit.generate.resources import SeqResources
 from batchkit.generate.sequence import ScheduledSeq, SeqStatus, Sequence, StepBatch
@@ -66,10 +74,19 @@ class StepScheduler:
         max_groups_per_step: The most groups (``Sequence.group``) running at once, so
             in one step; a whole number >= 1. ``None``: no limit (groups are only
             labels).
+        step_sizes: The row counts a step may have (positive ints, or a
+            [`ShapeBuckets`][batchkit.ShapeBuckets], whose ``batch_sizes`` are
+            taken): every batch is padded with padding rows
+            (``ScheduledSeq.is_padding``) up to the smallest size that holds its
+            sequences, so that a model captured for those sizes (CUDA graphs,
+            ``torch.compile``) serves every step. The largest must be at least
+            ``max_num_seqs``. ``None``: no padding.
 
     Raises:
-        ValueError: A limit is not a positive int, or ``max_prefill_chunk`` exceeds
-            ``max_num_batched_tokens``.
+        ValueError: A limit is not a positive int, ``max_prefill_chunk`` exceeds
+            ``max_num_batched_tokens``, or ``step_sizes`` is empty, holds a size below
+            1, or has none as large as ``max_num_seqs``.
+        TypeError: ``step_sizes`` is not an iterable of ints.
     """
 
     def __init__(
@@ -81,6 +98,7 @@ class StepScheduler:
         max_model_len: int | None = None,
         max_prefill_chunk: int | None = None,
         max_groups_per_step: int | None = None,
+        step_sizes: Iterable[int] | ShapeBuckets | None = None,
     ) -> None:
         if type(max_num_seqs) is not int or max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be a positive int, got {max_num_seqs!r}")
@@ -107,6 +125,7 @@ class StepScheduler:
         self.max_groups_per_step = positive_count(
             "max_groups_per_step", max_groups_per_step, allow_none=True
         )
+        self.step_sizes = _step_sizes(step_sizes, max_num_seqs)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.resources = SeqResources(max_num_seqs, allocator)
@@ -258,21 +277,34 @@ class StepScheduler:
         # Row order, so that the batch depends on which rows run, not on how they came
         # to: a full batch's rows are 0 .. max_num_seqs-1, its per-row state as it is.
         scheduled.sort(key=_slot_of)
+        rows = [s.slot for s in scheduled]
+        num_padding = self._num_padding(len(scheduled))
+        if num_padding:  # after the sequences: the step's rows are a size of the set
+            scheduled = scheduled + [ScheduledSeq.padding() for _ in range(num_padding)]
         batch = StepBatch(scheduled, res.take_released(), self.stats.steps)
+        batch.num_padding = num_padding
         if alloc is not None:
             batch.block_size = alloc.block_size
-            batch.block_tables = res.block_tables([s.slot for s in scheduled])  # type: ignore[misc]
+            batch.block_tables = res.block_tables(rows)  # type: ignore[arg-type]
         self._in_flight = batch
         tokens = self.max_num_batched_tokens - step.budget
         self.stats.record_step(
-            seq_util=len(scheduled) / self.max_num_seqs,
+            seq_util=len(rows) / self.max_num_seqs,
             token_util=tokens / self.max_num_batched_tokens,
             tokens=tokens,
             requests_waiting=bool(self.waiting),
             allocator=alloc,
         )
-        self.stats.record_group_step(scheduled)
+        self.stats.record_group_step(batch.requests)
+        self.stats.padding_rows += num_padding
         return batch
+
+    def _num_padding(self, num_seqs: int) -> int:
+        """Padding rows that bring a step of ``num_seqs`` sequences to a step size."""
+        sizes = self.step_sizes
+        if sizes is None:
+            return 0
+        return sizes[bisect.bisect_left(sizes, num_seqs)] - num_seqs
 
     def _chunk(self, seq: Sequence, start: int, budget: int) -> int:
         """Tokens ``seq`` computes this step from ``start``: all it has left, within the
@@ -442,7 +474,8 @@ class StepScheduler:
             batch: The batch of the last
                 [`schedule`][batchkit.generate.StepScheduler.schedule].
             tokens: One entry per ``batch.seqs``, in order: the next token id, or
-                ``None`` for a sequence that does not sample this step.
+                ``None`` for a sequence that does not sample this step. The entries
+                of padding rows are ignored, whatever they are.
             now: The time of the results, in seconds (for the token-latency
                 statistics).
 
@@ -456,12 +489,13 @@ class StepScheduler:
         """
         if batch is not self._in_flight:
             raise RuntimeError("update() expects the batch of the last schedule()")
-        seqs = batch.seqs
-        if len(tokens) != len(seqs):
+        if len(tokens) != len(batch.seqs):
             self.fail_step(batch)
-            raise ValueError(
-                f"the step function returned {len(tokens)} results for {len(seqs)} sequences"
-            )
+            rows = f"{len(batch.seqs)} " + ("rows" if batch.num_padding else "sequences")
+            raise ValueError(f"the step function returned {len(tokens)} results for {rows}")
+        seqs = batch.requests
+        if batch.num_padding:
+            tokens = tokens[: len(seqs)]  # (padding rows: no request's, ignored)
         # Check every entry before applying any. A bad one fails only its own sequence:
         # it is aborted here (its token dropped, as for a cancel during the step), and
         # listed in ``errored`` with the reason in ``seq.error``.
@@ -577,9 +611,9 @@ class StepScheduler:
         if batch is not self._in_flight:
             raise RuntimeError("fail_step() expects the batch of the last schedule()")
         self._in_flight = None
-        for s in batch.seqs:
-            s.seq.in_step = False
-        seqs = [s.seq for s in batch.seqs]
+        seqs = [s.seq for s in batch.requests]
+        for seq in seqs:
+            seq.in_step = False
         for seq in seqs:  # cancelled during the step: its resources are still held
             if seq.status is SeqStatus.FINISHED and self.resources.holds_any(seq):
                 self.resources.free(seq)
@@ -625,6 +659,32 @@ class StepScheduler:
             Those aborted.
         """
         return self.fail(list(self.waiting) + list(self.running), reason)
+
+
+def _step_sizes(sizes: object, max_num_seqs: int) -> tuple[int, ...] | None:
+    """``step_sizes`` as sorted distinct positive ints (a ``ShapeBuckets``' batch
+    sizes), the largest at least ``max_num_seqs``; a clear error otherwise."""
+    if sizes is None:
+        return None
+    if isinstance(sizes, ShapeBuckets):
+        sizes = sizes.batch_sizes
+    if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Iterable):
+        raise TypeError(f"step_sizes must be None, ShapeBuckets or ints, got {sizes!r}")
+    found: set[int] = set()
+    for i, size in enumerate(sizes):
+        if isinstance(size, bool) or not isinstance(size, numbers.Integral):
+            raise TypeError(f"step_sizes[{i}] must be an int, got {type(size).__name__} {size!r}")
+        if size < 1:
+            raise ValueError(f"step_sizes[{i}] must be >= 1, got {size!r}")
+        found.add(int(size))
+    if not found:
+        raise ValueError("step_sizes must name at least one size")
+    if max(found) < max_num_seqs:
+        raise ValueError(
+            f"step_sizes {sorted(found)} has no size for a step of max_num_seqs={max_num_seqs} "
+            "sequences: add one, or lower max_num_seqs"
+        )
+    return tuple(sorted(found))
 
 
 _slot_of = operator.attrgetter("slot")  # a scheduled sequence's row (a step's sort key)

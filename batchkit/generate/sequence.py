@@ -157,6 +157,12 @@ class ScheduledSeq:
     ``group`` is the request's group (``submit(..., group=...)``; ``None``: the
     default group), so that a step function can pick the adapter or task per row.
 
+    A **padding row** (``is_padding`` True; see ``ContinuousBatcher``'s
+    ``step_sizes``) stands for no request: ``request_id`` -1, one token (id 0) at
+    ``start`` 0, ``slot`` and ``block_ids`` None, ``sample`` True. Compute it like
+    any row (so that the step's shape is the captured one); its result entry is
+    ignored, whatever it is.
+
     Args:
         seq: The scheduled sequence.
         start: Its first token computed this step (the earlier ones are computed).
@@ -174,9 +180,11 @@ class ScheduledSeq:
         "sampling",
         "sampler",
         "group",
+        "is_padding",
     )
 
     def __init__(self, seq: Sequence, start: int, num_tokens: int) -> None:
+        self.is_padding = seq is _PADDING
         self.seq = seq
         self.request_id = seq.request_id
         self.token_ids = seq.token_ids
@@ -188,6 +196,11 @@ class ScheduledSeq:
         self.sampling = seq.sampling
         self.sampler = seq.sampler
         self.group = seq.group
+
+    @classmethod
+    def padding(cls) -> ScheduledSeq:
+        """A padding row: no request's, its result ignored (see the class)."""
+        return cls(_PADDING, 0, 1)
 
     @property
     def sample(self) -> bool:
@@ -206,6 +219,12 @@ class ScheduledSeq:
         )
 
 
+# The sequence every padding row points at: no request's, finished from the start (so
+# nothing that aborts or frees a step's sequences can act on it), its one token id 0.
+_PADDING = Sequence(-1, [0], max_new_tokens=1)
+_PADDING.status = SeqStatus.FINISHED
+
+
 @dataclass(eq=False)
 class StepBatch:
     """What one step computes: ``seqs`` (in row order), plus who left since the last step.
@@ -214,12 +233,18 @@ class StepBatch:
     previous step: drop their state (a preempted one comes back later with ``start=0``).
     ``layout`` (paged mode only) is built on first access.
 
+    With ``step_sizes`` (see ``ContinuousBatcher``), ``seqs`` ends with
+    ``num_padding`` padding rows (``ScheduledSeq.is_padding``) that bring it to a
+    size of the set; ``requests`` are the rows before them.
+
     Attributes:
-        seqs: The sequences computed, in row order.
+        seqs: The rows computed: the sequences in row order, then any padding rows.
         released: Request ids that left since the previous step.
         step: The step's number, from 0.
         block_size: Tokens per KV block (paged mode), or None.
-        block_tables: Int32 ``[B, max blocks]``, ``-1`` padded (paged mode), or None.
+        block_tables: Int32 ``[B, max blocks]``, ``-1`` padded (paged mode), or None;
+            the requests' rows only (``layout`` adds the padding rows').
+        num_padding: The padding rows at the end of ``seqs``.
     """
 
     seqs: list[ScheduledSeq]
@@ -227,20 +252,32 @@ class StepBatch:
     step: int
     block_size: int | None = None
     block_tables: np.ndarray | None = None  # [B, max blocks] int32, -1 padded (paged mode)
+    num_padding: int = 0
     _layout: StepLayout | None = None
 
     @property
+    def requests(self) -> list[ScheduledSeq]:
+        """The rows of sequences: ``seqs`` without the padding rows."""
+        return self.seqs[: len(self.seqs) - self.num_padding] if self.num_padding else self.seqs
+
+    @property
     def num_tokens(self) -> int:
-        """Tokens computed this step, all sequences together."""
+        """Tokens computed this step, all rows together (padding rows included)."""
         return sum(s.num_tokens for s in self.seqs)
 
     @property
     def layout(self) -> StepLayout:
-        """The paged-attention layout of this step (``ValueError`` in slotted mode)."""
+        """The paged-attention layout of this step (``ValueError`` in slotted mode).
+
+        Padding rows come last: each computes one token (id 0, position 0) that
+        writes nothing (``slot_mapping`` ``-1``) and attends to one key read from
+        block 0 (``seq_lens`` 1, its block table ``[0, -1, ...]``), so every index a
+        kernel reads is valid and no sequence's cache changes.
+        """
         if self._layout is None:
             if self.block_size is None:
                 raise ValueError("no layout in slotted mode: pass allocator= for paged mode")
-            seqs, tables = self.seqs, self.block_tables
+            seqs, tables = self.requests, self.block_tables
             if tables is not None and [s.num_tokens for s in seqs].count(1) == len(seqs):
                 # decode-only, most steps: the cheaper layout
                 self._layout = build_decode_layout(
@@ -259,6 +296,7 @@ class StepBatch:
                     self.block_size,
                     block_tables=tables,
                 )
+            self._layout = _with_padding_rows(self._layout, self.num_padding)
         return self._layout
 
     def __len__(self) -> int:
@@ -266,3 +304,30 @@ class StepBatch:
 
     def __iter__(self) -> Any:
         return iter(self.seqs)
+
+
+def _with_padding_rows(layout: StepLayout, num_rows: int) -> StepLayout:
+    """``layout`` with ``num_rows`` padding rows after its sequences, as
+    `StepBatch.layout` describes them."""
+    if num_rows == 0:
+        return layout
+    total, nseq = layout.num_tokens, layout.num_seqs
+    tables = layout.block_tables
+    padded_tables = np.full((nseq + num_rows, max(tables.shape[1], 1)), -1, dtype=np.int32)
+    padded_tables[:nseq, : tables.shape[1]] = tables
+    padded_tables[nseq:, 0] = 0
+    new_rows = np.arange(1, num_rows + 1, dtype=np.int32)
+    return StepLayout(
+        input_ids=np.concatenate([layout.input_ids, np.zeros(num_rows, dtype=np.int64)]),
+        positions=np.concatenate([layout.positions, np.zeros(num_rows, dtype=np.int64)]),
+        slot_mapping=np.concatenate([layout.slot_mapping, np.full(num_rows, -1, dtype=np.int64)]),
+        cu_seqlens_q=np.concatenate([layout.cu_seqlens_q, layout.cu_seqlens_q[-1] + new_rows]),
+        cu_seqlens_k=np.concatenate([layout.cu_seqlens_k, layout.cu_seqlens_k[-1] + new_rows]),
+        seq_lens=np.concatenate([layout.seq_lens, np.ones(num_rows, dtype=np.int32)]),
+        block_tables=padded_tables,
+        max_seqlen_q=max(layout.max_seqlen_q, 1),
+        max_seqlen_k=max(layout.max_seqlen_k, 1),
+        logits_indices=np.concatenate(
+            [layout.logits_indices, np.arange(total, total + num_rows, dtype=np.int64)]
+        ),
+    )

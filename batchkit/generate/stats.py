@@ -65,6 +65,8 @@ class GenerationStats:
         preemptions: Times a running sequence was preempted (to be recomputed).
         tokens_generated: Tokens sampled.
         tokens_computed: Tokens computed (prompts, recomputation and decode).
+        padding_rows: Padding rows the steps computed besides (``step_sizes``), one
+            token each: what the fixed step sizes cost.
         slot_utilisation: Mean sequences per step over ``max_num_seqs``.
         slot_utilisation_waiting: The same, over the steps that left requests waiting.
         token_budget_utilisation: Mean tokens per step over ``max_num_batched_tokens``.
@@ -91,6 +93,7 @@ class GenerationStats:
     preemptions: int
     tokens_generated: int
     tokens_computed: int
+    padding_rows: int
     slot_utilisation: float
     slot_utilisation_waiting: float
     token_budget_utilisation: float
@@ -121,6 +124,7 @@ class GenerationStatsRecorder:
     preemptions: int = 0
     tokens_generated: int = 0
     tokens_computed: int = 0
+    padding_rows: int = 0
     seqs_sum: float = 0.0  # sum over steps of scheduled/max_num_seqs
     waiting_steps: int = 0
     seqs_sum_waiting: float = 0.0
@@ -224,6 +228,7 @@ class GenerationStatsRecorder:
             preemptions=self.preemptions,
             tokens_generated=self.tokens_generated,
             tokens_computed=self.tokens_computed,
+            padding_rows=self.padding_rows,
             slot_utilisation=self.seqs_sum / steps,
             slot_utilisation_waiting=(
                 self.seqs_sum_waiting / self.waiting_steps if self.waiting_steps else 0.0

@@ -5,7 +5,8 @@ state per row and advances it by the chunk it is given; ``PagedToy`` writes each
 into a flat "KV cache" at its slot and re-reads the whole history through the block
 table. Both check the step contract as they go (``start`` equals what they computed
 before; state is never used after release), so a scheduler bug shows up as a wrong token
-or an error, never silently.
+or an error, never silently. A padding row (``is_padding``) gets ``PADDING_RESULT``, an
+entry that would fail any request it reached.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from batchkit.generate import StepBatch
 
 VOCAB = 23
 MOD = 1_000_003
+PADDING_RESULT = -1  # not a token id: applied to a request, it would fail it
 
 
 def advance(h: int, tokens: list[int]) -> int:
@@ -48,11 +50,14 @@ class SlottedToy:
         self.steps += 1
         for rid in batch.released:
             self.state.pop(rid, None)
-        slots = [s.slot for s in batch.seqs]
+        slots = [s.slot for s in batch.requests]
         if len(set(slots)) != len(slots):
             raise AssertionError(f"two sequences share a row: {slots}")
         out: list[int | None] = []
         for s in batch.seqs:
+            if s.is_padding:
+                out.append(PADDING_RESULT)
+                continue
             if s.start == 0:
                 h = 0
             else:
@@ -76,10 +81,14 @@ class PagedToy:
     def __call__(self, batch: StepBatch) -> list[int | None]:
         self.steps += 1
         layout = batch.layout
-        self.cache[layout.slot_mapping] = layout.input_ids
+        write = layout.slot_mapping >= 0  # -1: do not write (padding rows)
+        self.cache[layout.slot_mapping[write]] = layout.input_ids[write]
         bs = self.block_size
         out: list[int | None] = []
         for b, s in enumerate(batch.seqs):
+            if s.is_padding:
+                out.append(PADDING_RESULT)
+                continue
             length = int(layout.seq_lens[b])
             blocks = layout.block_tables[b, : -(-length // bs)]
             history = self.cache.reshape(-1, bs)[blocks].reshape(-1)[:length]

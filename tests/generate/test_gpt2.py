@@ -1,5 +1,6 @@
 """A tiny GPT-2 (random weights, float64) through ContinuousBatcher in paged mode
-generates exactly what ``model.generate`` (greedy) generates for each prompt alone."""
+generates exactly what ``model.generate`` (greedy) generates for each prompt alone, also
+with every step padded to a set of sizes (the padding rows run through the model)."""
 
 from __future__ import annotations
 
@@ -28,8 +29,10 @@ def greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
-@pytest.mark.parametrize("prefix_caching", [False, True])
-def test_gpt2_matches_generate(prefix_caching: bool) -> None:
+@pytest.mark.parametrize(
+    "prefix_caching, step_sizes", [(False, None), (True, None), (True, (1, 2, 4))]
+)
+def test_gpt2_matches_generate(prefix_caching: bool, step_sizes: tuple[int, ...] | None) -> None:
     model = tiny_gpt2()
     rng = random.Random(1)
     common = [rng.randrange(1, 97) for _ in range(9)]  # shared by some prompts: cache hits
@@ -43,9 +46,15 @@ def test_gpt2_matches_generate(prefix_caching: bool) -> None:
     # 12 blocks of 4 tokens: too few for all at once, so sequences are preempted;
     # a budget of 16 tokens chunks the longer prompts.
     alloc = BlockAllocator(12, 4, prefix_caching=prefix_caching)
-    step = PagedGPT2(model, alloc.num_blocks, alloc.block_size)
+    model_step = PagedGPT2(model, alloc.num_blocks, alloc.block_size)
+    rows: list[tuple[int, int]] = []  # (rows, padding rows) of each step
+
+    def step(batch):
+        rows.append((len(batch.seqs), batch.num_padding))
+        return model_step(batch)
+
     with ContinuousBatcher(
-        step, max_num_seqs=4, max_num_batched_tokens=16, allocator=alloc
+        step, max_num_seqs=4, max_num_batched_tokens=16, allocator=alloc, step_sizes=step_sizes
     ) as batcher:
         handles = [batcher.submit(p, max_new_tokens=n) for p, n in zip(prompts, lengths)]
         got = [h.result(timeout=60) for h in handles]
@@ -55,3 +64,6 @@ def test_gpt2_matches_generate(prefix_caching: bool) -> None:
     if prefix_caching:
         assert stats.prefix_hit_rate > 0
     assert alloc.num_free == alloc.num_blocks
+    if step_sizes is not None:
+        assert {n for n, _ in rows} <= set(step_sizes)
+        assert any(padding for _, padding in rows)  # some steps ran padding rows
