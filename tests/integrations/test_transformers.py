@@ -91,6 +91,23 @@ def test_greedy_equals_generate_on_each_prompt_alone_with_chunked_prefill(model:
     assert [generate(model, p, n) for p, n in zip(ps, lengths)] == want
 
 
+def test_steps_padded_to_fixed_sizes_generate_what_each_prompt_does_alone(model: Any) -> None:
+    ps = prompts(5, 7)
+    lengths = [1 + i % 6 for i in range(len(ps))]
+    want = [generate(model, p, n) for p, n in zip(ps, lengths)]
+    # every step runs 4 rows: padding rows are computed but write no key or value
+    with continuous_batcher(
+        model, max_num_seqs=4, num_blocks=64, block_size=4, step_sizes=(4,)
+    ) as cb:
+        got = [
+            h.result(timeout=60)
+            for h in [cb.submit(p, max_new_tokens=n) for p, n in zip(ps, lengths)]
+        ]
+        padded = cb.stats().padding_rows
+    assert got == want
+    assert padded > 0
+
+
 def test_a_pool_too_small_for_all_preempts_and_recomputes_without_changing_outputs(
     model: Any,
 ) -> None:

@@ -53,7 +53,11 @@ class StepPlan:
     """One step's attention work, on the device: where keys go, and who attends to what.
 
     Attributes:
-        slot_mapping: Int64 ``[T]``, the pool slot each new key/value is written to.
+        slot_mapping: Int64, the pool slot each new key/value is written to, one per
+            written token.
+        written: Int64, the tokens (rows of this step's keys) that are written, in
+            the order of ``slot_mapping``; None when every token is (a step padded to
+            a fixed size has rows that write nothing: slot -1).
         groups: The batched attentions of each layer: decoding sequences in up to
             four groups of similar lengths (see
             [`by_length`][batchkit.integrations.transformers.by_length]),
@@ -64,6 +68,7 @@ class StepPlan:
     slot_mapping: torch.Tensor
     groups: tuple[AttentionGroup, ...]
     num_tokens: int
+    written: torch.Tensor | None = None
 
 
 def plan_step(
@@ -96,8 +101,14 @@ def plan_step(
         for members in (*by_length(decode, seq_lens[decode], min_saved=min_saved_keys), prefill)
         if len(members)
     )
-    slots = torch.from_numpy(np.asarray(layout.slot_mapping, dtype=np.int64)).to(device)
-    return StepPlan(slot_mapping=slots, groups=groups, num_tokens=int(cu_q[-1]))
+    slot_mapping = np.asarray(layout.slot_mapping, dtype=np.int64)
+    written = None
+    if (slot_mapping < 0).any():  # padding rows (step_sizes): computed, never stored
+        rows = np.flatnonzero(slot_mapping >= 0)
+        written = torch.from_numpy(rows).to(device)
+        slot_mapping = slot_mapping[rows]
+    slots = torch.from_numpy(slot_mapping).to(device)
+    return StepPlan(slot_mapping=slots, groups=groups, num_tokens=int(cu_q[-1]), written=written)
 
 
 def by_length(
@@ -200,6 +211,8 @@ def write_step_kv(
         value: This step's values, shaped like ``key``.
         plan: The step's plan.
     """
+    if plan.written is not None:
+        key, value = key.index_select(0, plan.written), value.index_select(0, plan.written)
     flat = (-1, *k_cache.shape[2:])
     k_cache.view(flat).index_copy_(0, plan.slot_mapping, key.to(k_cache.dtype))
     v_cache.view(flat).index_copy_(0, plan.slot_mapping, value.to(v_cache.dtype))
