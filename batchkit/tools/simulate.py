@@ -609,8 +609,7 @@ def sample_groups(
         TypeError: `groups` is neither an int nor a mapping.
     """
     count = positive_count("count", count)
-    if not (_is_number(skew) and math.isfinite(skew) and skew >= 0):
-        raise ValueError(f"group_skew must be a finite number >= 0, got {skew!r}")
+    _check_skew("group_skew", skew)
     if isinstance(groups, Mapping):
         if skew:
             raise ValueError(
@@ -633,15 +632,13 @@ def sample_groups(
         if groups < 1:
             raise ValueError(f"groups must be a number of groups >= 1, got {groups!r}")
         names = list(range(int(groups)))
-        weights = 1.0 / np.arange(1, len(names) + 1, dtype=np.float64) ** skew
+        weights = _zipf_weights(len(names), skew)
     else:
         raise TypeError(
             f"groups to draw from must be a number of groups or a mapping of group -> "
             f"weight, got {type(groups).__name__}"
         )
-    rng = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(_GROUP_STREAM,)))
-    drawn = rng.choice(len(names), size=count, p=weights / weights.sum())
-    return [names[k] for k in drawn.tolist()]
+    return [names[k] for k in _draw(weights, count, seed, _GROUP_STREAM)]
 
 
 _DUPLICATE_STREAM = 2  # (the duplicates' draws: independent of the groups' of a seed)
@@ -664,11 +661,25 @@ def sample_duplicates(keys: int, count: int, seed: int = 0, *, skew: float = 1.0
     """
     keys = positive_count("keys", keys)
     count = positive_count("count", count)
+    _check_skew("skew", skew)
+    return _draw(_zipf_weights(keys, skew), count, seed, _DUPLICATE_STREAM)
+
+
+def _check_skew(name: str, skew: float) -> None:
     if not (_is_number(skew) and math.isfinite(skew) and skew >= 0):
-        raise ValueError(f"skew must be a finite number >= 0, got {skew!r}")
-    weights = 1.0 / np.arange(1, keys + 1, dtype=np.float64) ** skew
-    rng = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(_DUPLICATE_STREAM,)))
-    drawn: list[int] = rng.choice(keys, size=count, p=weights / weights.sum()).tolist()
+        raise ValueError(f"{name} must be a finite number >= 0, got {skew!r}")
+
+
+def _zipf_weights(n: int, skew: float) -> np.ndarray:
+    """Rank k's weight, 1 / (k + 1) ** skew, for ranks 0 .. n-1."""
+    return 1.0 / np.arange(1, n + 1, dtype=np.float64) ** skew
+
+
+def _draw(weights: np.ndarray, count: int, seed: int, stream: int) -> list[int]:
+    """`count` indices drawn in proportion to `weights`, from `seed`'s stream `stream`
+    (each kind of draw its own, so that they are independent of one another)."""
+    rng = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(stream,)))
+    drawn: list[int] = rng.choice(len(weights), size=count, p=weights / weights.sum()).tolist()
     return drawn
 
 
